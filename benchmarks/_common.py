@@ -1,0 +1,200 @@
+"""Shared helpers of the benchmark scripts: command line, timing, result files, printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.reference import SYSTEMS
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Reference figures measured for transferqueue 0.1.11 on this project's 2-core machine when the
+# targets were set (ARCHITECTURE.md, "Performance targets"); printed beside fresh measurements.
+TARGET_NOTES: dict[str, str] = {
+    "p1_throughput": "reference ~1.0 GB/s put, ~0.65 GB/s get_data; target >= 3x reference, >= 50% of memcpy",
+    "p2_get_meta": "reference ~4.8/9.1/25/58/389 ms at 1k/16k/65k/262k/1M; target flat, <= 2 ms at 1M",
+    "p3_concurrency": "reference ~95 samples/s, 86 s; target >= 5x reference claims/s, zero duplicates",
+    "p4_tiny": "reference ~3.1/0.8/1.8 ms put/get_meta/get_data; target <= 1/3 of reference",
+}
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Parse the options every measure accepts, plus the measure's own (added by ``extra``).
+
+    Common options: ``--systems reference,tq_redis``, ``--quick`` (smaller sizes, a smoke run),
+    ``--out DIR`` (where the JSON goes; default ``benchmarks/results``).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated systems to measure, from: %(default)s",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON result")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
+    args.systems = systems
+    return args
+
+
+def median_ms(samples_s: Iterable[float]) -> float:
+    """Median of durations given in seconds, in milliseconds."""
+    return statistics.median(samples_s) * 1e3
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Run ``fn`` once; return ``(seconds, result)``."""
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def summarize_s(samples_s: list[float]) -> dict[str, float]:
+    """Median / p10 / p90 / min / max of durations in seconds, as milliseconds."""
+    ordered = sorted(samples_s)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * (len(ordered) - 1) + 0.5))] * 1e3
+
+    return {
+        "median_ms": statistics.median(ordered) * 1e3,
+        "p10_ms": pct(0.10),
+        "p90_ms": pct(0.90),
+        "min_ms": ordered[0] * 1e3,
+        "max_ms": ordered[-1] * 1e3,
+        "n": len(ordered),
+    }
+
+
+def run_per_system(
+    systems: list[str], measure: Callable[[str], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Call ``measure(system)`` for each system; a failure is recorded, not fatal.
+
+    A system that cannot run (tq-redis before its core lands, say) gets
+    ``{"error": "..."}`` so the other system's figures are still written.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name in systems:
+        print(f"--- {name} ---", flush=True)
+        try:
+            out[name] = measure(name)
+        except Exception as exc:  # noqa: BLE001 - recorded in the result and reported
+            traceback.print_exc()
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{name}] FAILED: {out[name]['error']}", flush=True)
+    return out
+
+
+def ratio(ours: float | None, ref: float | None) -> float | None:
+    """``ours / ref`` when both are positive numbers, else ``None``."""
+    if not ours or not ref:
+        return None
+    return ours / ref
+
+
+def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
+    """Format a possibly missing number."""
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}g}{unit}"
+
+
+def print_comparison(title: str, rows: list[tuple[str, float | None, float | None, str, bool]]) -> None:
+    """Print reference vs tq-redis figures side by side.
+
+    Each row is ``(label, reference, tq_redis, unit, higher_is_better)``; the last column is
+    how many times better tq-redis is (reference/ours for latencies, ours/reference for rates).
+    """
+    print(f"\n{title}")
+    print(f"  {'measure':34s} {'reference':>14s} {'tq_redis':>14s} {'tq_redis gain':>14s}")
+    for label, ref, ours, unit, higher_better in rows:
+        gain = ratio(ours, ref) if higher_better else ratio(ref, ours)
+        print(f"  {label:34s} {fmt(ref, unit):>14s} {fmt(ours, unit):>14s} {fmt(gain, 'x'):>14s}")
+    sys.stdout.flush()
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU count, platform and Python of this machine."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo, or platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def git_commit() -> str | None:
+    """The repository's HEAD commit, or ``None`` (no commit yet, no git)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the packages that matter to the figures."""
+    import importlib.metadata as md
+
+    found: dict[str, str | None] = {}
+    for name in ("transferqueue", "tq-redis", "torch", "tensordict", "numpy", "ray", "pyzmq"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``<out_dir>/<measure>.json`` with the parameters, per-system results and context."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "measure": measure,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "quick": bool(getattr(args, "quick", False)),
+        "systems": list(getattr(args, "systems", [])),
+        "params": params,
+        "results": results,
+        "target": TARGET_NOTES.get(measure),
+        "machine": machine_info(),
+        "versions": versions(),
+    }
+    path = out_dir / f"{measure}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
+    print(f"\nwrote {path}", flush=True)
+    return path

@@ -1,0 +1,46 @@
+--[[
+  clear: remove samples from the partition. Their bits go first, so no later claim, status or
+  get_data check sees them; the client then deletes their bytes from the stores. Idempotent.
+
+  Input:
+    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    ARGV[1..]                    sample ids
+  Output:
+    {cleared_ids, fields}        ids that were alive (their data must be deleted) and the
+                                 partition's registered field names; {{}, {}} if it is unknown
+]]
+local function clear(KEYS, ARGV)
+  local prefix = partition_prefix(KEYS[1])
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}} end
+  local ids = {}
+  for i = 1, #ARGV do ids[i] = tonumber(ARGV[i]) end
+  local bits = get_bits(prefix .. 'alive', ids)
+  local alive = {}
+  for i = 1, #ids do
+    if bits[i] == 1 then alive[#alive + 1] = ids[i] end
+  end
+  local fields = redis.call('HKEYS', prefix .. 'fields')
+  if #alive == 0 then return {{}, fields} end
+
+  set_bits(prefix .. 'alive', alive, 0)
+  for i = 1, #fields do set_bits(prefix .. 'prod:' .. fields[i], alive, 0) end
+  local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
+  for i = 1, #tasks do
+    set_bits(prefix .. 'cons:' .. tasks[i], alive, 0)
+    for from = 1, #alive, BITFIELD_CHUNK do
+      local part = {unpack(alive, from, math.min(#alive, from + BITFIELD_CHUNK - 1))}
+      redis.call('ZREM', prefix .. 'lease:' .. tasks[i], unpack(part))
+      redis.call('HDEL', prefix .. 'dlv:' .. tasks[i], unpack(part))
+      redis.call('SREM', prefix .. 'poison:' .. tasks[i], unpack(part))
+    end
+  end
+  local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
+  for i = 1, #tagnames do
+    for from = 1, #alive, BITFIELD_CHUNK do
+      redis.call('HDEL', prefix .. 'tag:' .. tagnames[i], unpack(alive, from, math.min(#alive, from + BITFIELD_CHUNK - 1)))
+    end
+  end
+  redis.call('HINCRBY', KEYS[1], 'samples', -#alive)
+  emit(prefix, 'cleared', 'count', #alive)
+  return {alive, fields}
+end

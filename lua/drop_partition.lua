@@ -1,0 +1,34 @@
+--[[
+  drop_partition: delete every metadata key of a partition except its id counter (so ids stay
+  unique if the partition id is used again). Idempotent.
+
+  Input:
+    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+  Output:
+    {alive_bitmap, fields}       the alive bitmap as it was (the client deletes those samples'
+                                 bytes) and the registered field names; {false, {}} if unknown
+]]
+local function drop_partition(KEYS, ARGV)
+  local prefix = partition_prefix(KEYS[1])
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}} end
+  local alive = redis.call('GET', prefix .. 'alive')
+  local fields = redis.call('HKEYS', prefix .. 'fields')
+  local doomed = {KEYS[1], prefix .. 'alive', prefix .. 'fields', prefix .. 'tasks', prefix .. 'tagnames',
+                  prefix .. 'groups', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events'}
+  for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
+  local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
+  for i = 1, #tasks do
+    for _, kind in ipairs({'cons:', 'lease:', 'dlv:', 'poison:'}) do
+      doomed[#doomed + 1] = prefix .. kind .. tasks[i]
+    end
+  end
+  local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
+  for i = 1, #tagnames do doomed[#doomed + 1] = prefix .. 'tag:' .. tagnames[i] end
+  for from = 1, #doomed, BITFIELD_CHUNK do
+    redis.call('DEL', unpack(doomed, from, math.min(#doomed, from + BITFIELD_CHUNK - 1)))
+  end
+  -- Waiting consumers block on the stream: leave one event so they re-check and see it gone.
+  emit(prefix, 'dropped')
+  redis.call('PEXPIRE', prefix .. 'events', 60000)
+  return {alive or false, fields}
+end

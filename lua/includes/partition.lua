@@ -1,0 +1,83 @@
+--[[
+  Partition helpers: every script receives KEYS[1] = "<ns>:{<partition>}:meta" and derives the
+  partition's other keys from that prefix, so all keys share one hash slot.
+]]
+
+local function partition_prefix(meta_key)
+  return string.sub(meta_key, 1, -5)
+end
+
+-- Newest event id of the partition's stream ("0-0" when there is none), so a waiting client
+-- can XREAD BLOCK from exactly the state this script saw.
+local function last_event_id(prefix)
+  local last = redis.call('XREVRANGE', prefix .. 'events', '+', '-', 'COUNT', 1)
+  if #last == 0 then return '0-0' end
+  return last[1][1]
+end
+
+-- Append an event; the stream is capped, it only serves to wake waiting consumers and tools.
+local function emit(prefix, kind, ...)
+  redis.call('XADD', prefix .. 'events', 'MAXLEN', '~', 1000, '*', 'type', kind, ...)
+end
+
+-- Field schemas must match what the field was registered with (JSON compared as text, the
+-- client canonicalises it). Returns nil when all match, else {field, registered_schema}.
+local function schema_conflict(prefix, fields_and_schemas)
+  for i = 1, #fields_and_schemas, 2 do
+    local registered = redis.call('HGET', prefix .. 'fields', fields_and_schemas[i])
+    if registered and registered ~= fields_and_schemas[i + 1] then
+      return {fields_and_schemas[i], registered}
+    end
+  end
+  return nil
+end
+
+local function register_schemas(prefix, fields_and_schemas)
+  for i = 1, #fields_and_schemas, 2 do
+    redis.call('HSETNX', prefix .. 'fields', fields_and_schemas[i], fields_and_schemas[i + 1])
+  end
+end
+
+-- Ids among `ids` whose alive bit is not set (never inserted, or cleared).
+local function missing_ids(prefix, ids)
+  local bits = get_bits(prefix .. 'alive', ids)
+  local missing = {}
+  for i = 1, #ids do
+    if bits[i] == 0 then missing[#missing + 1] = ids[i] end
+  end
+  return missing
+end
+
+-- HMGET of many members, chunked so unpack() stays within Lua's C stack.
+local function hmget_many(key, members)
+  local out = {}
+  for from = 1, #members, BITFIELD_CHUNK do
+    local got = redis.call('HMGET', key, unpack(members, from, math.min(#members, from + BITFIELD_CHUNK - 1)))
+    for j = 1, #got do out[#out + 1] = got[j] end
+  end
+  return out
+end
+
+-- Per-sample tags of `ids`: flat {name1, {json...}, name2, {json...}, ...}.
+local function read_tags(prefix, ids)
+  local out = {}
+  if #ids == 0 then return out end
+  local names = redis.call('SMEMBERS', prefix .. 'tagnames')
+  for i = 1, #names do
+    out[#out + 1] = names[i]
+    out[#out + 1] = hmget_many(prefix .. 'tag:' .. names[i], ids)
+  end
+  return out
+end
+
+-- Flat {field1, schema1, ...} of the requested fields (false where unknown).
+local function read_schemas(prefix, fields)
+  local out = {}
+  if #fields == 0 then return out end
+  local schemas = redis.call('HMGET', prefix .. 'fields', unpack(fields))
+  for i = 1, #fields do
+    out[#out + 1] = fields[i]
+    out[#out + 1] = schemas[i]
+  end
+  return out
+end

@@ -1,0 +1,40 @@
+--[[
+  produce: mark fields of existing samples produced (a rewrite or a later pipeline stage).
+  Data first, then bits: the client calls this only after every value is in its store.
+
+  Input:
+    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    ARGV[1]  nfields
+    ARGV[2..1+2*nfields]         field name, canonical schema JSON pairs
+    ARGV[2+2*nfields..]          sample ids
+  Output:
+    {1}                          bits set, `produced` event emitted
+    {-1}                         the partition does not exist
+    {-2, id...}                  these ids are not alive (never inserted or cleared); nothing written
+    {0, field, registered}       a field's schema conflicts; nothing written
+]]
+local function produce(KEYS, ARGV)
+  local prefix = partition_prefix(KEYS[1])
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+  local nfields = tonumber(ARGV[1])
+  local pairs_ = {unpack(ARGV, 2, 1 + 2 * nfields)}
+  local ids = {}
+  for i = 2 + 2 * nfields, #ARGV do ids[#ids + 1] = tonumber(ARGV[i]) end
+
+  local missing = missing_ids(prefix, ids)
+  if #missing > 0 then
+    table.insert(missing, 1, -2)
+    return missing
+  end
+  local conflict = schema_conflict(prefix, pairs_)
+  if conflict then return {0, conflict[1], conflict[2]} end
+
+  register_schemas(prefix, pairs_)
+  local names = {}
+  for i = 1, #pairs_, 2 do
+    set_bits(prefix .. 'prod:' .. pairs_[i], ids, 1)
+    names[#names + 1] = pairs_[i]
+  end
+  emit(prefix, 'produced', 'count', #ids, 'fields', table.concat(names, ','))
+  return {1}
+end

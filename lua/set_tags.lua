@@ -1,0 +1,43 @@
+--[[
+  set_tags: write per-sample tags (custom meta) of existing samples.
+
+  Input:
+    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    ARGV[1]  n                   number of sample ids
+    ARGV[2..1+n]                 sample ids
+    then, repeated:              tag name, then n JSON values ('' = leave unchanged)
+  Output:
+    {1}                          written
+    {-1}                         the partition does not exist
+    {-2, id...}                  these ids are not alive; nothing written
+]]
+local function set_tags(KEYS, ARGV)
+  local prefix = partition_prefix(KEYS[1])
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+  local n = tonumber(ARGV[1])
+  local ids = {}
+  for i = 1, n do ids[i] = tonumber(ARGV[1 + i]) end
+  local missing = missing_ids(prefix, ids)
+  if #missing > 0 then
+    table.insert(missing, 1, -2)
+    return missing
+  end
+  local i = 2 + n
+  while i <= #ARGV do
+    local name = ARGV[i]
+    local key = prefix .. 'tag:' .. name
+    local hargs, m = {}, 0
+    for j = 1, n do
+      local value = ARGV[i + j]
+      if value ~= '' then
+        hargs[m + 1] = ids[j]; hargs[m + 2] = value
+        m = m + 2
+        if m >= BITFIELD_CHUNK * 2 then redis.call('HSET', key, unpack(hargs, 1, m)); m = 0 end
+      end
+    end
+    if m > 0 then redis.call('HSET', key, unpack(hargs, 1, m)) end
+    redis.call('SADD', prefix .. 'tagnames', name)
+    i = i + n + 1
+  end
+  return {1}
+end

@@ -1,0 +1,1051 @@
+"""Unit tests for tq_redis.metadata (BatchMeta, KVBatchMeta, extract_field_schema)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tq_redis.errors import (
+    BatchSizeMismatch,
+    InvalidArgument,
+    SampleNotFound,
+    UnknownField,
+    UnsupportedValue,
+)
+from tq_redis.metadata import (
+    KIND_DENSE,
+    KIND_JAGGED,
+    KIND_NON_TENSOR,
+    BatchMeta,
+    KVBatchMeta,
+    extract_field_schema,
+    field_kind,
+)
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def dense(dtype: torch.dtype = torch.float32, shape: tuple = (4,)) -> dict:
+    return {"dtype": dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
+
+
+def jagged(shapes: list[tuple], dtype: torch.dtype = torch.int64) -> dict:
+    return {
+        "dtype": dtype,
+        "shape": None,
+        "is_nested": True,
+        "is_non_tensor": False,
+        "per_sample_shapes": list(shapes),
+    }
+
+
+def make_meta(
+    n: int = 4,
+    *,
+    start: int = 0,
+    partition: str = "p0",
+    ready: bool = True,
+    tags: bool = True,
+    extra: dict | None = None,
+) -> BatchMeta:
+    """A batch of ``n`` samples with a dense field ``a`` and a jagged field ``tok``."""
+    return BatchMeta(
+        global_indexes=list(range(start, start + n)),
+        partition_ids=[partition] * n,
+        field_schema={"a": dense(), "tok": jagged([(i + 1,) for i in range(start, start + n)])},
+        production_status=np.ones(n, dtype=np.int8) if ready else None,
+        extra_info=extra or {},
+        custom_meta=[{"uid": f"u{i}"} for i in range(start, start + n)] if tags else None,
+    )
+
+
+def assert_same_contents(x: BatchMeta, y: BatchMeta) -> None:
+    assert x.global_indexes == y.global_indexes
+    assert x.partition_ids == y.partition_ids
+    assert x.field_schema == y.field_schema
+    np.testing.assert_array_equal(x.production_status, y.production_status)
+    assert x.production_status.dtype == y.production_status.dtype == np.int8
+    assert x.custom_meta == y.custom_meta
+    assert x._custom_backend_meta == y._custom_backend_meta
+    assert x.extra_info == y.extra_info
+
+
+# ---------------------------------------------------------------------------------------------
+# construction
+# ---------------------------------------------------------------------------------------------
+
+
+class TestConstruction:
+    def test_defaults(self):
+        m = BatchMeta([3, 7], ["p", "p"])
+        assert m.size == len(m) == 2
+        assert m.field_schema == {}
+        assert m.field_names == []
+        assert m.production_status.dtype == np.int8
+        assert m.production_status.tolist() == [0, 0]
+        assert m.custom_meta == [{}, {}]
+        assert m._custom_backend_meta == [{}, {}]
+        assert m.extra_info == {}
+        assert not m.is_ready
+
+    def test_per_sample_default_dicts_are_distinct(self):
+        m = BatchMeta([0, 1], ["p", "p"])
+        m.custom_meta[0]["x"] = 1
+        assert m.custom_meta == [{"x": 1}, {}]
+
+    def test_length_mismatch_raises_typed_value_error(self):
+        with pytest.raises(BatchSizeMismatch, match="partition_ids"):
+            BatchMeta([0, 1, 2], ["p", "p"])
+        with pytest.raises(ValueError):  # reference-style handlers keep working
+            BatchMeta([0, 1, 2], ["p", "p"])
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {"production_status": [1, 1, 1]},
+            {"custom_meta": [{}, {}, {}]},
+            {"_custom_backend_meta": [{}]},
+            {"field_schema": {"t": jagged([(1,), (2,), (3,)])}},
+        ],
+    )
+    def test_per_sample_column_length_mismatch(self, kwargs):
+        with pytest.raises(BatchSizeMismatch):
+            BatchMeta([0, 1], ["p", "p"], **kwargs)
+
+    def test_bad_field_schema_entry(self):
+        with pytest.raises(InvalidArgument, match="field_schema"):
+            BatchMeta([0], ["p"], field_schema={"a": "float32"})
+
+    def test_bad_extra_info(self):
+        with pytest.raises(InvalidArgument, match="extra_info"):
+            BatchMeta([0], ["p"], extra_info=[1, 2])
+
+    def test_inputs_are_not_aliased(self):
+        gidx, pids = [0, 1], ["p", "p"]
+        schema = {"a": dense()}
+        status = np.array([1, 0], dtype=np.int8)
+        tags = [{"k": 1}, {"k": 2}]
+        info = {"step": 1}
+        m = BatchMeta(gidx, pids, schema, status, info, tags)
+        gidx.append(2)
+        pids[0] = "q"
+        schema["a"]["shape"] = (99,)
+        schema["b"] = dense()
+        status[1] = 1
+        tags[0]["k"] = 100
+        info["step"] = 2
+        assert m.global_indexes == [0, 1]
+        assert m.partition_ids == ["p", "p"]
+        assert m.field_schema["a"]["shape"] == (4,)
+        assert m.field_names == ["a"]
+        assert m.production_status.tolist() == [1, 0]
+        assert m.custom_meta == [{"k": 1}, {"k": 2}]
+        assert m.extra_info == {"step": 1}
+
+    def test_kind_is_derived_when_missing(self):
+        m = BatchMeta(
+            [0, 1],
+            ["p", "p"],
+            {
+                "d": dense(),
+                "j": jagged([(1,), (2,)]),
+                "o": {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True},
+                "explicit": {**dense(), "kind": "custom"},
+            },
+        )
+        assert m.field_schema["d"]["kind"] == KIND_DENSE
+        assert m.field_schema["j"]["kind"] == KIND_JAGGED
+        assert m.field_schema["o"]["kind"] == KIND_NON_TENSOR
+        assert m.field_schema["explicit"]["kind"] == "custom"
+        assert field_kind({"is_nested": True}) == KIND_JAGGED
+
+    def test_numpy_global_indexes_become_python_ints(self):
+        m = BatchMeta(np.arange(3, dtype=np.int64), ["p"] * 3)
+        assert m.global_indexes == [0, 1, 2]
+        assert all(type(i) is int for i in m.global_indexes)
+
+    def test_empty(self):
+        m = BatchMeta.empty(extra_info={"reason": "timeout"})
+        assert m.size == 0 and len(m) == 0 and not m
+        assert m.field_names == []
+        assert not m.is_ready
+        assert m.get_extra_info("reason") == "timeout"
+        assert m.production_status.shape == (0,)
+
+
+class TestFromColumns:
+    def test_single_partition(self):
+        m = BatchMeta.from_columns([5, 6, 7], "train", {"a": dense()}, production_status=1)
+        assert m.partition_ids == ["train"] * 3
+        assert m.global_indexes == [5, 6, 7]
+        assert m.production_status.tolist() == [1, 1, 1]
+        assert m.is_ready
+        assert m.field_schema["a"]["kind"] == KIND_DENSE
+
+    def test_array_status_tags_and_extra(self):
+        tags = [{"len": 3}, {"len": 5}]
+        m = BatchMeta.from_columns(
+            np.array([1, 2]), "p", {}, production_status=[1, 0], custom_meta=tags, extra_info={"k": "v"}
+        )
+        tags[0]["len"] = 0
+        assert m.production_status.tolist() == [1, 0]
+        assert not m.is_ready
+        assert m.custom_meta == [{"len": 3}, {"len": 5}]
+        assert m.extra_info == {"k": "v"}
+        assert m.global_indexes == [1, 2]
+
+    def test_defaults_not_ready(self):
+        m = BatchMeta.from_columns(range(4), "p", None)
+        assert m.production_status.tolist() == [0, 0, 0, 0]
+        assert m.field_schema == {}
+
+    def test_mismatched_columns_raise(self):
+        with pytest.raises(BatchSizeMismatch):
+            BatchMeta.from_columns([1, 2], "p", {}, production_status=[1])
+        with pytest.raises(BatchSizeMismatch):
+            BatchMeta.from_columns([1, 2], "p", {}, custom_meta=[{}])
+
+    def test_construction_of_1024_samples_is_fast(self):
+        gidx = list(range(1024))
+        schema = {"input_ids": dense(torch.int64, (512,)), "reward": dense(torch.float32, ())}
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            BatchMeta.from_columns(gidx, "p", schema, production_status=1)
+            best = min(best, time.perf_counter() - t0)
+        assert best < 1e-3, f"from_columns(1024) took {best * 1e6:.0f} us"
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            BatchMeta(gidx, ["p"] * 1024, schema)
+            best = min(best, time.perf_counter() - t0)
+        assert best < 1e-3, f"BatchMeta(1024) took {best * 1e6:.0f} us"
+
+
+# ---------------------------------------------------------------------------------------------
+# properties and per-sample views
+# ---------------------------------------------------------------------------------------------
+
+
+class TestProperties:
+    def test_field_names_sorted(self):
+        m = BatchMeta([0], ["p"], {"zeta": dense(), "alpha": dense(), "mid": dense()})
+        assert m.field_names == ["alpha", "mid", "zeta"]
+
+    def test_is_ready_tracks_status(self):
+        m = make_meta(3)
+        assert m.is_ready
+        m.production_status[1] = 0
+        assert not m.is_ready
+        assert not make_meta(3, ready=False).is_ready
+
+    def test_get_dtypes_and_shapes(self):
+        m = make_meta(3)
+        assert m.get_dtypes("a") == [torch.float32] * 3
+        assert m.get_shapes("a") == [(4,)] * 3
+        assert m.get_shapes("tok") == [(1,), (2,), (3,)]
+
+    @pytest.mark.parametrize("method", ["get_dtypes", "get_shapes"])
+    def test_unknown_field_raises(self, method):
+        m = make_meta(2)
+        with pytest.raises(UnknownField, match="nope"):
+            getattr(m, method)("nope")
+        with pytest.raises(KeyError):
+            getattr(m, method)("nope")
+
+    def test_samples_view(self):
+        m = make_meta(3)
+        samples = m.samples
+        assert len(samples) == 3
+        assert [s.global_index for s in samples] == [0, 1, 2]
+        last = samples[-1]
+        assert last.global_index == 2
+        assert last.partition_id == "p0"
+        assert last.production_status == 1
+        assert last.custom_meta["uid"] == "u2"
+        assert last.fields["tok"]["shape"] == (3,)
+        assert "per_sample_shapes" not in last.fields["tok"]
+        assert last.fields["a"]["shape"] == (4,)
+        assert "global_index=2" in repr(last)
+
+    def test_samples_view_is_read_only_and_live(self):
+        m = make_meta(2)
+        view = m.samples[0]
+        assert isinstance(view.custom_meta, MappingProxyType)
+        with pytest.raises(TypeError):
+            view.custom_meta["uid"] = "x"  # type: ignore[index]
+        with pytest.raises(TypeError):
+            view.fields["a"]["shape"] = (1,)  # type: ignore[index]
+        m.update_custom_meta([{"uid": "changed"}, {}])
+        assert view.custom_meta["uid"] == "changed"
+
+    def test_samples_view_bounds(self):
+        m = make_meta(2)
+        with pytest.raises(IndexError):
+            m.samples[2]
+        with pytest.raises(IndexError):
+            m.samples[-3]
+
+    def test_repr_is_short(self):
+        m = BatchMeta.from_columns(range(1024), "p", {"a": dense()}, production_status=1)
+        text = repr(m)
+        assert len(text) < 300
+        assert "size=1024" in text and "ready=1024/1024" in text and "'a'" in text and "1023" in text
+        assert str(m) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# extract_field_schema / add_fields
+# ---------------------------------------------------------------------------------------------
+
+
+class TestExtractFieldSchema:
+    def test_dense_1d_and_non_tensor(self):
+        td = TensorDict(
+            {"x": torch.zeros(3, 4, 2, dtype=torch.bfloat16), "r": torch.zeros(3), "s": ["a", "b", "c"]},
+            batch_size=[3],
+        )
+        schema = extract_field_schema(td)
+        assert schema["x"] == {
+            "dtype": torch.bfloat16,
+            "shape": (4, 2),
+            "is_nested": False,
+            "is_non_tensor": False,
+            "kind": KIND_DENSE,
+        }
+        assert schema["r"]["shape"] == ()
+        assert schema["s"]["is_non_tensor"] is True
+        assert schema["s"]["dtype"] is None
+        assert schema["s"]["kind"] == KIND_NON_TENSOR
+
+    def test_jagged_nested_tensor(self):
+        nt = torch.nested.nested_tensor(
+            [torch.zeros(2, 5), torch.zeros(7, 5), torch.zeros(1, 5)], layout=torch.jagged
+        )
+        schema = extract_field_schema(TensorDict({"t": nt}, batch_size=[3]))
+        assert schema["t"]["is_nested"] is True
+        assert schema["t"]["kind"] == KIND_JAGGED
+        assert schema["t"]["per_sample_shapes"] == [(2, 5), (7, 5), (1, 5)]
+        assert schema["t"]["shape"] is None
+        assert schema["t"]["dtype"] == torch.float32
+
+    @pytest.mark.filterwarnings("ignore:.*nested tensors is in prototype")
+    def test_strided_nested_tensor_with_uniform_shapes(self):
+        nt = torch.nested.nested_tensor([torch.zeros(3, 2), torch.zeros(3, 2)])
+        schema = extract_field_schema(TensorDict({"t": nt}, batch_size=[2]))
+        assert schema["t"]["per_sample_shapes"] == [(3, 2), (3, 2)]
+        assert schema["t"]["shape"] == (3, 2)
+
+    def test_nested_tensordict_is_rejected(self):
+        td = TensorDict({"sub": TensorDict({"q": torch.zeros(2)}, batch_size=[2])}, batch_size=[2])
+        with pytest.raises(UnsupportedValue, match="flatten"):
+            extract_field_schema(td)
+
+    def test_no_batch_dimension(self):
+        with pytest.raises(InvalidArgument, match="batch"):
+            extract_field_schema(TensorDict({"x": torch.zeros(3)}, batch_size=[]))
+
+    def test_not_a_tensordict(self):
+        with pytest.raises(InvalidArgument):
+            extract_field_schema({"x": torch.zeros(3)})  # type: ignore[arg-type]
+
+
+class TestAddFields:
+    def test_adds_schema_and_marks_ready(self):
+        m = BatchMeta.from_columns([0, 1], "p", {"a": dense()})
+        td = TensorDict({"b": torch.ones(2, 3, dtype=torch.int32), "a": torch.ones(2, 8)}, batch_size=[2])
+        out = m.add_fields(td)
+        assert out is m
+        assert m.field_names == ["a", "b"]
+        assert m.field_schema["a"]["shape"] == (8,)  # replaced
+        assert m.field_schema["b"]["dtype"] == torch.int32
+        assert m.is_ready
+
+    def test_set_all_ready_false_keeps_status(self):
+        m = BatchMeta.from_columns([0, 1], "p", {})
+        m.add_fields(TensorDict({"b": torch.ones(2)}, batch_size=[2]), set_all_ready=False)
+        assert m.production_status.tolist() == [0, 0]
+        assert "b" in m.field_schema
+
+    def test_batch_size_mismatch(self):
+        m = BatchMeta.from_columns([0, 1], "p", {})
+        with pytest.raises(BatchSizeMismatch, match="3 rows"):
+            m.add_fields(TensorDict({"b": torch.ones(3)}, batch_size=[3]))
+        assert m.field_schema == {}
+
+    def test_empty_tensordict_on_nonempty_batch_raises(self):
+        m = BatchMeta.from_columns([0, 1], "p", {})
+        with pytest.raises(BatchSizeMismatch):
+            m.add_fields(TensorDict({}, batch_size=[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+# ---------------------------------------------------------------------------------------------
+
+
+class TestSelectSamples:
+    def test_selects_in_given_order(self):
+        m = make_meta(5)
+        m.production_status[3] = 0
+        m._custom_backend_meta[3]["a"] = "handle3"
+        s = m.select_samples([3, 0])
+        assert s.global_indexes == [3, 0]
+        assert s.partition_ids == ["p0", "p0"]
+        assert s.production_status.tolist() == [0, 1]
+        assert s.custom_meta == [{"uid": "u3"}, {"uid": "u0"}]
+        assert s.field_schema["tok"]["per_sample_shapes"] == [(4,), (1,)]
+        assert s._custom_backend_meta == [{"a": "handle3"}, {}]
+
+    def test_result_is_independent(self):
+        m = make_meta(3)
+        s = m.select_samples([0, 1])
+        s.update_custom_meta([{"uid": "x"}, {"new": 1}])
+        s.production_status[:] = 0
+        s.set_extra_info("k", 1)
+        s.field_schema["a"]["shape"] = (9,)
+        assert m.custom_meta[0] == {"uid": "u0"}
+        assert m.is_ready
+        assert not m.has_extra_info("k")
+        assert m.field_schema["a"]["shape"] == (4,)
+
+    def test_duplicates_allowed_and_numpy_positions(self):
+        m = make_meta(3)
+        s = m.select_samples(np.array([2, 2]))
+        assert s.global_indexes == [2, 2]
+
+    @pytest.mark.parametrize("bad", [[0, 3], [-1]])
+    def test_out_of_range(self, bad):
+        with pytest.raises(InvalidArgument, match="outside"):
+            make_meta(3).select_samples(bad)
+
+    def test_empty_selection(self):
+        s = make_meta(3).select_samples([])
+        assert s.size == 0
+        assert s.field_schema["tok"]["per_sample_shapes"] == []
+
+
+class TestSelectFields:
+    def test_keeps_samples_drops_other_fields(self):
+        m = make_meta(3, extra={"step": 4})
+        m.production_status[1] = 0
+        m._custom_backend_meta[0].update({"a": 1, "tok": 2, "_loc": 3})
+        s = m.select_fields(["tok"])
+        assert s.field_names == ["tok"]
+        assert s.global_indexes == m.global_indexes
+        assert s.partition_ids == m.partition_ids
+        assert s.production_status.tolist() == [1, 0, 1]
+        assert s.custom_meta == m.custom_meta
+        assert s.extra_info == {"step": 4}
+        assert s._custom_backend_meta[0] == {"tok": 2, "_loc": 3}
+        assert m.field_names == ["a", "tok"]  # original untouched
+
+    def test_result_is_independent(self):
+        m = make_meta(2)
+        s = m.select_fields(["tok"])
+        s.field_schema["tok"]["per_sample_shapes"][0] = (100,)
+        s.custom_meta[0]["uid"] = "changed"
+        assert m.field_schema["tok"]["per_sample_shapes"][0] == (1,)
+        assert m.custom_meta[0]["uid"] == "u0"
+
+    def test_unknown_field_raises(self):
+        with pytest.raises(UnknownField, match="missing_field"):
+            make_meta(2).select_fields(["a", "missing_field"])
+
+    def test_on_empty_batch_returns_empty(self):
+        s = BatchMeta.empty().select_fields(["anything"])
+        assert s.size == 0 and s.field_names == []
+
+
+class TestGetItem:
+    def test_int_and_negative_int(self):
+        m = make_meta(4)
+        assert m[1].global_indexes == [1]
+        assert m[-1].global_indexes == [3]
+        assert m[-4].global_indexes == [0]
+        assert m[np.int64(2)].global_indexes == [2]
+        assert m[-1].custom_meta == [{"uid": "u3"}]
+        assert m[-1].field_schema["tok"]["per_sample_shapes"] == [(4,)]
+
+    @pytest.mark.parametrize("i", [4, -5])
+    def test_out_of_range(self, i):
+        with pytest.raises(IndexError):
+            make_meta(4)[i]
+
+    def test_slices(self):
+        m = make_meta(6)
+        assert m[1:4].global_indexes == [1, 2, 3]
+        assert m[::2].global_indexes == [0, 2, 4]
+        assert m[::-1].global_indexes == [5, 4, 3, 2, 1, 0]
+        assert m[::-1].field_schema["tok"]["per_sample_shapes"] == [(6,), (5,), (4,), (3,), (2,), (1,)]
+        assert m[-2:].custom_meta == [{"uid": "u4"}, {"uid": "u5"}]
+        assert m[10:].size == 0
+
+    def test_unsupported_key(self):
+        with pytest.raises(TypeError):
+            make_meta(2)["a"]  # type: ignore[index]
+
+    def test_iteration_yields_single_sample_batches(self):
+        assert [b.global_indexes for b in make_meta(3)] == [[0], [1], [2]]
+
+
+# ---------------------------------------------------------------------------------------------
+# chunking
+# ---------------------------------------------------------------------------------------------
+
+
+class TestChunk:
+    @pytest.mark.parametrize("n,k", [(10, 3), (9, 3), (7, 4), (1, 1), (5, 5), (100, 7)])
+    def test_sizes_differ_by_at_most_one_and_order_kept(self, n, k):
+        m = make_meta(n)
+        parts = m.chunk(k)
+        assert len(parts) == k
+        sizes = [p.size for p in parts]
+        assert sum(sizes) == n
+        assert max(sizes) - min(sizes) <= 1
+        assert sizes == sorted(sizes, reverse=True)  # larger chunks first
+        assert [i for p in parts for i in p.global_indexes] == list(range(n))
+        assert [t for p in parts for t in p.get_shapes("tok")] == m.get_shapes("tok")
+        assert [c for p in parts for c in p.custom_meta] == m.custom_meta
+
+    def test_more_chunks_than_samples_gives_empty_tail(self):
+        parts = make_meta(2).chunk(4)
+        assert [p.size for p in parts] == [1, 1, 0, 0]
+        assert parts[3].field_names == ["a", "tok"]
+        assert not parts[3].is_ready
+
+    @pytest.mark.parametrize("k", [0, -1, 1.5, "2", True])
+    def test_invalid_chunk_count(self, k):
+        with pytest.raises(InvalidArgument, match="positive int"):
+            make_meta(4).chunk(k)  # type: ignore[arg-type]
+
+    def test_chunks_are_independent(self):
+        m = make_meta(4)
+        first = m.chunk(2)[0]
+        first.custom_meta[0]["uid"] = "x"
+        first.production_status[0] = 0
+        assert m.custom_meta[0]["uid"] == "u0"
+        assert m.production_status[0] == 1
+
+    def test_chunk_by_partition(self):
+        m = BatchMeta.concat([make_meta(2, partition="a"), make_meta(2, start=2, partition="b")])
+        m.reorder([2, 0, 3, 1])
+        parts = m.chunk_by_partition()
+        assert [p.partition_ids for p in parts] == [["b", "b"], ["a", "a"]]
+        assert [p.global_indexes for p in parts] == [[2, 3], [0, 1]]
+        assert [p.custom_meta for p in parts] == [
+            [{"uid": "u2"}, {"uid": "u3"}],
+            [{"uid": "u0"}, {"uid": "u1"}],
+        ]
+
+    def test_chunk_by_partition_single_and_empty(self):
+        m = make_meta(3)
+        parts = m.chunk_by_partition()
+        assert len(parts) == 1 and parts[0].global_indexes == [0, 1, 2]
+        assert parts[0] is not m
+        assert BatchMeta.empty().chunk_by_partition() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# union / concat
+# ---------------------------------------------------------------------------------------------
+
+
+class TestUnion:
+    def test_merges_fields_status_and_tags(self):
+        left = BatchMeta(
+            [0, 1, 2, 3],
+            ["p"] * 4,
+            {"a": dense(), "shared": dense(torch.float32, (1,))},
+            production_status=[1, 1, 0, 0],
+            extra_info={"x": 1, "both": "left"},
+            custom_meta=[{"l": i, "both": "left"} for i in range(4)],
+        )
+        right = BatchMeta(
+            [0, 1, 2, 3],
+            ["p"] * 4,
+            {"b": dense(torch.int64), "shared": dense(torch.float64, (2,))},
+            production_status=[1, 0, 1, 0],
+            extra_info={"y": 2, "both": "right"},
+            custom_meta=[{"r": i, "both": "right"} for i in range(4)],
+        )
+        u = left.union(right)
+        assert u.field_names == ["a", "b", "shared"]
+        assert u.field_schema["shared"]["dtype"] == torch.float64  # other wins
+        assert u.field_schema["shared"]["shape"] == (2,)
+        assert u.production_status.tolist() == [1, 0, 0, 0]  # AND
+        assert u.custom_meta[2] == {"l": 2, "r": 2, "both": "right"}
+        assert u.extra_info == {"x": 1, "y": 2, "both": "right"}
+        assert u.global_indexes == [0, 1, 2, 3]
+        # inputs unchanged
+        assert left.field_names == ["a", "shared"]
+        assert left.production_status.tolist() == [1, 1, 0, 0]
+        assert left.custom_meta[2] == {"l": 2, "both": "left"}
+
+    def test_union_is_ready_only_when_both_ready(self):
+        ready = make_meta(2)
+        not_ready = make_meta(2, ready=False)
+        assert not ready.union(not_ready).is_ready
+        assert not not_ready.union(ready).is_ready
+        assert ready.union(make_meta(2)).is_ready
+
+    def test_global_index_mismatch(self):
+        with pytest.raises(InvalidArgument, match="global_indexes differ at position 0"):
+            make_meta(2).union(make_meta(2, start=5))
+        with pytest.raises(ValueError):
+            make_meta(2).union(make_meta(2, start=5))
+
+    def test_partition_mismatch(self):
+        with pytest.raises(InvalidArgument, match="partition_ids"):
+            make_meta(2).union(make_meta(2, partition="other"))
+
+    def test_size_mismatch(self):
+        with pytest.raises(BatchSizeMismatch):
+            make_meta(2).union(make_meta(3))
+
+    def test_same_ids_different_order_rejected(self):
+        other = make_meta(3)
+        other.reorder([2, 1, 0])
+        with pytest.raises(InvalidArgument, match="same order"):
+            make_meta(3).union(other)
+
+    def test_empty_side_returns_copy(self):
+        m = make_meta(2)
+        u = m.union(BatchMeta.empty())
+        assert u is not m
+        assert_same_contents(u, m)
+        u.custom_meta[0]["uid"] = "x"
+        assert m.custom_meta[0]["uid"] == "u0"
+        assert_same_contents(BatchMeta.empty().union(m), m)
+
+    def test_not_a_batchmeta(self):
+        with pytest.raises(InvalidArgument):
+            make_meta(2).union({"global_indexes": [0, 1]})  # type: ignore[arg-type]
+
+
+class TestConcat:
+    def test_preserves_order_status_and_tags(self):
+        a = make_meta(2, extra={"step": 1})
+        b = make_meta(3, start=10, ready=False, extra={"step": 1, "more": True})
+        b._custom_backend_meta[0]["a"] = "h"
+        c = BatchMeta.concat([a, b])
+        assert c.global_indexes == [0, 1, 10, 11, 12]
+        assert c.production_status.tolist() == [1, 1, 0, 0, 0]
+        assert c.custom_meta == [{"uid": f"u{i}"} for i in (0, 1, 10, 11, 12)]
+        assert c._custom_backend_meta == [{}, {}, {"a": "h"}, {}, {}]
+        assert c.get_shapes("tok") == [(1,), (2,), (11,), (12,), (13,)]
+        assert c.extra_info == {"step": 1, "more": True}
+        assert c.production_status.dtype == np.int8
+
+    def test_round_trips_chunk(self):
+        m = make_meta(7)
+        assert_same_contents(BatchMeta.concat(m.chunk(3)), m)
+
+    def test_result_is_independent(self):
+        a, b = make_meta(1), make_meta(1, start=1)
+        c = BatchMeta.concat([a, b])
+        c.custom_meta[0]["uid"] = "x"
+        assert a.custom_meta[0]["uid"] == "u0"
+
+    def test_mixed_tagged_and_untagged(self):
+        c = BatchMeta.concat([make_meta(1, tags=False), make_meta(1, start=1)])
+        assert c.custom_meta == [{}, {"uid": "u1"}]
+
+    def test_field_names_mismatch(self):
+        other = make_meta(2, start=2).select_fields(["a"])
+        with pytest.raises(InvalidArgument, match=r"missing \['tok'\]"):
+            BatchMeta.concat([make_meta(2), other])
+        with pytest.raises(ValueError):
+            BatchMeta.concat([make_meta(2), other])
+
+    def test_dtype_mismatch(self):
+        x = BatchMeta([0], ["p"], {"a": dense(torch.float32)})
+        y = BatchMeta([1], ["p"], {"a": dense(torch.float16)})
+        with pytest.raises(InvalidArgument, match="cast"):
+            BatchMeta.concat([x, y])
+
+    def test_extra_info_conflict(self):
+        with pytest.raises(InvalidArgument, match="extra_info\\['step'\\]"):
+            BatchMeta.concat([make_meta(1, extra={"step": 1}), make_meta(1, start=1, extra={"step": 2})])
+
+    def test_extra_info_tensor_values(self):
+        t = torch.arange(3)
+        c = BatchMeta.concat([make_meta(1, extra={"t": t}), make_meta(1, start=1, extra={"t": t.clone()})])
+        assert torch.equal(c.extra_info["t"], t)
+        with pytest.raises(InvalidArgument):
+            BatchMeta.concat([make_meta(1, extra={"t": t}), make_meta(1, start=1, extra={"t": t + 1})])
+        with pytest.raises(InvalidArgument):
+            BatchMeta.concat(
+                [make_meta(1, extra={"t": np.zeros(2)}), make_meta(1, start=1, extra={"t": np.ones(2)})]
+            )
+
+    def test_empty_inputs(self):
+        assert BatchMeta.concat([]).size == 0
+        assert BatchMeta.concat([BatchMeta.empty(), BatchMeta.empty()]).size == 0
+        m = make_meta(2)
+        c = BatchMeta.concat([BatchMeta.empty(), m, BatchMeta.empty()])
+        assert_same_contents(c, m)
+
+    def test_differing_dense_shapes_become_jagged(self):
+        x = BatchMeta([0, 1], ["p", "p"], {"a": dense(shape=(3,))})
+        y = BatchMeta([2], ["p"], {"a": dense(shape=(5,))})
+        c = BatchMeta.concat([x, y])
+        meta = c.field_schema["a"]
+        assert meta["is_nested"] is True and meta["kind"] == KIND_JAGGED
+        assert meta["per_sample_shapes"] == [(3,), (3,), (5,)]
+        assert meta["shape"] is None
+        assert c.get_shapes("a") == [(3,), (3,), (5,)]
+
+    def test_dense_with_jagged_becomes_jagged(self):
+        x = BatchMeta([0], ["p"], {"t": dense(torch.int64, (2,))})
+        y = BatchMeta([1, 2], ["p", "p"], {"t": jagged([(4,), (1,)])})
+        c = BatchMeta.concat([x, y])
+        assert c.field_schema["t"]["per_sample_shapes"] == [(2,), (4,), (1,)]
+        assert c.field_schema["t"]["is_nested"] is True
+
+    def test_same_dense_shapes_stay_dense(self):
+        c = BatchMeta.concat([BatchMeta([0], ["p"], {"a": dense()}), BatchMeta([1], ["q"], {"a": dense()})])
+        assert c.field_schema["a"]["kind"] == KIND_DENSE
+        assert "per_sample_shapes" not in c.field_schema["a"]
+        assert c.partition_ids == ["p", "q"]
+
+    def test_validate_false_allows_mismatched_fields(self):
+        x = BatchMeta([0], ["p"], {"a": dense(), "b": dense()})
+        y = BatchMeta([1], ["p"], {"a": dense()})
+        c = BatchMeta.concat([x, y], validate=False)
+        assert c.global_indexes == [0, 1]
+        assert c.field_names == ["a", "b"]
+
+    def test_not_a_batchmeta(self):
+        with pytest.raises(InvalidArgument, match="not a BatchMeta"):
+            BatchMeta.concat([make_meta(1), [0, 1]])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------------------------------
+# reorder / copy
+# ---------------------------------------------------------------------------------------------
+
+
+class TestReorder:
+    def test_permutes_every_column_in_place(self):
+        m = make_meta(3)
+        m.production_status[0] = 0
+        m._custom_backend_meta[0]["a"] = "h0"
+        assert m.reorder([2, 0, 1]) is None
+        assert m.global_indexes == [2, 0, 1]
+        assert m.production_status.tolist() == [1, 0, 1]
+        assert m.custom_meta == [{"uid": "u2"}, {"uid": "u0"}, {"uid": "u1"}]
+        assert m._custom_backend_meta == [{}, {"a": "h0"}, {}]
+        assert m.get_shapes("tok") == [(3,), (1,), (2,)]
+        assert m.samples[0].fields["tok"]["shape"] == (3,)
+
+    def test_numpy_permutation(self):
+        m = make_meta(3)
+        m.reorder(np.array([1, 2, 0]))
+        assert m.global_indexes == [1, 2, 0]
+
+    @pytest.mark.parametrize(
+        "indices,match",
+        [
+            ([0, 1], "got 2 indices"),
+            ([0, 0, 1], "duplicates"),
+            ([0, 1, 3], "outside"),
+            ([0, 1, -1], "outside"),
+        ],
+    )
+    def test_invalid_permutation(self, indices, match):
+        m = make_meta(3)
+        with pytest.raises(InvalidArgument, match=match):
+            m.reorder(indices)
+        assert m.global_indexes == [0, 1, 2]  # unchanged
+
+    def test_reorder_does_not_touch_shared_shape_list(self):
+        m = make_meta(3)
+        copy_of = m.select_samples([0, 1, 2])
+        m.reorder([2, 1, 0])
+        assert copy_of.get_shapes("tok") == [(1,), (2,), (3,)]
+
+
+class TestCopy:
+    def test_deep_copy(self):
+        m = make_meta(2, extra={"nested": {"k": [1]}})
+        m.custom_meta[0]["list"] = [1, 2]
+        c = m.copy()
+        assert_same_contents(c, m)
+        c.custom_meta[0]["list"].append(3)
+        c.extra_info["nested"]["k"].append(2)
+        c.field_schema["tok"]["per_sample_shapes"].append((9,))
+        c.production_status[0] = 0
+        c.global_indexes.append(99)
+        assert m.custom_meta[0]["list"] == [1, 2]
+        assert m.extra_info["nested"]["k"] == [1]
+        assert m.get_shapes("tok") == [(1,), (2,)]
+        assert m.is_ready
+        assert m.global_indexes == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_meta / extra_info
+# ---------------------------------------------------------------------------------------------
+
+
+class TestCustomMeta:
+    def test_update_merges_per_sample(self):
+        m = make_meta(2)
+        m.update_custom_meta([{"len": 5}, {"uid": "new"}])
+        assert m.custom_meta == [{"uid": "u0", "len": 5}, {"uid": "new"}]
+        m.update_custom_meta(None)
+        assert m.custom_meta == [{"uid": "u0", "len": 5}, {"uid": "new"}]
+
+    def test_update_on_untagged_batch(self):
+        m = make_meta(2, tags=False)
+        m.update_custom_meta([{"v": 1}, {"v": 2}])
+        assert m.custom_meta == [{"v": 1}, {"v": 2}]
+
+    def test_update_validation(self):
+        m = make_meta(2)
+        with pytest.raises(BatchSizeMismatch, match="one per sample"):
+            m.update_custom_meta([{"len": 5}])
+        with pytest.raises(InvalidArgument, match="not dicts"):
+            m.update_custom_meta([{"len": 5}, 7])  # type: ignore[list-item]
+        assert m.custom_meta == [{"uid": "u0"}, {"uid": "u1"}]
+
+    def test_get_all_is_deep_copy(self):
+        m = make_meta(2)
+        m.update_custom_meta([{"l": [1]}, {}])
+        out = m.get_all_custom_meta()
+        out[0]["l"].append(2)
+        out[1]["x"] = 1
+        assert m.custom_meta == [{"uid": "u0", "l": [1]}, {"uid": "u1"}]
+        assert make_meta(2, tags=False).get_all_custom_meta() == [{}, {}]
+
+    def test_clear(self):
+        m = make_meta(2)
+        m.clear_custom_meta()
+        assert m.custom_meta == [{}, {}]
+
+    def test_assignment_checks_length(self):
+        m = make_meta(2)
+        m.custom_meta = [{"a": 1}, {"b": 2}]
+        assert m.custom_meta == [{"a": 1}, {"b": 2}]
+        with pytest.raises(BatchSizeMismatch):
+            m.custom_meta = [{"a": 1}]
+
+
+class TestExtraInfo:
+    def test_accessors(self):
+        m = make_meta(1)
+        assert m.get_extra_info("k") is None
+        assert m.get_extra_info("k", 5) == 5
+        m.set_extra_info("k", {"v": [1]})
+        assert m.has_extra_info("k")
+        snapshot = m.get_all_extra_info()
+        snapshot["k"]["v"].append(2)
+        assert m.get_extra_info("k") == {"v": [1]}
+        m.update_extra_info({"a": 1, "k": 2})
+        assert m.extra_info == {"a": 1, "k": 2}
+        assert m.remove_extra_info("a") == 1
+        assert m.remove_extra_info("a") is None
+        assert not m.has_extra_info("a")
+        m.clear_extra_info()
+        assert m.extra_info == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# pickling
+# ---------------------------------------------------------------------------------------------
+
+
+class TestPickle:
+    @pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+    def test_round_trip(self, protocol):
+        m = make_meta(5, extra={"step": 3, "t": "x"})
+        m.production_status[2] = 0
+        m._custom_backend_meta[1]["a"] = {"node": "n1"}
+        m.field_schema["s"] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+        back = pickle.loads(pickle.dumps(m, protocol=protocol))
+        assert isinstance(back, BatchMeta)
+        assert_same_contents(back, m)
+        assert back.is_ready is False
+        back.add_fields(TensorDict({"n": torch.ones(5)}, batch_size=[5]))  # still mutable
+        assert back.is_ready
+
+    def test_round_trip_untagged_and_empty(self):
+        m = make_meta(3, tags=False)
+        _ = m.custom_meta  # materialised empty dicts still round-trip
+        assert_same_contents(pickle.loads(pickle.dumps(m)), m)
+        e = BatchMeta.empty(extra_info={"r": 1})
+        assert_same_contents(pickle.loads(pickle.dumps(e)), e)
+
+    def test_read_only_status_becomes_writable(self):
+        m = make_meta(2)
+        state = m.__getstate__()
+        frozen = state["production_status"].copy()
+        frozen.setflags(write=False)
+        state["production_status"] = frozen
+        fresh = BatchMeta.__new__(BatchMeta)
+        fresh.__setstate__(state)
+        fresh.production_status[0] = 0
+        assert fresh.production_status.tolist() == [0, 1]
+
+    def test_untagged_batch_pickles_small(self):
+        m = BatchMeta.from_columns(range(1024), "p", {"a": dense()}, production_status=1)
+        _ = m.custom_meta, m._custom_backend_meta
+        tagged = m.copy()
+        tagged.update_custom_meta([{"len": i} for i in range(1024)])
+        assert len(pickle.dumps(m)) < len(pickle.dumps(tagged)) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# KVBatchMeta
+# ---------------------------------------------------------------------------------------------
+
+
+def make_kv(keys: list[str], partition: str = "p", fields: list[str] | None = None, **extra) -> KVBatchMeta:
+    return KVBatchMeta(
+        keys=keys,
+        tags=[{"k": k} for k in keys],
+        partition_id=partition,
+        fields=fields if fields is not None else ["x", "y"],
+        extra_info=extra,
+    )
+
+
+class TestKVBatchMeta:
+    def test_defaults(self):
+        kv = KVBatchMeta()
+        assert kv.size == len(kv) == 0
+        assert kv.keys == [] and kv.tags == [] and kv.extra_info == {}
+        assert kv.partition_id is None and kv.fields is None
+        assert KVBatchMeta(extra_info=None).extra_info == {}
+
+    def test_validation(self):
+        with pytest.raises(BatchSizeMismatch, match="one tag dict per key"):
+            KVBatchMeta(keys=["a", "b"], tags=[{}])
+        with pytest.raises(InvalidArgument, match="unique.*'a'"):
+            KVBatchMeta(keys=["a", "b", "a"], tags=[{}, {}, {}])
+        with pytest.raises(InvalidArgument, match="fields must be unique"):
+            KVBatchMeta(keys=["a"], tags=[{}], fields=["x", "x"])
+        with pytest.raises(InvalidArgument, match="single string"):
+            KVBatchMeta(keys="ab", tags=[{}, {}])  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="dicts"):
+            KVBatchMeta(keys=["a"], tags=["t"])  # type: ignore[list-item]
+        with pytest.raises(ValueError):
+            KVBatchMeta(keys=["a", "a"], tags=[{}, {}])
+
+    def test_inputs_not_aliased(self):
+        tags = [{"v": 1}]
+        keys = ["a"]
+        kv = KVBatchMeta(keys=keys, tags=tags)
+        tags[0]["v"] = 2
+        keys.append("b")
+        assert kv.tags == [{"v": 1}]
+        assert kv.keys == ["a"]
+
+    def test_select_keys(self):
+        kv = make_kv(["a", "b", "c"], step=1)
+        s = kv.select_keys(["c", "a"])
+        assert s.keys == ["c", "a"]
+        assert s.tags == [{"k": "c"}, {"k": "a"}]
+        assert s.partition_id == "p" and s.fields == ["x", "y"] and s.extra_info == {"step": 1}
+        s.tags[0]["k"] = "changed"
+        assert kv.tags[2] == {"k": "c"}
+
+    def test_select_unknown_key_raises(self):
+        kv = make_kv(["a", "b"])
+        with pytest.raises(SampleNotFound, match="'zz'"):
+            kv.select_keys(["a", "zz"])
+        with pytest.raises(KeyError):
+            kv.select_keys(["zz"])
+
+    def test_select_duplicate_keys_raises(self):
+        with pytest.raises(InvalidArgument, match="duplicated"):
+            make_kv(["a", "b"]).select_keys(["a", "a"])
+
+    def test_reorder(self):
+        kv = make_kv(["a", "b", "c"])
+        kv.reorder([2, 0, 1])
+        assert kv.keys == ["c", "a", "b"]
+        assert kv.tags == [{"k": "c"}, {"k": "a"}, {"k": "b"}]
+
+    @pytest.mark.parametrize("indexes", [[0, 1], [0, 0, 1], [0, 1, 5], [-1, 0, 1]])
+    def test_reorder_invalid(self, indexes):
+        kv = make_kv(["a", "b", "c"])
+        with pytest.raises(InvalidArgument):
+            kv.reorder(indexes)
+        assert kv.keys == ["a", "b", "c"]
+
+    @pytest.mark.parametrize("n,k", [(10, 3), (3, 5), (4, 4), (0, 2)])
+    def test_chunk(self, n, k):
+        kv = make_kv([f"k{i}" for i in range(n)], step=7)
+        parts = kv.chunk(k)
+        sizes = [p.size for p in parts]
+        assert len(parts) == k and sum(sizes) == n
+        assert max(sizes) - min(sizes) <= 1
+        assert [key for p in parts for key in p.keys] == kv.keys
+        assert all(p.partition_id == "p" and p.extra_info == {"step": 7} for p in parts)
+
+    @pytest.mark.parametrize("k", [0, -2, 2.0])
+    def test_chunk_invalid(self, k):
+        with pytest.raises(InvalidArgument):
+            make_kv(["a"]).chunk(k)  # type: ignore[arg-type]
+
+    def test_concat(self):
+        c = KVBatchMeta.concat([make_kv(["a", "b"], step=1), KVBatchMeta(), make_kv(["c"], step=1, more=2)])
+        assert c.keys == ["a", "b", "c"]
+        assert c.tags == [{"k": "a"}, {"k": "b"}, {"k": "c"}]
+        assert c.partition_id == "p"
+        assert c.fields == ["x", "y"]
+        assert c.extra_info == {"step": 1, "more": 2}
+
+    def test_concat_round_trips_chunk(self):
+        kv = make_kv([f"k{i}" for i in range(7)])
+        assert KVBatchMeta.concat(kv.chunk(3)) == kv
+
+    def test_concat_empty(self):
+        assert KVBatchMeta.concat([]) == KVBatchMeta()
+        assert KVBatchMeta.concat([KVBatchMeta(), KVBatchMeta()]).size == 0
+
+    def test_concat_partition_mismatch(self):
+        with pytest.raises(InvalidArgument, match="partition"):
+            KVBatchMeta.concat([make_kv(["a"], partition="p"), make_kv(["b"], partition="q")])
+
+    def test_concat_fields_mismatch(self):
+        with pytest.raises(InvalidArgument, match="fields"):
+            KVBatchMeta.concat([make_kv(["a"], fields=["x"]), make_kv(["b"], fields=["x", "z"])])
+        # Same set in another order is fine; unknown (None) fields match anything.
+        c = KVBatchMeta.concat(
+            [
+                KVBatchMeta(keys=["a"], tags=[{}], partition_id="p", fields=None),
+                make_kv(["b"], fields=["y", "x"]),
+                make_kv(["c"], fields=["x", "y"]),
+            ]
+        )
+        assert c.fields == ["y", "x"]
+
+    def test_concat_extra_info_conflict(self):
+        with pytest.raises(InvalidArgument, match="extra_info"):
+            KVBatchMeta.concat([make_kv(["a"], step=1), make_kv(["b"], step=2)])
+
+    def test_concat_duplicate_keys(self):
+        with pytest.raises(InvalidArgument, match="unique"):
+            KVBatchMeta.concat([make_kv(["a", "b"]), make_kv(["b"])])
+
+    def test_pickle_round_trip(self):
+        kv = make_kv(["a", "b"], step=3)
+        back = pickle.loads(pickle.dumps(kv))
+        assert back == kv
+        assert back is not kv
+        assert back.size == 2
+
+    def test_str(self):
+        text = str(make_kv([f"k{i}" for i in range(100)]))
+        assert "size=100" in text and "'p'" in text and len(text) < 300

@@ -1,0 +1,138 @@
+"""``AsyncTransferQueueClient``: the asyncio client (the sync one in :mod:`tq_redis.sync` runs
+the same operations from :mod:`tq_redis.ops` with a blocking driver)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tq_redis import ops
+from tq_redis.driver import AsyncDriver
+from tq_redis.errors import LeaseError
+from tq_redis.metadata import BatchMeta
+
+
+def lease_task(metadata: BatchMeta) -> str:
+    """The task a leased batch belongs to (recorded by ``get_meta``)."""
+    task = metadata.get_extra_info("task_name")
+    if task is None or metadata.get_extra_info("delivery_counts") is None:
+        raise LeaseError("this BatchMeta holds no lease; get_meta(..., lease_s=S) hands out leased batches")
+    return task
+
+
+def make_context(redis_url: str, namespace: str, options: dict[str, Any]) -> ops.Context:
+    return ops.Context(
+        namespace=namespace,
+        redis_url=redis_url,
+        allow_pickle=bool(options.get("allow_pickle", False)),
+        nested_output=bool(options.get("nested_output", False)),
+    )
+
+
+class AsyncTransferQueueClient:
+    """Asyncio client of one namespace. Stateless apart from its connection pool.
+
+    Args:
+        redis_url: the metadata plane, e.g. ``redis://host:6379/0``.
+        namespace: key prefix; clients of one job share it, other jobs use another.
+        client_id: a name for logs and metrics (random by default).
+        allow_pickle: pickle values the safe encoding cannot represent (and unpickle them on read).
+        nested_output: return every tensor field as a nested tensor, as the reference system does.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str = "tq",
+        client_id: str | None = None,
+        *,
+        allow_pickle: bool = False,
+        nested_output: bool = False,
+    ) -> None:
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
+        self._ctx = make_context(redis_url, namespace, {"allow_pickle": allow_pickle, "nested_output": nested_output})
+        self._driver = AsyncDriver(redis_url)
+
+    async def async_get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+        *,
+        timeout: float = 0.0,
+        lease_s: float | None = None,
+    ) -> BatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.get_meta`."""
+        return await self._driver.run(
+            ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
+                         timeout, lease_s)
+        )
+
+    async def async_put(
+        self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None
+    ) -> BatchMeta:
+        return await self._driver.run(ops.put(self._ctx, data, metadata, partition_id))
+
+    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
+        return await self._driver.run(ops.get_data(self._ctx, metadata))
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        await self._driver.run(ops.set_custom_meta(self._ctx, metadata))
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        await self._driver.run(ops.clear_samples(self._ctx, metadata))
+
+    async def async_clear_partition(self, partition_id: str) -> None:
+        await self._driver.run(ops.clear_partition(self._ctx, partition_id))
+
+    async def async_get_production_status(
+        self, data_fields: Sequence[str], partition_id: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return await self._driver.run(ops.production_status(self._ctx, data_fields, partition_id))
+
+    async def async_get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return await self._driver.run(ops.consumption_status(self._ctx, task_name, partition_id))
+
+    async def async_check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
+        _, status = await self.async_get_production_status(data_fields, partition_id)
+        return bool(len(status) and status.all())
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        _, status = await self.async_get_consumption_status(task_name, partition_id)
+        return bool(len(status) and status.all())
+
+    async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return await self._driver.run(ops.reset_consumption(self._ctx, partition_id, task_name))
+
+    async def async_get_partition_list(self) -> list[str]:
+        return await self._driver.run(ops.get_partition_list(self._ctx))
+
+    async def async_ack(self, metadata: BatchMeta) -> list[int]:
+        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+
+    async def async_nack(self, metadata: BatchMeta) -> list[int]:
+        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+
+    async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
+        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+
+    async def async_close(self) -> None:
+        await self._driver.close()
+        if self._ctx.storage is not None:
+            self._ctx.storage.close()
+
+    def close(self) -> None:
+        """Drop the store connections (the Redis pool closes with the event loop)."""
+        if self._ctx.storage is not None:
+            self._ctx.storage.close()

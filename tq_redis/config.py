@@ -1,0 +1,149 @@
+"""Configuration for ``tq_redis.init``: defaults, environment, and the reference system's shape.
+
+Our own shape (every key optional)::
+
+    redis:     {url: null}               # null and no TQ_REDIS_URL -> start an embedded Valkey
+    namespace: tq                        # two jobs on one Redis use two namespaces
+    storage:   {backend: dram, units: 2, unit_capacity: 4GiB, options: {}}
+    sampler:   SequentialSampler         # default sampler: a name, a class or an instance
+    compat:    {nested_output: false}    # true: get_data returns nested tensors always
+    codec:     {allow_pickle: false}     # true: pickle what the safe encoding cannot hold
+    metrics:   {enabled: false, port: 0}
+
+The reference system's config (``backend.storage_backend``, ``controller.sampler`` ...) is accepted
+too; :data:`REFERENCE_KEYS` says what each of its keys becomes, or why it is ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tq_redis.errors import ConfigError
+
+DEFAULTS: dict[str, Any] = {
+    "redis": {"url": None},
+    "namespace": "tq",
+    "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "options": {}},
+    "sampler": "SequentialSampler",
+    "compat": {"nested_output": False},
+    "codec": {"allow_pickle": False},
+    "metrics": {"enabled": False, "port": 0},
+}
+
+# reference backend name -> our store name
+_REFERENCE_BACKENDS = {
+    "SimpleStorage": "dram",
+    "MooncakeStore": "mooncake",
+    "Yuanrong": "yuanrong",
+    "RayStore": "ray",
+}
+
+REFERENCE_KEYS: dict[str, str] = {
+    "backend.storage_backend": "storage.backend (SimpleStorage->dram, MooncakeStore->mooncake, "
+    "Yuanrong->yuanrong, RayStore->ray)",
+    "backend.SimpleStorage.num_data_storage_units": "storage.units",
+    "backend.<store>.*": "storage.options of that store",
+    "controller.sampler": "sampler",
+    "controller.polling_mode": "ignored: get_meta never blocks anyone else; pass timeout= to wait",
+    "controller.zmq_info": "ignored: there is no controller process",
+    "backend.SimpleStorage.zmq_info": "ignored: storage nodes register themselves in Redis",
+    "backend.SimpleStorage.total_storage_size": "ignored: capacity is bytes per node (storage.unit_capacity)",
+    "metrics.*": "metrics.*",
+}
+
+_OUR_SECTIONS = set(DEFAULTS)
+_REFERENCE_SECTIONS = {"backend", "controller"}
+
+
+def _to_plain(conf: Any) -> dict[str, Any]:
+    """Accept a dict, an OmegaConf DictConfig or None."""
+    if conf is None:
+        return {}
+    try:  # OmegaConf is optional
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(conf, DictConfig):
+            return OmegaConf.to_container(conf, resolve=True)  # type: ignore[return-value]
+    except ImportError:
+        pass
+    if not isinstance(conf, Mapping):
+        raise ConfigError(f"init(conf) takes a dict or an OmegaConf DictConfig, got {type(conf).__name__}")
+    return copy.deepcopy(dict(conf))
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
+    backend = conf.get("backend") or {}
+    name = backend.get("storage_backend")
+    if name is not None:
+        if name not in _REFERENCE_BACKENDS:
+            raise ConfigError(
+                f"backend.storage_backend={name!r} is not known; use one of {sorted(_REFERENCE_BACKENDS)} "
+                f"or set storage.backend to a tq-redis store name"
+            )
+        out["storage"]["backend"] = _REFERENCE_BACKENDS[name]
+        options = dict(backend.get(name) or {})
+        if name == "SimpleStorage":
+            units = options.get("num_data_storage_units")
+            if units is not None:
+                out["storage"]["units"] = int(units)
+        else:
+            options.pop("zmq_info", None)
+            out["storage"]["options"] = _merge(options, out["storage"]["options"])
+    controller = conf.get("controller") or {}
+    if controller.get("sampler") is not None:
+        out["sampler"] = controller["sampler"]
+
+
+def load(conf: Any = None) -> dict[str, Any]:
+    """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``) and ``conf``."""
+    given = _to_plain(conf)
+    unknown = set(given) - _OUR_SECTIONS - _REFERENCE_SECTIONS
+    if unknown:
+        raise ConfigError(
+            f"unknown config section(s) {sorted(unknown)}; valid sections are {sorted(_OUR_SECTIONS)} "
+            f"(and the reference system's {sorted(_REFERENCE_SECTIONS)})"
+        )
+    out = copy.deepcopy(DEFAULTS)
+    if os.environ.get("TQ_REDIS_URL"):
+        out["redis"]["url"] = os.environ["TQ_REDIS_URL"]
+    if os.environ.get("TQ_NAMESPACE"):
+        out["namespace"] = os.environ["TQ_NAMESPACE"]
+    _from_reference(given, out)
+    for section in _OUR_SECTIONS & set(given):
+        value = given[section]
+        if isinstance(DEFAULTS[section], dict):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config section {section!r} must be a mapping, got {value!r}")
+            _merge(out[section], value)
+        else:
+            out[section] = value
+    if not isinstance(out["namespace"], str) or not out["namespace"]:
+        raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
+    return out
+
+
+def parse_size(text: str | int) -> int:
+    """``'4GiB'``, ``'512MB'``, ``'1024'`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        return int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 4GiB, 512MB or 1048576") from None

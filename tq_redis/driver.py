@@ -1,0 +1,266 @@
+"""Drivers that execute operations written once as generators, synchronously or with asyncio.
+
+Every client operation in :mod:`tq_redis.ops` is a generator that *yields effects* (a Redis
+command, a function call, a pipeline, blocking store I/O, a wait on an event stream) and receives
+their results. :class:`SyncDriver` runs them with redis-py's blocking client; :class:`AsyncDriver`
+runs the very same generators with ``redis.asyncio`` and moves blocking store I/O to a worker
+thread. So ``TransferQueueClient`` and ``AsyncTransferQueueClient`` share one implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from tq_redis import scripts
+from tq_redis.errors import ConnectionFailed
+
+
+@dataclass(frozen=True, slots=True)
+class Cmd:
+    """A plain Redis command."""
+
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class FCall:
+    """Call a function of the tq_redis library (``FCALL tq_<name>``)."""
+
+    name: str
+    keys: tuple
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Pipe:
+    """Several commands / function calls in one round trip (not a transaction)."""
+
+    calls: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Blocking work (store I/O): run inline by the sync driver, in a thread by the async one."""
+
+    fn: Callable[..., Any]
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Block until an entry newer than ``last_id`` is added to ``stream`` or ``timeout_s`` passes."""
+
+    stream: str
+    last_id: str
+    timeout_s: float
+
+
+Operation = Generator[Any, Any, Any]
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def _retry() -> Retry:
+    # Reconnect with backoff across a Redis restart (~6 s in all) before giving up.
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=12)
+
+
+def _fcall_args(call: FCall) -> tuple:
+    return ("FCALL", f"tq_{call.name}", len(call.keys), *call.keys, *call.args)
+
+
+def _as_args(call: Cmd | FCall) -> tuple:
+    return _fcall_args(call) if isinstance(call, FCall) else call.args
+
+
+def _connection_failed(url: str, exc: BaseException) -> ConnectionFailed:
+    return ConnectionFailed(
+        f"cannot reach Redis at {url} ({exc}); check that the server is running and the URL is right "
+        f"(init() starts an embedded server only when no URL is configured)"
+    )
+
+
+def _wait_ms(wait: Wait) -> int:
+    return max(1, int(wait.timeout_s * 1000))
+
+
+class SyncDriver:
+    """Runs operations with a blocking redis-py client (one connection pool per driver)."""
+
+    def __init__(self, url: str, **redis_kwargs: Any) -> None:
+        self.url = url
+        self.redis = redis.Redis.from_url(
+            url,
+            retry=_retry(),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=30,
+            **redis_kwargs,
+        )
+        self._loaded = False
+
+    def run(self, op: Operation) -> Any:
+        """Drive ``op`` to completion and return its result."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = op.throw(error) if error is not None else op.send(value)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, error = self._execute(effect), None
+            except _CONNECTION_ERRORS as exc:
+                value, error = None, _connection_failed(self.url, exc)
+            except Exception as exc:  # handed to the operation, which decides
+                value, error = None, exc
+
+    def _execute(self, effect: Any) -> Any:
+        if isinstance(effect, FCall):
+            return self._fcall(effect)
+        if isinstance(effect, Cmd):
+            return self.redis.execute_command(*effect.args)
+        if isinstance(effect, Pipe):
+            return self._pipe(effect)
+        if isinstance(effect, Offload):
+            return effect.fn(*effect.args)
+        if isinstance(effect, Wait):
+            return self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+        raise TypeError(f"unknown effect {effect!r}")
+
+    def ensure_loaded(self, force: bool = False) -> None:
+        """Load the Lua library unless the server already has this exact version."""
+        if self._loaded and not force:
+            return
+        source, version = scripts.library()
+        try:
+            current = self.redis.execute_command("FCALL", "tq_version", 0)
+        except redis.ResponseError:
+            current = None
+        if current is None or current.decode() != version:
+            self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        self._loaded = True
+
+    def _fcall(self, call: FCall) -> Any:
+        self.ensure_loaded()
+        try:
+            return self.redis.execute_command(*_fcall_args(call))
+        except redis.ResponseError as exc:
+            if not scripts.is_missing_function(exc):
+                raise
+            self.ensure_loaded(force=True)
+            return self.redis.execute_command(*_fcall_args(call))
+
+    def _pipe(self, effect: Pipe) -> list:
+        if any(isinstance(c, FCall) for c in effect.calls):
+            self.ensure_loaded()
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for call in effect.calls:
+                pipe.execute_command(*_as_args(call))
+            results = pipe.execute(raise_on_error=False)
+            missing = [r for r in results if isinstance(r, redis.ResponseError) and scripts.is_missing_function(r)]
+            if missing and attempt == 0:
+                self.ensure_loaded(force=True)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return results
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+class AsyncDriver:
+    """Runs the same operations with ``redis.asyncio``; store I/O goes to a worker thread."""
+
+    def __init__(self, url: str, **redis_kwargs: Any) -> None:
+        self.url = url
+        self.redis = aioredis.Redis.from_url(
+            url,
+            retry=_retry(),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=30,
+            **redis_kwargs,
+        )
+        self._loaded = False
+
+    async def run(self, op: Operation) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = op.throw(error) if error is not None else op.send(value)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, error = await self._execute(effect), None
+            except _CONNECTION_ERRORS as exc:
+                value, error = None, _connection_failed(self.url, exc)
+            except Exception as exc:
+                value, error = None, exc
+
+    async def _execute(self, effect: Any) -> Any:
+        if isinstance(effect, FCall):
+            return await self._fcall(effect)
+        if isinstance(effect, Cmd):
+            return await self.redis.execute_command(*effect.args)
+        if isinstance(effect, Pipe):
+            return await self._pipe(effect)
+        if isinstance(effect, Offload):
+            return await asyncio.to_thread(effect.fn, *effect.args)
+        if isinstance(effect, Wait):
+            return await self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+        raise TypeError(f"unknown effect {effect!r}")
+
+    async def ensure_loaded(self, force: bool = False) -> None:
+        if self._loaded and not force:
+            return
+        source, version = scripts.library()
+        try:
+            current = await self.redis.execute_command("FCALL", "tq_version", 0)
+        except redis.ResponseError:
+            current = None
+        if current is None or current.decode() != version:
+            await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        self._loaded = True
+
+    async def _fcall(self, call: FCall) -> Any:
+        await self.ensure_loaded()
+        try:
+            return await self.redis.execute_command(*_fcall_args(call))
+        except redis.ResponseError as exc:
+            if not scripts.is_missing_function(exc):
+                raise
+            await self.ensure_loaded(force=True)
+            return await self.redis.execute_command(*_fcall_args(call))
+
+    async def _pipe(self, effect: Pipe) -> list:
+        if any(isinstance(c, FCall) for c in effect.calls):
+            await self.ensure_loaded()
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for call in effect.calls:
+                pipe.execute_command(*_as_args(call))
+            results = await pipe.execute(raise_on_error=False)
+            missing = [r for r in results if isinstance(r, redis.ResponseError) and scripts.is_missing_function(r)]
+            if missing and attempt == 0:
+                await self.ensure_loaded(force=True)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return results
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        await self.redis.aclose()

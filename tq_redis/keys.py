@@ -1,0 +1,129 @@
+"""Every Redis key tq-redis uses, built in one place.
+
+Layout (``ns`` is the namespace, ``p`` the partition id; ``{p}`` is a Redis Cluster hash tag, so
+every key of one partition lives in one slot and each script touches a single slot):
+
+=================================  ======  ===============================================
+key                                type    holds
+=================================  ======  ===============================================
+``ns:partitions``                  ZSET    partition ids, scored by creation time
+``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
+``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
+``ns:{p}:meta``                    HASH    partition info: created, samples, sealed, low watermark
+``ns:{p}:seq``                     STRING  next sample id (survives clears: ids never reused)
+``ns:{p}:alive``                   BITMAP  bit i set while sample i exists
+``ns:{p}:fields``                  HASH    field name -> schema JSON (kind, dtype, shape, store)
+``ns:{p}:prod:<field>``            BITMAP  bit i set once field is stored for sample i
+``ns:{p}:tasks``                   SET     consumer task names seen in this partition
+``ns:{p}:cons:<task>``             BITMAP  bit i set once sample i was handed to the task
+``ns:{p}:lease:<task>``            ZSET    sample id -> lease deadline (ms) of in-flight samples
+``ns:{p}:dlv:<task>``              HASH    sample id -> delivery count (lease mode)
+``ns:{p}:poison:<task>``           SET     sample ids moved aside after max deliveries
+``ns:{p}:tagnames``                SET     names of per-sample tags in use
+``ns:{p}:tag:<name>``              HASH    sample id -> JSON value of tag ``name``
+``ns:{p}:groups``                  HASH    first id of an insert -> group size (GRPO groups)
+``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
+``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
+``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
+=================================  ======  ===============================================
+"""
+
+from __future__ import annotations
+
+from tq_redis.errors import InvalidArgument
+
+_FORBIDDEN = set("{}\r\n ")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Validate a partition / field / task name so it cannot break the key layout."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{kind} must be a non-empty string, got {value!r}")
+    bad = _FORBIDDEN.intersection(value)
+    if bad:
+        raise InvalidArgument(
+            f"{kind} {value!r} contains {''.join(sorted(bad))!r}; use letters, digits, '_', '-', '.', ':' or '/'"
+        )
+    return value
+
+
+def partitions_key(ns: str) -> str:
+    return f"{ns}:partitions"
+
+
+def config_key(ns: str) -> str:
+    return f"{ns}:config"
+
+
+def storage_nodes_key(ns: str) -> str:
+    """HASH of registered storage nodes: node id -> JSON description (see ``backends/dram``)."""
+    return f"{ns}:storage:nodes"
+
+
+class PartitionKeys:
+    """Key builder for one partition; all keys share the ``{partition}`` hash tag."""
+
+    __slots__ = ("ns", "partition", "prefix")
+
+    def __init__(self, ns: str, partition: str) -> None:
+        self.ns = ns
+        self.partition = check_name("partition_id", partition)
+        self.prefix = f"{ns}:{{{partition}}}:"
+
+    @property
+    def meta(self) -> str:
+        return self.prefix + "meta"
+
+    @property
+    def seq(self) -> str:
+        return self.prefix + "seq"
+
+    @property
+    def alive(self) -> str:
+        return self.prefix + "alive"
+
+    @property
+    def fields(self) -> str:
+        return self.prefix + "fields"
+
+    @property
+    def tasks(self) -> str:
+        return self.prefix + "tasks"
+
+    @property
+    def tagnames(self) -> str:
+        return self.prefix + "tagnames"
+
+    @property
+    def groups(self) -> str:
+        return self.prefix + "groups"
+
+    @property
+    def kv(self) -> str:
+        return self.prefix + "kv"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"
+
+    def prod(self, field: str) -> str:
+        return self.prefix + "prod:" + field
+
+    def cons(self, task: str) -> str:
+        return self.prefix + "cons:" + task
+
+    def lease(self, task: str) -> str:
+        return self.prefix + "lease:" + task
+
+    def deliveries(self, task: str) -> str:
+        return self.prefix + "dlv:" + task
+
+    def poison(self, task: str) -> str:
+        return self.prefix + "poison:" + task
+
+    def tag(self, name: str) -> str:
+        return self.prefix + "tag:" + name
+
+    def data(self, sample_id: int, field: str) -> str:
+        """Data-plane key of one (sample, field) value; every store uses this name."""
+        return f"{self.prefix}d:{sample_id}:{field}"

@@ -1,0 +1,555 @@
+"""Client operations, each written once as a generator of effects (see :mod:`tq_redis.driver`).
+
+An operation validates its input, yields Redis calls (one atomic Lua function per state
+transition) and blocking store I/O, and returns the result. Order of work follows the
+invariants of the architecture: bytes are stored *before* the bits that make them visible, and
+bits are cleared *before* bytes are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from tq_redis import codec
+from tq_redis.backends.base import StoreContext
+from tq_redis.driver import Cmd, FCall, Offload, Pipe, Wait
+from tq_redis.errors import (
+    BatchSizeMismatch,
+    ConfigError,
+    DataMissing,
+    DataNotReady,
+    EmptyBatch,
+    InvalidArgument,
+    SampleNotFound,
+    UnknownField,
+    UnknownPartition,
+    UnsupportedValue,
+)
+from tq_redis.keys import PartitionKeys, check_name, config_key, partitions_key
+from tq_redis.metadata import BatchMeta
+from tq_redis.storage import KVStorageManager
+
+Op = Generator[Any, Any, Any]
+
+MODES = ("fetch", "force_fetch")
+
+
+@dataclass
+class Context:
+    """What operations need besides Redis: the namespace, client options and the data plane."""
+
+    namespace: str
+    redis_url: str
+    allow_pickle: bool = False
+    nested_output: bool = False
+    storage: KVStorageManager | None = None
+    _keys: dict[str, PartitionKeys] = field(default_factory=dict)
+
+    def keys(self, partition_id: str) -> PartitionKeys:
+        pk = self._keys.get(partition_id)
+        if pk is None:
+            pk = self._keys[partition_id] = PartitionKeys(self.namespace, partition_id)
+        return pk
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def canonical(schema: dict[str, Any]) -> str:
+    """The schema JSON exactly as Redis stores and compares it."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return value.tolist()
+    raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
+
+
+def encode_tag(value: Any) -> str:
+    return json.dumps(value, default=_json_default, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------ data plane
+
+
+def storage(ctx: Context) -> Op:
+    """The namespace's storage manager, built from the ``storage`` settings ``init`` put in Redis."""
+    if ctx.storage is None:
+        raw = yield Cmd(("HGET", config_key(ctx.namespace), "storage"))
+        spec = json.loads(raw) if raw else {"backend": "redis", "options": {}}
+        ctx.storage = KVStorageManager(
+            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace)
+        )
+    return ctx.storage
+
+
+def write_config(ctx: Context, settings: dict[str, Any]) -> Op:
+    """Record namespace settings (store, sampler) so attaching processes use the same ones."""
+    mapping = {k: json.dumps(v) for k, v in settings.items()}
+    yield Cmd(("HSET", config_key(ctx.namespace), *[x for kv in mapping.items() for x in kv]))
+
+
+# ------------------------------------------------------------------ put
+
+
+def _as_tensordict(data: Any) -> TensorDict:
+    if isinstance(data, TensorDict):
+        td = data
+    elif isinstance(data, dict):
+        if not data:
+            raise EmptyBatch("put() got an empty dict; pass a TensorDict or dict with at least one field")
+        try:
+            td = TensorDict(data, batch_size=[_batch_len(data)])
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise BatchSizeMismatch(f"put() fields disagree on the batch size: {exc}") from exc
+    else:
+        raise UnsupportedValue(f"put() takes a TensorDict (or a dict of batched fields), got {type(data).__name__}")
+    if len(td.batch_size) == 0 or td.batch_size[0] == 0 or not list(td.keys()):
+        raise EmptyBatch(f"put() got an empty batch (batch_size={list(td.batch_size)}, fields={list(td.keys())})")
+    return td
+
+
+def _batch_len(data: dict[str, Any]) -> int:
+    first = next(iter(data.values()))
+    if isinstance(first, torch.Tensor | np.ndarray):
+        return int(first.shape[0]) if first.ndim else 1
+    try:
+        return len(first)
+    except TypeError:
+        raise UnsupportedValue(f"field value {first!r} has no batch dimension") from None
+
+
+def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, list]]:
+    n = td.batch_size[0]
+    schemas: dict[str, str] = {}
+    values: dict[str, list] = {}
+    for name in td.keys():
+        check_name("field name", name)
+        schema, per_sample = codec.encode_field(name, td.get(name), n, allow_pickle=ctx.allow_pickle)
+        schemas[name] = canonical(schema)
+        values[name] = per_sample
+    return schemas, values
+
+
+def _raise_conflict(field_name: str, registered: Any, offered: str) -> None:
+    codec.check_compatible(field_name, json.loads(_text(registered)), json.loads(offered))
+    # check_compatible raises for every real difference; equal JSON would not have conflicted
+    raise InvalidArgument(f"field {field_name!r}: schema {offered} conflicts with registered {_text(registered)}")
+
+
+def _flat_schemas(schemas: dict[str, str]) -> list[str]:
+    return [x for kv in schemas.items() for x in kv]
+
+
+def _batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return {name: codec.to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
+
+
+def put(ctx: Context, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None) -> Op:
+    """Insert new samples (no metadata) or write fields of existing samples (with metadata)."""
+    td = _as_tensordict(data)
+    if metadata is None:
+        if partition_id is None:
+            raise InvalidArgument("put() without metadata inserts new samples and needs partition_id=")
+        return (yield from _insert(ctx, td, partition_id))
+    if not isinstance(metadata, BatchMeta):
+        raise InvalidArgument(f"metadata must be a BatchMeta, got {type(metadata).__name__}")
+    if metadata.size != td.batch_size[0]:
+        raise BatchSizeMismatch(
+            f"put() data has {td.batch_size[0]} samples but metadata has {metadata.size}; "
+            f"select the matching samples (metadata.select_samples / chunk) or slice the data"
+        )
+    return (yield from _rewrite(ctx, td, metadata))
+
+
+def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
+    pk = ctx.keys(partition_id)
+    n = td.batch_size[0]
+    schemas, values = _encode(ctx, td)
+    flat = _flat_schemas(schemas)
+    reply = yield FCall("reserve", (pk.meta,), (n, *flat))
+    if reply[0] == 0:
+        _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
+    first = int(reply[1])
+    ids = list(range(first, first + n))
+    store = yield from storage(ctx)
+    yield Offload(store.put, (pk, ids, values))
+    try:
+        reply, _ = yield Pipe(
+            (
+                FCall("insert", (pk.meta,), (first, n, _now_ms(), len(schemas), *flat)),
+                Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
+            )
+        )
+        if reply[0] == 0:
+            _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
+    except Exception:
+        yield Offload(store.delete, (pk, ids, list(schemas)))  # leave no orphaned bytes
+        raise
+    return BatchMeta.from_columns(
+        ids, partition_id, _batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
+    )
+
+
+def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
+    schemas, values = _encode(ctx, td)
+    flat = _flat_schemas(schemas)
+    store = yield from storage(ctx)
+    groups = _group_by_partition(metadata)
+    # Check every partition before writing any bytes: a conflict must leave nothing half-written.
+    checks = []
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        checks.append(Cmd(("EXISTS", pk.meta)))
+        checks.append(Cmd(("HMGET", pk.fields, *schemas)))
+        checks.append(Cmd(("BITFIELD", pk.alive, *[x for i in ids for x in ("GET", "u1", i)])))
+    replies = yield Pipe(tuple(checks))
+    for k, (pid, positions) in enumerate(groups.items()):
+        exists, registered, alive = replies[3 * k : 3 * k + 3]
+        if not exists:
+            raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
+        for name, reg in zip(schemas, registered):
+            if reg is not None and _text(reg) != schemas[name]:
+                _raise_conflict(name, reg, schemas[name])
+        gone = [metadata.global_indexes[i] for i, bit in zip(positions, alive) if not bit]
+        if gone:
+            raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        part = {name: [vals[i] for i in positions] for name, vals in values.items()}
+        yield Offload(store.put, (pk, ids, part))
+        reply = yield FCall("produce", (pk.meta,), (len(schemas), *flat, *ids))
+        _check_produce_reply(reply, pid, schemas)
+    if any(metadata.custom_meta):
+        yield from set_custom_meta(ctx, metadata)
+    result = metadata.copy()
+    result.field_schema.update(_batchmeta_schema(schemas))
+    result.production_status[:] = 1
+    return BatchMeta(
+        result.global_indexes,
+        result.partition_ids,
+        result.field_schema,
+        production_status=result.production_status,
+        extra_info=result.extra_info,
+        custom_meta=result.custom_meta,
+    )
+
+
+def _check_produce_reply(reply: list, pid: str, schemas: dict[str, str]) -> None:
+    code = int(reply[0])
+    if code == -1:
+        raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
+    if code == -2:
+        raise SampleNotFound(f"samples {[int(x) for x in reply[1:11]]} of partition {pid!r} were cleared")
+    if code == 0:
+        _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
+
+
+def _group_by_partition(metadata: BatchMeta) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for pos, pid in enumerate(metadata.partition_ids):
+        groups.setdefault(pid, []).append(pos)
+    return groups
+
+
+# ------------------------------------------------------------------ get_meta
+
+
+def _check_fields(data_fields: Any) -> list[str]:
+    if isinstance(data_fields, str):
+        data_fields = [data_fields]
+    if not isinstance(data_fields, list | tuple):
+        raise InvalidArgument(f"data_fields must be a list of field names, got {data_fields!r}")
+    return [check_name("field name", f) for f in data_fields]
+
+
+def get_meta(
+    ctx: Context,
+    data_fields: Sequence[str],
+    batch_size: int,
+    partition_id: str,
+    mode: str = "fetch",
+    task_name: str | None = None,
+    sampling_config: dict[str, Any] | None = None,
+    timeout: float = 0.0,
+    lease_s: float | None = None,
+) -> Op:
+    """Claim a batch for ``task_name`` (fetch) or describe every sample (force_fetch)."""
+    fields = _check_fields(data_fields)
+    if mode not in MODES:
+        raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+    pk = ctx.keys(partition_id)
+    if mode == "force_fetch":
+        return (yield from _describe_partition(ctx, pk, fields))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
+        raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
+    if task_name is None:
+        raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
+    check_name("task_name", task_name)
+    if timeout is None or timeout < 0:
+        raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}")
+    if lease_s is not None and lease_s <= 0:
+        raise InvalidArgument(f"lease_s must be > 0 seconds (or None for no lease), got {lease_s!r}")
+    lease_ms = int(lease_s * 1000) if lease_s else 0
+    max_deliveries = int((sampling_config or {}).get("max_deliveries", 0))
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = yield FCall(
+            "claim",
+            (pk.meta,),
+            (task_name, int(batch_size), _now_ms(), lease_ms, max_deliveries, len(fields), *fields),
+        )
+        last_id, ids, schemas, tags, deliveries, next_deadline = reply
+        if ids:
+            meta = _claimed_meta(partition_id, ids, schemas, tags, deliveries)
+            meta.set_extra_info("task_name", task_name)
+            return meta
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return BatchMeta.empty()
+        if int(next_deadline) >= 0:  # a lease of this task lapses sooner: re-check then
+            remaining = min(remaining, max(0.001, (int(next_deadline) - _now_ms()) / 1000))
+        yield Wait(pk.events, _text(last_id), remaining)
+
+
+def _pairs(flat: list) -> list[tuple[str, Any]]:
+    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def _custom_meta(tags: list, n: int) -> list[dict[str, Any]]:
+    custom: list[dict[str, Any]] = [{} for _ in range(n)]
+    for name, values in _pairs(tags):
+        for i, raw in enumerate(values):
+            if raw is not None:
+                custom[i][name] = json.loads(raw)
+    return custom
+
+
+def _claimed_meta(partition_id: str, ids: list, schemas: list, tags: list, deliveries: list) -> BatchMeta:
+    n = len(ids)
+    field_schema = {name: codec.to_batchmeta_schema(json.loads(s)) for name, s in _pairs(schemas) if s}
+    custom = _custom_meta(tags, n) if tags else None
+    meta = BatchMeta.from_columns(
+        [int(i) for i in ids],
+        partition_id,
+        field_schema,
+        production_status=np.ones(n, dtype=np.int8),
+        custom_meta=custom,
+    )
+    if deliveries:
+        meta.set_extra_info("delivery_counts", [int(d) for d in deliveries])
+    return meta
+
+
+def _unpack_bits(raw: bytes | None) -> np.ndarray:
+    if not raw:
+        return np.zeros(0, dtype=bool)
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
+
+
+def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str]) -> Op:
+    calls = [Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("SMEMBERS", pk.tagnames))]
+    if fields:
+        calls.append(Cmd(("HMGET", pk.fields, *fields)))
+    calls += [Cmd(("GET", pk.prod(f))) for f in fields]
+    replies = yield Pipe(tuple(calls))
+    exists, alive_raw, tagnames = replies[:3]
+    if not exists:
+        raise UnknownPartition(f"partition {pk.partition!r} does not exist (cleared, or never created)")
+    alive = _unpack_bits(alive_raw)
+    ids = np.flatnonzero(alive)
+    ready = np.ones(len(ids), dtype=np.int8)
+    schema: dict[str, dict[str, Any]] = {}
+    if fields:
+        for name, raw in zip(fields, replies[3]):
+            if raw is None:
+                raise UnknownField(
+                    f"field {name!r} was never put in partition {pk.partition!r}; known fields come from put()"
+                )
+            schema[name] = codec.to_batchmeta_schema(json.loads(raw))
+        for raw in replies[4:]:
+            bits = _unpack_bits(raw)
+            produced = np.zeros(len(alive), dtype=bool)
+            produced[: min(len(bits), len(alive))] = bits[: len(alive)]
+            ready &= produced[ids].astype(np.int8)
+    id_list = ids.tolist()
+    custom = None
+    if tagnames and id_list:
+        names = [_text(t) for t in tagnames]
+        values = yield Pipe(tuple(Cmd(("HMGET", pk.tag(t), *id_list)) for t in names))
+        custom = _custom_meta([x for pair in zip(names, values) for x in pair], len(id_list))
+    return BatchMeta.from_columns(id_list, pk.partition, schema, production_status=ready, custom_meta=custom)
+
+
+# ------------------------------------------------------------------ get_data
+
+
+def get_data(ctx: Context, metadata: BatchMeta) -> Op:
+    """Fetch the fields of ``metadata`` as a TensorDict ordered like ``metadata.global_indexes``."""
+    if not isinstance(metadata, BatchMeta):
+        raise InvalidArgument(f"get_data() takes the BatchMeta returned by get_meta/put, got {type(metadata).__name__}")
+    fields = list(metadata.field_names)
+    n = metadata.size
+    if n == 0:
+        return TensorDict({}, batch_size=[0])
+    if not fields:
+        raise InvalidArgument("metadata has no fields to fetch; get_meta(data_fields=[...]) names them")
+    store = yield from storage(ctx)
+    groups = _group_by_partition(metadata)
+    per_field: dict[str, list] = {f: [None] * n for f in fields}
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        try:
+            got = yield Offload(store.get, (pk, ids, fields))
+        except DataMissing:
+            got = None
+        # Bits are cleared before bytes are deleted, so reading the bits after the bytes proves
+        # the bytes belong to live, produced samples (ids are never reused).
+        yield from _verify_visible(pk, ids, fields)
+        if got is None:
+            raise DataMissing(f"data of partition {pid!r} is missing from the store although marked produced")
+        for name in fields:
+            column = per_field[name]
+            for pos, value in zip(positions, got[name]):
+                column[pos] = value
+    out = {}
+    for name in fields:
+        out[name] = codec.decode_field(name, per_field[name], allow_pickle=ctx.allow_pickle)
+        if ctx.nested_output and isinstance(out[name], torch.Tensor) and not out[name].is_nested:
+            out[name] = torch.nested.as_nested_tensor(list(out[name].unbind(0)), layout=torch.jagged)
+    return TensorDict(out, batch_size=[n])
+
+
+def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    ops = [x for i in ids for x in ("GET", "u1", i)]
+    calls = [Cmd(("BITFIELD", pk.alive, *ops))] + [Cmd(("BITFIELD", pk.prod(f), *ops)) for f in fields]
+    replies = yield Pipe(tuple(calls))
+    gone = [i for i, bit in zip(ids, replies[0]) if not bit]
+    if gone:
+        raise SampleNotFound(f"samples {gone[:10]} of partition {pk.partition!r} were cleared")
+    for name, bits in zip(fields, replies[1:]):
+        missing = [i for i, bit in zip(ids, bits) if not bit]
+        if missing:
+            raise DataNotReady(
+                f"field {name!r} is not produced yet for samples {missing[:10]} of partition {pk.partition!r}; "
+                f"get_meta(mode='fetch') only returns ready samples"
+            )
+
+
+# ------------------------------------------------------------------ tags, clear, status
+
+
+def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
+    """Write ``metadata.custom_meta`` as per-sample tags."""
+    if len(metadata.custom_meta) != metadata.size:
+        raise BatchSizeMismatch(f"custom_meta has {len(metadata.custom_meta)} entries for {metadata.size} samples")
+    for pid, positions in _group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        names = sorted({k for i in positions for k in metadata.custom_meta[i]})
+        if not names:
+            continue
+        args: list[Any] = [len(ids), *ids]
+        for name in names:
+            check_name("custom meta key", name)
+            args.append(name)
+            for i in positions:
+                meta = metadata.custom_meta[i]
+                args.append(encode_tag(meta[name]) if name in meta else "")
+        reply = yield FCall("set_tags", (pk.meta,), tuple(args))
+        _check_produce_reply(reply, pid, {})
+
+
+def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
+    """Remove samples (bits first, then bytes). Idempotent."""
+    store = yield from storage(ctx)
+    for pid, positions in _group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        cleared, fields = yield FCall("clear", (pk.meta,), tuple(ids))
+        if cleared:
+            yield Offload(store.delete, (pk, [int(i) for i in cleared], [_text(f) for f in fields]))
+
+
+def clear_partition(ctx: Context, partition_id: str) -> Op:
+    """Remove a partition and its data. Idempotent; its sample ids are never reused."""
+    pk = ctx.keys(partition_id)
+    store = yield from storage(ctx)
+    alive_raw, fields = yield FCall("drop_partition", (pk.meta,), ())
+    yield Cmd(("ZREM", partitions_key(ctx.namespace), partition_id))
+    ids = np.flatnonzero(_unpack_bits(alive_raw)).tolist() if alive_raw else []
+    if ids:
+        yield Offload(store.delete, (pk, ids, [_text(f) for f in fields]))
+
+
+def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = None) -> Op:
+    pk = ctx.keys(partition_id)
+    if task_name is not None:
+        check_name("task_name", task_name)
+    done = yield FCall("reset_consumption", (pk.meta,), (task_name or "",))
+    return bool(done)
+
+
+def get_partition_list(ctx: Context) -> Op:
+    names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
+    return [_text(n) for n in names]
+
+
+def production_status(ctx: Context, data_fields: Sequence[str], partition_id: str) -> Op:
+    """``(global_indexes, status)`` tensors: status 1 where every field is produced."""
+    fields = _check_fields(data_fields)
+    meta = yield from _describe_partition(ctx, ctx.keys(partition_id), fields)
+    return torch.tensor(meta.global_indexes, dtype=torch.long), torch.from_numpy(meta.production_status.copy())
+
+
+def consumption_status(ctx: Context, task_name: str, partition_id: str) -> Op:
+    """``(global_indexes, status)`` tensors: status 1 where the task consumed the sample."""
+    check_name("task_name", task_name)
+    pk = ctx.keys(partition_id)
+    exists, alive_raw, cons_raw = yield Pipe(
+        (Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("GET", pk.cons(task_name))))
+    )
+    if not exists:
+        raise UnknownPartition(f"partition {partition_id!r} does not exist (cleared, or never created)")
+    alive = _unpack_bits(alive_raw)
+    ids = np.flatnonzero(alive)
+    cons = np.zeros(len(alive), dtype=bool)
+    bits = _unpack_bits(cons_raw)[: len(alive)]
+    cons[: len(bits)] = bits
+    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(cons[ids].astype(np.int8))
+
+
+def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease_s: float = 0.0) -> Op:
+    """ack / nack / extend the leases of ``metadata``'s samples; returns the ids not leased."""
+    check_name("task_name", task_name)
+    not_held: list[int] = []
+    for pid, positions in _group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        reply = yield FCall("settle", (pk.meta,), (task_name, action, _now_ms(), int(lease_s * 1000), *ids))
+        not_held.extend(int(x) for x in reply[1:])
+    return not_held
+
+
+def check_config(ctx: Context) -> None:
+    if not ctx.namespace:
+        raise ConfigError("namespace must be a non-empty string")

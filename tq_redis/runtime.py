@@ -1,0 +1,105 @@
+"""Module-level ``init`` / ``close`` / ``get_client``: the process-wide default client.
+
+``init()`` with no Redis URL (and no ``TQ_REDIS_URL``) starts an embedded Valkey and local DRAM
+storage nodes owned by this process; ``close()`` stops them. With a URL it only attaches. Either
+way the effective config it returns carries the URL and namespace other processes attach with.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from tq_redis import config as config_mod
+from tq_redis.embedded import EmbeddedServer
+from tq_redis.errors import TQError
+from tq_redis.keys import config_key
+from tq_redis.sync import TransferQueueClient
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+class NotInitialized(TQError, RuntimeError):
+    """A module-level function was called before ``tq_redis.init()``."""
+
+
+def _sampler_name(sampler: Any) -> str:
+    if isinstance(sampler, str):
+        return sampler
+    cls = sampler if isinstance(sampler, type) else type(sampler)
+    return cls.__name__
+
+
+def init(conf: Any = None) -> dict[str, Any]:
+    """Start (or attach to) tq-redis and create this process's default client.
+
+    Returns the effective config: ``conf["redis"]["url"]`` and ``conf["namespace"]`` are what
+    other processes pass to ``TransferQueueClient`` (or export as ``TQ_REDIS_URL`` /
+    ``TQ_NAMESPACE`` before their own ``init()``).
+    """
+    with _lock:
+        if _state:
+            return _state["config"]
+        cfg = config_mod.load(conf)
+        explicit_storage = isinstance(conf, dict) and ("storage" in conf or "backend" in conf)
+        server = nodes = None
+        storage = cfg["storage"]
+        try:
+            if cfg["redis"]["url"] is None:
+                server = EmbeddedServer().start()
+                cfg["redis"]["url"] = server.url
+                explicit_storage = True
+                if storage["backend"] == "dram":
+                    from tq_redis.backends.dram_server import start_local_nodes
+
+                    nodes = start_local_nodes(
+                        cfg["redis"]["url"], cfg["namespace"], n=int(storage["units"]),
+                        capacity=str(storage["unit_capacity"]),
+                    )
+            client = TransferQueueClient(
+                cfg["redis"]["url"], cfg["namespace"],
+                allow_pickle=bool(cfg["codec"]["allow_pickle"]),
+                nested_output=bool(cfg["compat"]["nested_output"]),
+            )
+            spec = json.dumps({"backend": storage["backend"], "options": storage.get("options") or {}})
+            key = config_key(cfg["namespace"])
+            if explicit_storage:
+                client.redis.hset(key, "storage", spec)
+            else:
+                client.redis.hsetnx(key, "storage", spec)
+            client.redis.hset(key, "sampler", json.dumps(_sampler_name(cfg["sampler"])))
+        except BaseException:
+            if nodes is not None:
+                nodes.stop()
+            if server is not None:
+                server.stop()
+            raise
+        _state.update(config=cfg, client=client, server=server, nodes=nodes, sampler=cfg["sampler"])
+        return cfg
+
+
+def get_client() -> TransferQueueClient:
+    """The client ``init()`` created for this process."""
+    if not _state:
+        raise NotInitialized("call tq_redis.init() (or init(conf)) before using the module-level API")
+    return _state["client"]
+
+
+def default_sampler() -> Any:
+    """The sampler configured by ``init`` (name, class or instance), or None before init."""
+    return _state.get("sampler")
+
+
+def close() -> None:
+    """Close the default client and stop whatever ``init()`` started. Idempotent."""
+    with _lock:
+        if not _state:
+            return
+        _state["client"].close()
+        if _state.get("nodes") is not None:
+            _state["nodes"].stop()
+        if _state.get("server") is not None:
+            _state["server"].stop()
+        _state.clear()

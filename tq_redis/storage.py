@@ -1,0 +1,66 @@
+"""The data plane: maps (partition, sample, field) to store keys and moves a batch's values.
+
+:class:`KVStorageManager` owns the namespace's stores (built from the ``storage`` config that
+``init`` records in Redis, so every process attached to the namespace uses the same ones). It
+groups a batch's values per store, calls each store once per batch, and leaves encoding to
+:mod:`tq_redis.codec`. Metadata never goes through here: the clients write bytes first, then flip
+bits in Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tq_redis.backends.base import Buffer, Segments, StorageClient, StoreContext, create_store
+from tq_redis.keys import PartitionKeys
+
+
+class KVStorageManager:
+    """Routes data-plane keys to stores. Thread-safe; stores are created lazily on first use."""
+
+    def __init__(self, backend: str, options: dict[str, Any], ctx: StoreContext) -> None:
+        self.backend = backend
+        self.options = dict(options)
+        self.ctx = ctx
+        self._store: StorageClient | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> StorageClient:
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = create_store(self.backend, self.options, self.ctx)
+        return self._store
+
+    @staticmethod
+    def keys_for(pk: PartitionKeys, ids: Sequence[int], fields: Iterable[str]) -> list[str]:
+        """Data keys of every (sample, field) pair, field-major."""
+        return [pk.data(i, f) for f in fields for i in ids]
+
+    def put(self, pk: PartitionKeys, ids: Sequence[int], encoded: dict[str, list[Segments]]) -> None:
+        """Store each field's per-sample values (``encoded[field][j]`` belongs to ``ids[j]``)."""
+        keys: list[str] = []
+        values: list[Segments] = []
+        for field, per_sample in encoded.items():
+            keys.extend(pk.data(i, field) for i in ids)
+            values.extend(per_sample)
+        self.store.put(keys, values)
+
+    def get(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[Buffer]]:
+        """Fetch values of ``fields`` for ``ids``; returns field -> values aligned with ids."""
+        raw = self.store.get(self.keys_for(pk, ids, fields))
+        n = len(ids)
+        return {f: raw[k * n : (k + 1) * n] for k, f in enumerate(fields)}
+
+    def delete(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> None:
+        """Delete values (absent ones are ignored)."""
+        if ids and fields:
+            self.store.delete(self.keys_for(pk, ids, fields))
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,142 @@
+"""``TransferQueueClient``: the blocking client, a thin driver of the operations in :mod:`tq_redis.ops`."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tq_redis import ops
+from tq_redis.client import lease_task, make_context
+from tq_redis.driver import SyncDriver
+from tq_redis.metadata import BatchMeta
+
+
+class TransferQueueClient:
+    """Blocking client of one namespace; safe to share between threads.
+
+    Any number of processes, on any number of machines, may each hold one: they need only the
+    Redis URL and the namespace. There is no controller process.
+
+    Args:
+        redis_url: the metadata plane, e.g. ``redis://host:6379/0``.
+        namespace: key prefix; clients of one job share it, other jobs use another.
+        client_id: a name for logs and metrics (random by default).
+        allow_pickle: pickle values the safe encoding cannot represent (and unpickle them on read).
+        nested_output: return every tensor field as a nested tensor, as the reference system does.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str = "tq",
+        client_id: str | None = None,
+        *,
+        allow_pickle: bool = False,
+        nested_output: bool = False,
+    ) -> None:
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
+        self._ctx = make_context(redis_url, namespace, {"allow_pickle": allow_pickle, "nested_output": nested_output})
+        self._driver = SyncDriver(redis_url)
+
+    @property
+    def redis(self):
+        """The underlying redis-py client (for inspection and tools)."""
+        return self._driver.redis
+
+    def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+        *,
+        timeout: float = 0.0,
+        lease_s: float | None = None,
+    ) -> BatchMeta:
+        """Get the metadata of a batch.
+
+        ``mode="fetch"``: ``batch_size`` samples whose ``data_fields`` are all produced and which
+        ``task_name`` has not consumed, marked consumed atomically (or leased for ``lease_s``
+        seconds: then ``ack``/``nack``/``extend_lease`` it). Never a partial batch: if too few are
+        ready, wait up to ``timeout`` seconds on the partition's event stream, then return an
+        empty ``BatchMeta``. ``mode="force_fetch"``: every sample of the partition with its
+        production status; nothing is marked.
+        """
+        return self._driver.run(
+            ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
+                         timeout, lease_s)
+        )
+
+    def put(self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+        """Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
+        With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
+        the samples become visible. Returns the metadata with the fields added."""
+        return self._driver.run(ops.put(self._ctx, data, metadata, partition_id))
+
+    def get_data(self, metadata: BatchMeta) -> TensorDict:
+        """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""
+        return self._driver.run(ops.get_data(self._ctx, metadata))
+
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store ``metadata.custom_meta`` as per-sample tags (e.g. ``total_lengths``)."""
+        self._driver.run(ops.set_custom_meta(self._ctx, metadata))
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        """Remove these samples and their bytes. Idempotent."""
+        self._driver.run(ops.clear_samples(self._ctx, metadata))
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Remove the partition and its bytes. Idempotent; ids are not reused afterwards."""
+        self._driver.run(ops.clear_partition(self._ctx, partition_id))
+
+    def get_production_status(self, data_fields: Sequence[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(global_indexes, status)``; status is 1 where every field is produced."""
+        return self._driver.run(ops.production_status(self._ctx, data_fields, partition_id))
+
+    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(global_indexes, status)``; status is 1 where ``task_name`` consumed the sample."""
+        return self._driver.run(ops.consumption_status(self._ctx, task_name, partition_id))
+
+    def check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
+        """True when the partition has samples and every one has all ``data_fields``."""
+        _, status = self.get_production_status(data_fields, partition_id)
+        return bool(len(status) and status.all())
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        """True when the partition has samples and ``task_name`` consumed every one."""
+        _, status = self.get_consumption_status(task_name, partition_id)
+        return bool(len(status) and status.all())
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Let ``task_name`` (or every task) consume the partition again. False if it does not exist."""
+        return self._driver.run(ops.reset_consumption(self._ctx, partition_id, task_name))
+
+    def get_partition_list(self) -> list[str]:
+        """Partition ids of the namespace, oldest first."""
+        return self._driver.run(ops.get_partition_list(self._ctx))
+
+    def ack(self, metadata: BatchMeta) -> list[int]:
+        """Mark a leased batch consumed for good. Returns ids whose lease was no longer held."""
+        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+
+    def nack(self, metadata: BatchMeta) -> list[int]:
+        """Hand a leased batch back now, so the task can claim it again."""
+        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+
+    def extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
+        """Keep a leased batch for ``seconds`` more from now."""
+        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+
+    def close(self) -> None:
+        """Close the Redis pool and store connections."""
+        self._driver.close()
+        if self._ctx.storage is not None:
+            self._ctx.storage.close()
