@@ -13,13 +13,14 @@ errors are typed (``tq_redis.errors``) and say what to fix; nothing is logged-an
 
 Field schema entries (``BatchMeta.field_schema[name]``) hold:
 
-``dtype``          ``torch.dtype`` of the field, ``None`` for non-tensor values
+``dtype``          ``torch.dtype`` of the field, ``numpy.dtype`` for numpy arrays that TensorDict
+                   keeps as non-tensor data, ``None`` for other Python objects
 ``shape``          per-sample shape as a tuple (batch dimension excluded); ``None`` when samples
-                   differ in shape, or for non-tensor values
-``is_nested``      ``True`` for jagged (nested-tensor) fields
-``is_non_tensor``  ``True`` for Python objects stored next to tensors (strings, dicts, ...)
-``per_sample_shapes``  only for jagged fields: one shape tuple per sample, in batch order
-``kind``           one of :data:`KIND_DENSE`, :data:`KIND_JAGGED`, :data:`KIND_NON_TENSOR`
+                   differ in shape, or for Python objects
+``is_nested``      ``True`` for nested-tensor fields (samples may differ in shape)
+``is_non_tensor``  ``True`` for values stored next to tensors (strings, dicts, numpy arrays ...)
+``per_sample_shapes``  only for nested fields: one shape tuple per sample, in batch order
+``kind``           one of the ``KIND_*`` constants below (the vocabulary ``tq_redis.codec`` uses)
 """
 
 from __future__ import annotations
@@ -43,20 +44,26 @@ from tq_redis.errors import (
 )
 
 __all__ = [
-    "KIND_DENSE",
     "KIND_JAGGED",
-    "KIND_NON_TENSOR",
+    "KIND_NDARRAY",
+    "KIND_OBJECT",
+    "KIND_STRIDED",
+    "KIND_TENSOR",
     "BatchMeta",
     "KVBatchMeta",
     "extract_field_schema",
     "field_kind",
 ]
 
-KIND_DENSE = "dense"
-"""A regular tensor field: every sample has the same shape."""
+KIND_TENSOR = "tensor"
+"""A regular (dense) tensor field: every sample has the same shape."""
 KIND_JAGGED = "jagged"
-"""A nested-tensor field: samples differ in shape; see ``per_sample_shapes``."""
-KIND_NON_TENSOR = "non_tensor"
+"""A nested tensor with ``torch.jagged`` layout; see ``per_sample_shapes``."""
+KIND_STRIDED = "strided"
+"""A nested tensor with the older ``torch.strided`` nested layout; see ``per_sample_shapes``."""
+KIND_NDARRAY = "ndarray"
+"""A numpy array that TensorDict keeps as non-tensor data (strings, objects)."""
+KIND_OBJECT = "object"
 """A field of arbitrary Python objects (strings, dicts, ...)."""
 
 READY = 1
@@ -76,10 +83,10 @@ def field_kind(meta: Mapping[str, Any]) -> str:
     if kind is not None:
         return kind
     if meta.get("is_non_tensor"):
-        return KIND_NON_TENSOR
+        return KIND_NDARRAY if isinstance(meta.get("dtype"), np.dtype) else KIND_OBJECT
     if meta.get("is_nested"):
         return KIND_JAGGED
-    return KIND_DENSE
+    return KIND_TENSOR
 
 
 def _normalized_field_meta(name: str, meta: Any) -> dict[str, Any]:
@@ -143,7 +150,7 @@ def _check_permutation(indices: list[int], size: int, who: str) -> None:
             f"{who}: got {len(indices)} indices for a batch of {size}; pass a permutation of range({size})"
         )
     seen = set(indices)
-    if False:
+    if len(seen) != size:
         raise InvalidArgument(f"{who}: indices contain duplicates; pass a permutation of range({size})")
     bad = [i for i in indices if not isinstance(i, (int, np.integer)) or i < 0 or i >= size]
     if bad:
@@ -191,7 +198,8 @@ def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
 
     The first batch dimension of ``data`` is the sample dimension. Dense tensors record their
     per-sample shape (a 1-D tensor has per-sample shape ``()``); nested tensors record
-    ``is_nested=True`` and ``per_sample_shapes``; non-tensor values record ``is_non_tensor=True``.
+    ``is_nested=True`` and ``per_sample_shapes`` (``shape`` only if every sample has the same
+    one); non-tensor values record ``is_non_tensor=True``.
 
     Raises:
         InvalidArgument: ``data`` has no batch dimension.
@@ -205,12 +213,17 @@ def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
     schema: dict[str, dict[str, Any]] = {}
     for name, value in data.items():
         if is_non_tensor(value):
+            array = getattr(value, "data", None)
+            if isinstance(array, np.ndarray) and array.ndim >= 1 and array.shape[0] == n:
+                dtype, shape, kind = array.dtype, tuple(array.shape[1:]), KIND_NDARRAY
+            else:
+                dtype, shape, kind = None, None, KIND_OBJECT
             schema[name] = {
-                "dtype": None,
-                "shape": None,
+                "dtype": dtype,
+                "shape": shape,
                 "is_nested": False,
                 "is_non_tensor": True,
-                "kind": KIND_NON_TENSOR,
+                "kind": kind,
             }
         elif isinstance(value, torch.Tensor) and value.is_nested:
             shapes = _per_sample_shapes(value)
@@ -225,7 +238,7 @@ def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
                 "is_nested": True,
                 "is_non_tensor": False,
                 "per_sample_shapes": shapes,
-                "kind": KIND_JAGGED,
+                "kind": KIND_JAGGED if value.layout == torch.jagged else KIND_STRIDED,
             }
         elif isinstance(value, torch.Tensor):
             schema[name] = {
@@ -233,7 +246,7 @@ def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
                 "shape": tuple(value.shape[1:]),
                 "is_nested": False,
                 "is_non_tensor": False,
-                "kind": KIND_DENSE,
+                "kind": KIND_TENSOR,
             }
         elif isinstance(value, TensorDictBase):
             raise UnsupportedValue(
@@ -981,7 +994,8 @@ def _merged_field_meta(name: str, parts: Sequence[BatchMeta]) -> dict[str, Any]:
             shapes.extend([m.get("shape") if m is not None else None] * b.size)
     base.update(
         is_nested=True,
-        kind=KIND_JAGGED,
+        # A dense field that turned ragged across batches is described as jagged.
+        kind=field_kind(base) if base.get("is_nested") else KIND_JAGGED,
         shape=shapes[0] if all(s == shapes[0] for s in shapes) else None,
         per_sample_shapes=shapes,
     )
