@@ -30,7 +30,9 @@ TARGET_NOTES: dict[str, str] = {
 }
 
 
-def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """Parse the options every measure accepts, plus the measure's own (added by ``extra``).
 
     Common options: ``--systems reference,tq_redis``, ``--quick`` (smaller sizes, a smoke run),
@@ -52,6 +54,7 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     if unknown:
         parser.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
     args.systems = systems
+    args.loadavg_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return args
 
 
@@ -84,9 +87,7 @@ def summarize_s(samples_s: list[float]) -> dict[str, float]:
     }
 
 
-def run_per_system(
-    systems: list[str], measure: Callable[[str], dict[str, Any]]
-) -> dict[str, dict[str, Any]]:
+def run_per_system(systems: list[str], measure: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Call ``measure(system)`` for each system; a failure is recorded, not fatal.
 
     A system that cannot run (tq-redis before its core lands, say) gets
@@ -140,6 +141,7 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": _cpu_model(),
         "python": platform.python_version(),
+        "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -162,7 +164,9 @@ def git_commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def versions() -> dict[str, str | None]:
@@ -178,7 +182,9 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[str, Any], out_dir: Path) -> Path:
+def write_result(
+    measure: str, args: Any, params: dict[str, Any], results: dict[str, Any], out_dir: Path
+) -> Path:
     """Write ``<out_dir>/<measure>.json`` with the parameters, per-system results and context."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -190,6 +196,7 @@ def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[
         "results": results,
         "target": TARGET_NOTES.get(measure),
         "machine": machine_info(),
+        "loadavg_at_start": getattr(args, "loadavg_at_start", None),
         "versions": versions(),
     }
     path = out_dir / f"{measure}.json"

@@ -25,7 +25,9 @@ MEASURE = "p1_throughput"
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=1024, help="rows per put (default %(default)s)")
-    parser.add_argument("--width", type=int, default=4096, help="int64 per row per field (default %(default)s)")
+    parser.add_argument(
+        "--width", type=int, default=4096, help="int64 per row per field (default %(default)s)"
+    )
     parser.add_argument("--fields", type=int, default=2, help="fields per sample (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 7, quick 3)")
     parser.add_argument("--storage-units", type=int, default=2, help="storage units (default %(default)s)")
@@ -51,7 +53,10 @@ def _make_batch(samples: int, width: int, fields: int, seed: int) -> Any:
     from tensordict import TensorDict
 
     gen = torch.Generator().manual_seed(seed)
-    data = {f"f{i}": torch.randint(0, 1 << 30, (samples, width), dtype=torch.int64, generator=gen) for i in range(fields)}
+    data = {
+        f"f{i}": torch.randint(0, 1 << 30, (samples, width), dtype=torch.int64, generator=gen)
+        for i in range(fields)
+    }
     return TensorDict(data, batch_size=[samples])
 
 
@@ -64,7 +69,9 @@ def _dense(value: Any) -> Any:
     return value
 
 
-def measure_system(name: str, samples: int, width: int, fields: int, repeats: int, storage_units: int) -> dict[str, Any]:
+def measure_system(
+    name: str, samples: int, width: int, fields: int, repeats: int, storage_units: int
+) -> dict[str, Any]:
     """Time put and get_data of one batch against system ``name``."""
     client, close = open_system(name, num_storage_units=storage_units, polling_mode=True)
     try:
@@ -87,7 +94,10 @@ def measure_system(name: str, samples: int, width: int, fields: int, repeats: in
                 get_s.append(t2 - t1)
             del got
             client.clear_partition(partition)
-            print(f"[{name}] rep {rep}: put {(t1 - t0) * 1e3:.1f} ms, get_data {(t2 - t1) * 1e3:.1f} ms", flush=True)
+            print(
+                f"[{name}] rep {rep}: put {(t1 - t0) * 1e3:.1f} ms, get_data {(t2 - t1) * 1e3:.1f} ms",
+                flush=True,
+            )
         put_med = statistics.median(put_s)
         get_med = statistics.median(get_s)
         return {
@@ -117,7 +127,8 @@ def main() -> dict[str, Any]:
         "repeats": repeats,
         "storage_units": args.storage_units,
     }
-    print(f"P1: put + get_data of {nbytes / 2**20:.0f} MiB ({samples}x{args.width} int64 x {args.fields} fields)")
+    shape = f"{samples}x{args.width} int64 x {args.fields} fields"
+    print(f"P1: put + get_data of {nbytes / 2**20:.0f} MiB ({shape})")
     memcpy = memcpy_gbps(nbytes, repeats)
     print(f"memcpy ceiling: {memcpy['gbps']:.2f} GB/s")
     results = run_per_system(

@@ -182,13 +182,15 @@ def _attach_reference(spec: dict[str, Any], *, attach_mode: str = "zmq") -> tupl
 # ----------------------------------------------------------------------------------------
 # tq-redis
 # ----------------------------------------------------------------------------------------
-def _open_tq_redis(*, conf: dict[str, Any] | None = None, num_storage_units: int | None = 2) -> tuple[Any, CloseFn]:
+def _open_tq_redis(
+    *, conf: dict[str, Any] | None = None, num_storage_units: int | None = 2
+) -> tuple[Any, CloseFn]:
     """Start tq-redis on its embedded default (embedded Valkey + local DRAM storage units).
 
     Args:
         conf: config merged by ``tq.init``; a ``redis.url`` in it attaches to that server
             instead of starting the embedded one.
-        num_storage_units: DRAM storage units to start (``storage.num_units``), ``None`` for
+        num_storage_units: DRAM storage units to start (``storage.units``), ``None`` for
             the package default.
 
     Returns:
@@ -199,7 +201,7 @@ def _open_tq_redis(*, conf: dict[str, Any] | None = None, num_storage_units: int
     full: dict[str, Any] = dict(conf or {})
     if num_storage_units is not None:
         storage = dict(full.get("storage") or {})
-        storage.setdefault("num_units", num_storage_units)
+        storage.setdefault("units", num_storage_units)
         full["storage"] = storage
     effective = tq.init(full or None)
     client = tq.get_client()

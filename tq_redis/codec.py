@@ -45,6 +45,7 @@ from tq_redis.errors import (
     EmptyBatch,
     ShapeConflict,
     StorageError,
+    TQError,
     UnsupportedValue,
 )
 
@@ -160,11 +161,29 @@ def _parse_header(mv: memoryview, name: str, index: int) -> _Header:
     if kind not in _KIND_NAME:
         raise StorageError(f"field {name!r}, sample {index}: unknown value kind code {kind}")
     pos = _FIXED_SIZE + 8 * ndim
+    end = pos + extra_len + (-(pos + extra_len) % 8 if extra_len else 0)
+    if len(mv) < end:
+        raise StorageError(
+            f"field {name!r}, sample {index}: stored value is {len(mv)} bytes, shorter than its "
+            f"own {end}-byte header; the value is truncated or corrupt"
+        )
     shape = _shape_struct(ndim).unpack_from(mv, _FIXED_SIZE) if ndim else ()
+    if any(d < 0 for d in shape):
+        raise StorageError(f"field {name!r}, sample {index}: stored shape {shape} is corrupt")
     extra = bytes(mv[pos:pos + extra_len]) if extra_len else b""
-    pos += extra_len
-    pos += -pos % 8 if extra_len else 0
-    return _Header(kind, code, shape, extra, pos)
+    return _Header(kind, code, shape, extra, end)
+
+
+def _np_dtype(extra: bytes, name: str) -> np.dtype:
+    """The numpy dtype a header names; only plain-bytes dtypes and ``object`` are accepted."""
+    try:
+        dt = np.dtype(extra.decode("ascii"))
+    except (TypeError, ValueError) as e:
+        raise StorageError(f"field {name!r}: stored numpy dtype {extra!r} is invalid ({e})") from e
+    # A raw payload must never be read into a dtype holding Python object pointers.
+    if dt.kind not in _RAW_NP_KINDS and dt != np.dtype(object):
+        raise StorageError(f"field {name!r}: stored numpy dtype {dt} is not allowed")
+    return dt
 
 
 def _as_bytes_view(value: Any) -> memoryview:
@@ -254,10 +273,7 @@ class _Unencodable(Exception):
 
 def _tensor_blob(t: torch.Tensor) -> bytes:
     t = _plain_tensor(t)
-    code = _DTYPE_TO_CODE.get(t.dtype)
-    if code is None or t.layout != torch.strided:
-        raise _Unencodable(t)
-    return _header(_K_TENSOR, code, t.shape) + _byte_view(t).tobytes()
+    return _header(_K_TENSOR, _DTYPE_TO_CODE[t.dtype], t.shape) + _byte_view(t).tobytes()
 
 
 def _ndarray_payload(a: np.ndarray) -> bytes:
@@ -273,7 +289,9 @@ def _make_packer(allow_pickle: bool):
         t = type(obj)
         if t is tuple:
             return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and (
+            obj.is_nested or (obj.dtype in _DTYPE_TO_CODE and obj.layout == torch.strided)
+        ):
             if obj.is_nested:
                 layout = "jagged" if obj.layout == torch.jagged else "strided"
                 return msgpack.ExtType(_EXT_NESTED, pack([layout, list(obj.unbind())]))
@@ -288,7 +306,8 @@ def _make_packer(allow_pickle: bool):
             if dt.kind in _RAW_NP_KINDS:
                 return msgpack.ExtType(_EXT_NPSCALAR, pack([dt.str, obj.tobytes()]))
         elif t is int:  # only ints beyond 64 bits reach here
-            return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+            raw = obj.to_bytes(obj.bit_length() // 8 + 1, "little", signed=True)
+            return msgpack.ExtType(_EXT_BIGINT, raw)
         elif t is complex:
             return msgpack.ExtType(_EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
         elif t is set:
@@ -335,16 +354,16 @@ def _make_unpacker(allow_pickle: bool):
         if code == _EXT_NDARRAY:
             mv = memoryview(data)
             h = _parse_header(mv, "<object>", 0)
-            return _ndarray_from_bytes(mv[h.offset:], np.dtype(h.extra.decode()), h.shape)
+            return _ndarray_from_bytes(mv[h.offset:], _np_dtype(h.extra, "<object>"), h.shape)
         if code == _EXT_NDARRAY_OBJ:
             shape, items = unpack(data)
             return _object_array(items, tuple(shape))
         if code == _EXT_NPSCALAR:
             dt, raw = unpack(data)
-            np_dt = np.dtype(dt)
+            np_dt = _np_dtype(dt.encode(), "<object>")
             if np_dt.itemsize == 0:  # np.str_("") / np.bytes_(b"")
                 return np_dt.type()
-            return np.frombuffer(raw, dtype=np_dt)[0]
+            return _ndarray_from_bytes(memoryview(raw), np_dt, ())[()]
         if code == _EXT_SET:
             return set(unpack(data))
         if code == _EXT_FROZENSET:
@@ -353,13 +372,13 @@ def _make_unpacker(allow_pickle: bool):
             re, im = _COMPLEX.unpack(data)
             return complex(re, im)
         if code == _EXT_BIGINT:
-            return int(data.decode())
+            return int.from_bytes(data, "little", signed=True)
         if code == _EXT_TORCH_DTYPE:
             return _NAME_TO_DTYPE[data.decode()]
         if code == _EXT_TORCH_SIZE:
             return torch.Size(unpack(data))
         if code == _EXT_NP_DTYPE:
-            return np.dtype(data.decode())
+            return _np_dtype(data, "<object>")
         if code == _EXT_PICKLE:
             if not allow_pickle:
                 raise UnsupportedValue(
@@ -415,7 +434,10 @@ def decode_object(buf: Buffer, *, allow_pickle: bool = False) -> Any:
     """
     try:
         return _UNPACK[allow_pickle](buf)
-    except ValueError as e:  # msgpack's unpack errors are ValueErrors
+    except TQError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, struct.error) as e:
+        # msgpack's own errors are ValueErrors; the rest come from malformed extension payloads.
         raise StorageError(f"stored object is not a valid tq-redis object encoding ({e})") from e
 
 
@@ -629,7 +651,7 @@ def _encode_ndarray(name: str, a: np.ndarray, n: int, allow_pickle: bool) -> lis
     hdr = _header(_K_NDARRAY, _NO_DTYPE, shape, a.dtype.str.encode())
     if a.dtype.kind == "O":
         pack = _PACK[allow_pickle]
-        flat = a.reshape(n, -1)
+        flat = a.reshape(n, _prod(shape))
         out = []
         for i in range(n):
             try:
@@ -696,33 +718,39 @@ def encode_field(
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_payload(payload: memoryview, nbytes: int, shape: Sequence[int], dtype: Any) -> None:
+    # Checked before allocating, so a corrupt header cannot make us allocate a huge buffer.
+    if len(payload) != nbytes:
+        raise StorageError(
+            f"stored payload is {len(payload)} bytes but its header says {tuple(shape)} {dtype} "
+            f"({nbytes} bytes); the value is truncated or corrupt"
+        )
+
+
 def _tensor_from_bytes(payload: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A fresh, writable tensor holding a copy of ``payload``."""
+    nb = _prod(shape) * dtype.itemsize
+    _check_payload(payload, nb, shape, dtype)
     t = torch.empty(tuple(shape), dtype=dtype)
-    nb = t.numel() * t.element_size()
-    if len(payload) != nb:
-        raise StorageError(
-            f"stored tensor payload is {len(payload)} bytes but its header says {tuple(shape)} "
-            f"{dtype} ({nb} bytes); the value is truncated or corrupt"
-        )
     if nb:
         _byte_view(t)[:] = payload
     return t
 
 
 def _ndarray_from_bytes(payload: memoryview, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
+    if dtype.kind not in _RAW_NP_KINDS:
+        raise StorageError(f"stored raw array has dtype {dtype}, which cannot be read from bytes")
+    nb = _prod(shape) * dtype.itemsize
+    _check_payload(payload, nb, shape, dtype)
     a = np.empty(tuple(shape), dtype=dtype)
-    if len(payload) != a.nbytes:
-        raise StorageError(
-            f"stored array payload is {len(payload)} bytes but its header says {tuple(shape)} "
-            f"{dtype} ({a.nbytes} bytes); the value is truncated or corrupt"
-        )
-    if a.nbytes:
+    if nb:
         _np_byte_view(a)[:] = payload
     return a
 
 
 def _object_array(items: list, shape: tuple[int, ...]) -> np.ndarray:
+    if not isinstance(items, list) or len(items) != _prod(shape) or any(d < 0 for d in shape):
+        raise StorageError(f"stored object array does not match its shape {tuple(shape)}; it is corrupt")
     a = np.empty(shape, dtype=object)
     flat = a.reshape(-1)
     # Element-wise assignment: a slice assignment would let numpy broadcast list elements.
@@ -738,7 +766,7 @@ def _decode_one(name: str, i: int, mv: memoryview, h: _Header, allow_pickle: boo
         return _tensor_from_bytes(payload, _dtype_from_code(h.code, name), h.shape)
     try:
         if h.kind == _K_NDARRAY:
-            dt = np.dtype(h.extra.decode())
+            dt = _np_dtype(h.extra, name)
             if dt.kind == "O":
                 return _object_array(decode_object(payload, allow_pickle=allow_pickle), h.shape)
             return _ndarray_from_bytes(payload, dt, h.shape)
@@ -769,6 +797,12 @@ def _jagged_from_parts(dtype: torch.dtype, shapes: list[tuple[int, ...]], payloa
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
+def _stack_objects(items: list) -> NonTensorStack:
+    # One NonTensorData per sample (batch [n]). NonTensorStack.from_list would recurse into list
+    # items and fails when samples mix lists and scalars.
+    return NonTensorStack(*items)
+
+
 def _combine_tensors(parts: list[torch.Tensor]) -> Any:
     """Batch per-sample tensors whose shapes or dtypes differ (e.g. rows of two partitions)."""
     dtypes = {p.dtype for p in parts}
@@ -781,7 +815,7 @@ def _combine_tensors(parts: list[torch.Tensor]) -> Any:
             return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
         if ndim >= 1:
             return torch.nested.as_nested_tensor(parts, layout=torch.strided)
-    return NonTensorStack.from_list(parts)
+    return _stack_objects(parts)
 
 
 def _dense_to_jagged(t: torch.Tensor) -> torch.Tensor:
@@ -823,7 +857,7 @@ def decode_field(
             dtype = _dtype_from_code(h0.code, name)
             nb = _prod(h0.shape) * dtype.itemsize
         else:
-            np_dtype = np.dtype(h0.extra.decode())
+            np_dtype = _np_dtype(h0.extra, name)
             nb = _prod(h0.shape) * np_dtype.itemsize
         if all(len(mv) == hlen + nb and mv[:hlen] == prefix for mv in mvs):
             if h0.kind == _K_TENSOR:
@@ -848,6 +882,19 @@ def decode_field(
             [h.shape for h in headers],
             [mv[h.offset:] for mv, h in zip(mvs, headers)],
         )
+    if kinds == {_K_NDARRAY} and {(h.extra, h.shape) for h in headers} == {(b"|O", h0.shape)}:
+        out = np.empty((n, *h0.shape), dtype=object)
+        flat = out.reshape(n, _prod(h0.shape))
+        for i, (mv, h) in enumerate(zip(mvs, headers)):
+            items = _decode_one(name, i, mv, _Header(_K_OBJECT, 0, (), b"", h.offset), allow_pickle)
+            row = flat[i]
+            if not isinstance(items, list) or len(items) != len(row):
+                raise StorageError(
+                    f"field {name!r}, sample {i}: stored object array does not match its shape"
+                )
+            for j, item in enumerate(items):
+                row[j] = item
+        return out
     parts = [_decode_one(name, i, mv, h, allow_pickle) for i, (mv, h) in enumerate(zip(mvs, headers))]
     if kinds <= {_K_TENSOR, _K_JAGGED}:
         # Shapes or dtypes differ between values, e.g. rows of two partitions.
@@ -859,14 +906,14 @@ def decode_field(
     if kinds == {_K_STRIDED}:
         if len({p.dtype for p in parts}) == 1 and len({p.ndim for p in parts}) == 1:
             return torch.nested.as_nested_tensor(parts, layout=torch.strided)
-        return NonTensorStack.from_list(parts)
+        return _stack_objects(parts)
     if kinds == {_K_NDARRAY}:
         try:
             # np.stack also promotes S/U arrays of different string lengths.
             return np.stack(parts)
         except ValueError:
             return _object_array(parts, (n,))
-    return NonTensorStack.from_list(parts)
+    return _stack_objects(parts)
 
 
 # ----------------------------------------------------------------------------------------------

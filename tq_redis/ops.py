@@ -114,8 +114,9 @@ def _as_tensordict(data: Any) -> TensorDict:
     elif isinstance(data, dict):
         if not data:
             raise EmptyBatch("put() got an empty dict; pass a TensorDict or dict with at least one field")
+        n = _batch_len(data)
         try:
-            td = TensorDict(data, batch_size=[_batch_len(data)])
+            td = TensorDict(data, batch_size=[n])
         except (RuntimeError, ValueError, TypeError) as exc:
             raise BatchSizeMismatch(f"put() fields disagree on the batch size: {exc}") from exc
     else:
@@ -433,9 +434,9 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
                 column[pos] = value
     out = {}
     for name in fields:
-        out[name] = codec.decode_field(name, per_field[name], allow_pickle=ctx.allow_pickle)
-        if ctx.nested_output and isinstance(out[name], torch.Tensor) and not out[name].is_nested:
-            out[name] = torch.nested.as_nested_tensor(list(out[name].unbind(0)), layout=torch.jagged)
+        out[name] = codec.decode_field(
+            name, per_field[name], allow_pickle=ctx.allow_pickle, nested_output=ctx.nested_output
+        )
     return TensorDict(out, batch_size=[n])
 
 

@@ -16,32 +16,38 @@ from functools import lru_cache
 from importlib import resources
 
 LIBRARY_NAME = "tq_redis"
-INCLUDES = ("bits", "partition", "ready")
-SCRIPTS = (
-    "reserve",
-    "insert",
-    "produce",
-    "claim",
-    "settle",
-    "clear",
-    "drop_partition",
-    "reset_consumption",
-    "set_tags",
-)
+# Includes that others build on come first; any other include follows in name order.
+INCLUDE_ORDER = ("bits", "partition", "ready")
 
 
-def _read(relative: str) -> str:
-    return resources.files("tq_redis.lua").joinpath(relative).read_text(encoding="utf-8")
+def _lua_dir():
+    return resources.files("tq_redis.lua")
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".lua"))
+
+
+def includes() -> list[str]:
+    """Include names in load order."""
+    found = _names(_lua_dir().joinpath("includes"))
+    return [n for n in INCLUDE_ORDER if n in found] + [n for n in found if n not in INCLUDE_ORDER]
+
+
+def script_names() -> list[str]:
+    """One name per transition: ``lua/<name>.lua`` defines ``local function <name>``."""
+    return _names(_lua_dir())
 
 
 @lru_cache(maxsize=1)
 def library() -> tuple[str, str]:
     """Return ``(source, version)`` of the function library."""
-    parts = [_read(f"includes/{name}.lua") for name in INCLUDES]
-    parts += [_read(f"{name}.lua") for name in SCRIPTS]
+    root = _lua_dir()
+    parts = [root.joinpath("includes", f"{name}.lua").read_text(encoding="utf-8") for name in includes()]
+    parts += [root.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in script_names()]
     body = "\n".join(parts)
     version = hashlib.sha1(body.encode()).hexdigest()[:16]
-    registrations = [f"redis.register_function('tq_{name}', {name})" for name in SCRIPTS]
+    registrations = [f"redis.register_function('tq_{name}', {name})" for name in script_names()]
     registrations.append(f"redis.register_function('tq_version', function() return '{version}' end)")
     source = f"#!lua name={LIBRARY_NAME}\n{body}\n" + "\n".join(registrations) + "\n"
     return source, version

@@ -19,9 +19,11 @@ from tq_redis.errors import (
     UnsupportedValue,
 )
 from tq_redis.metadata import (
-    KIND_DENSE,
     KIND_JAGGED,
-    KIND_NON_TENSOR,
+    KIND_NDARRAY,
+    KIND_OBJECT,
+    KIND_STRIDED,
+    KIND_TENSOR,
     BatchMeta,
     KVBatchMeta,
     extract_field_schema,
@@ -161,11 +163,16 @@ class TestConstruction:
                 "explicit": {**dense(), "kind": "custom"},
             },
         )
-        assert m.field_schema["d"]["kind"] == KIND_DENSE
+        assert m.field_schema["d"]["kind"] == KIND_TENSOR
         assert m.field_schema["j"]["kind"] == KIND_JAGGED
-        assert m.field_schema["o"]["kind"] == KIND_NON_TENSOR
+        assert m.field_schema["o"]["kind"] == KIND_OBJECT
         assert m.field_schema["explicit"]["kind"] == "custom"
         assert field_kind({"is_nested": True}) == KIND_JAGGED
+        assert field_kind({"is_non_tensor": True, "dtype": np.dtype("<U3")}) == KIND_NDARRAY
+
+    def test_kind_vocabulary_matches_codec(self):
+        codec = pytest.importorskip("tq_redis.codec")
+        assert {KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT} == set(codec.KINDS)
 
     def test_numpy_global_indexes_become_python_ints(self):
         m = BatchMeta(np.arange(3, dtype=np.int64), ["p"] * 3)
@@ -188,7 +195,7 @@ class TestFromColumns:
         assert m.global_indexes == [5, 6, 7]
         assert m.production_status.tolist() == [1, 1, 1]
         assert m.is_ready
-        assert m.field_schema["a"]["kind"] == KIND_DENSE
+        assert m.field_schema["a"]["kind"] == KIND_TENSOR
 
     def test_array_status_tags_and_extra(self):
         tags = [{"len": 3}, {"len": 5}]
@@ -319,12 +326,12 @@ class TestExtractFieldSchema:
             "shape": (4, 2),
             "is_nested": False,
             "is_non_tensor": False,
-            "kind": KIND_DENSE,
+            "kind": KIND_TENSOR,
         }
         assert schema["r"]["shape"] == ()
         assert schema["s"]["is_non_tensor"] is True
         assert schema["s"]["dtype"] is None
-        assert schema["s"]["kind"] == KIND_NON_TENSOR
+        assert schema["s"]["kind"] == KIND_OBJECT
 
     def test_jagged_nested_tensor(self):
         nt = torch.nested.nested_tensor(
@@ -343,6 +350,17 @@ class TestExtractFieldSchema:
         schema = extract_field_schema(TensorDict({"t": nt}, batch_size=[2]))
         assert schema["t"]["per_sample_shapes"] == [(3, 2), (3, 2)]
         assert schema["t"]["shape"] == (3, 2)
+        assert schema["t"]["kind"] == KIND_STRIDED
+
+    def test_numpy_string_array_is_ndarray_kind(self):
+        td = TensorDict({"s": np.array(["a", "bb", "c"]), "f": np.zeros((3, 2))}, batch_size=[3])
+        schema = extract_field_schema(td)
+        assert schema["s"]["kind"] == KIND_NDARRAY
+        assert schema["s"]["is_non_tensor"] is True
+        assert schema["s"]["dtype"] == np.dtype("<U2")
+        assert schema["s"]["shape"] == ()
+        assert schema["f"]["kind"] == KIND_TENSOR  # numeric arrays become tensors
+        assert schema["f"]["dtype"] == torch.float64
 
     def test_nested_tensordict_is_rejected(self):
         td = TensorDict({"sub": TensorDict({"q": torch.zeros(2)}, batch_size=[2])}, batch_size=[2])
@@ -701,6 +719,7 @@ class TestConcat:
         meta = c.field_schema["a"]
         assert meta["is_nested"] is True and meta["kind"] == KIND_JAGGED
         assert meta["per_sample_shapes"] == [(3,), (3,), (5,)]
+        assert x.field_schema["a"]["kind"] == KIND_TENSOR  # inputs untouched
         assert meta["shape"] is None
         assert c.get_shapes("a") == [(3,), (3,), (5,)]
 
@@ -711,9 +730,15 @@ class TestConcat:
         assert c.field_schema["t"]["per_sample_shapes"] == [(2,), (4,), (1,)]
         assert c.field_schema["t"]["is_nested"] is True
 
+    def test_strided_kind_is_kept(self):
+        strided = {**jagged([(2,)]), "kind": KIND_STRIDED}
+        c = BatchMeta.concat([BatchMeta([0], ["p"], {"t": strided}), BatchMeta([1], ["p"], {"t": strided})])
+        assert c.field_schema["t"]["kind"] == KIND_STRIDED
+        assert c.field_schema["t"]["shape"] == (2,)
+
     def test_same_dense_shapes_stay_dense(self):
         c = BatchMeta.concat([BatchMeta([0], ["p"], {"a": dense()}), BatchMeta([1], ["q"], {"a": dense()})])
-        assert c.field_schema["a"]["kind"] == KIND_DENSE
+        assert c.field_schema["a"]["kind"] == KIND_TENSOR
         assert "per_sample_shapes" not in c.field_schema["a"]
         assert c.partition_ids == ["p", "q"]
 

@@ -1,0 +1,336 @@
+"""P3: many processes on one partition. 8 producers + 32 consumers drain 8,192 small samples.
+
+The parent opens the system, then starts ``--producers`` + ``--consumers`` separate worker
+processes (a forkserver that has imported torch and both systems once, so 40 workers start
+cheaply); each attaches to the running system (:func:`benchmarks.reference.attach`) and waits at
+a barrier so that the clock starts when every process is connected.
+
+* Each producer puts its share of ``--samples`` samples (one ``int64[16]`` field, the sample's
+  number) in batches of ``--put-batch``.
+* Each consumer loops ``get_meta(batch_size=--get-batch, mode="fetch")`` for ONE shared task
+  name and ``get_data`` of what it claimed, until all samples are claimed, recording every
+  global index it was handed. The reference runs in polling mode (an empty ``get_meta`` returns
+  at once; the consumer sleeps ``--poll-interval`` and asks again); tq-redis blocks on its event
+  stream for up to ``--wait-s`` inside ``get_meta(timeout=...)`` instead.
+
+Reported: wall time from the barrier to the last claim, aggregate claims/s (samples claimed per
+second), ``get_meta`` calls and empty polls, and ``duplicates``: the number of times a sample
+was handed to the task beyond the first (must be 0), plus ``missing`` samples never handed out.
+
+Run: ``python -m benchmarks.p3_concurrency [--systems ...] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
+from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
+
+MEASURE = "p3_concurrency"
+PARTITION = "p3"
+TASK = "p3_drain"
+FIELD = "x"
+WIDTH = 16
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--producers", type=int, default=None, help="producer processes (default 8, quick 4)")
+    parser.add_argument(
+        "--consumers", type=int, default=None, help="consumer processes (default 32, quick 8)"
+    )
+    parser.add_argument(
+        "--samples", type=int, default=None, help="samples to drain (default 8192, quick 1024)"
+    )
+    parser.add_argument(
+        "--put-batch", type=int, default=1, help="samples per producer put (default %(default)s)"
+    )
+    parser.add_argument("--get-batch", type=int, default=1, help="get_meta batch_size (default %(default)s)")
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.05,
+        help="consumer sleep after an empty poll, s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--wait-s",
+        type=float,
+        default=0.5,
+        help="tq-redis get_meta(timeout=...) per call, s (default %(default)s)",
+    )
+    parser.add_argument("--no-read", action="store_true", help="consumers skip get_data")
+    parser.add_argument(
+        "--attach-mode",
+        choices=("zmq", "ray"),
+        default="zmq",
+        help="how reference workers attach (see reference.py)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=300.0, help="give up after this long (default %(default)s)"
+    )
+
+
+def _worker(
+    role: str,
+    wid: int,
+    name: str,
+    spec: dict[str, Any],
+    cfg: dict[str, Any],
+    barrier: Any,
+    counter: Any,
+    results: Any,
+) -> None:
+    """Body of one producer or consumer process; sends one report dict to ``results``."""
+    report: dict[str, Any] = {"role": role, "wid": wid, "pid": os.getpid()}
+    client = close = None
+    try:
+        t_attach = time.perf_counter()
+        client, close = attach(name, spec, attach_mode=cfg["attach_mode"])
+        report["attach_s"] = time.perf_counter() - t_attach
+        barrier.wait(timeout=cfg["barrier_timeout_s"])
+        deadline = time.monotonic() + cfg["timeout_s"]
+        if role == "producer":
+            report.update(_produce(client, wid, cfg, deadline))
+        else:
+            report.update(_consume(client, name, cfg, counter, deadline))
+    except Exception as exc:  # noqa: BLE001 - sent to the parent, which reports it
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
+        if isinstance(exc, threading.BrokenBarrierError):
+            report["error"] = "barrier broken (another worker failed to attach in time)"
+            report.pop("traceback")
+        elif "attach_s" not in report:
+            barrier.abort()  # this worker never reaches the barrier: release the others now
+    finally:
+        results.put(report)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the figures are already sent
+                pass
+
+
+def _produce(client: Any, wid: int, cfg: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """Put this producer's share of samples in batches; return its figures."""
+    import torch
+    from tensordict import TensorDict
+
+    share = cfg["samples"] // cfg["producers"]
+    first = wid * share
+    put_batch = cfg["put_batch"]
+    puts = 0
+    t0 = time.perf_counter()
+    for start in range(first, first + share, put_batch):
+        if time.monotonic() > deadline:
+            break
+        n = min(put_batch, first + share - start)
+        values = torch.arange(start, start + n, dtype=torch.int64).unsqueeze(1).expand(n, WIDTH).contiguous()
+        client.put(TensorDict({FIELD: values}, batch_size=[n]), partition_id=PARTITION)
+        puts += 1
+    return {"puts": puts, "put_s": time.perf_counter() - t0, "done_at": time.time()}
+
+
+def _consume(client: Any, name: str, cfg: dict[str, Any], counter: Any, deadline: float) -> dict[str, Any]:
+    """Claim batches for the shared task until every sample is claimed; return what it got."""
+    total = cfg["samples"]
+    batch = cfg["get_batch"]
+    wait_kw = {"timeout": cfg["wait_s"]} if name == "tq_redis" else {}
+    got: list[int] = []
+    calls = empty = 0
+    last_claim_at = None
+    while counter.value < total and time.monotonic() < deadline:
+        meta = client.get_meta(
+            data_fields=[FIELD],
+            batch_size=batch,
+            partition_id=PARTITION,
+            mode="fetch",
+            task_name=TASK,
+            **wait_kw,
+        )
+        calls += 1
+        if meta.size == 0:
+            empty += 1
+            if not wait_kw and cfg["poll_interval"] > 0:
+                time.sleep(cfg["poll_interval"])
+            continue
+        indexes = [int(i) for i in meta.global_indexes]
+        with counter.get_lock():
+            counter.value += len(indexes)
+        last_claim_at = time.time()
+        got.extend(indexes)
+        if cfg["read"]:
+            client.get_data(meta)
+    return {"indexes": got, "get_meta_calls": calls, "empty_polls": empty, "last_claim_at": last_claim_at}
+
+
+def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run the producer/consumer drain against system ``name`` and count duplicates."""
+    _, close = open_system(name, num_storage_units=2, polling_mode=True)
+    procs: list[Any] = []
+    try:
+        spec = attach_spec(name)
+        ctx = mp.get_context("forkserver")
+        n_workers = cfg["producers"] + cfg["consumers"]
+        barrier = ctx.Barrier(n_workers + 1)
+        counter = ctx.Value("q", 0)
+        results = ctx.Queue()
+        t_spawn = time.perf_counter()
+        roles = [("producer", i) for i in range(cfg["producers"])] + [
+            ("consumer", i) for i in range(cfg["consumers"])
+        ]
+        for role, wid in roles:
+            proc = ctx.Process(
+                target=_worker,
+                args=(role, wid, name, spec, cfg, barrier, counter, results),
+                name=f"p3-{name}-{role}-{wid}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        try:
+            barrier.wait(timeout=cfg["barrier_timeout_s"])
+        except threading.BrokenBarrierError:
+            pass  # the workers report why; collected below
+        start_wall = time.time()
+        attach_all_s = time.perf_counter() - t_spawn
+        print(f"[{name}] {n_workers} workers attached in {attach_all_s:.1f} s; draining...", flush=True)
+
+        reports = _collect(results, procs, n_workers, cfg["timeout_s"] + 60, name, counter, cfg["samples"])
+        return _summarize(name, reports, start_wall, attach_all_s, cfg)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        close()
+
+
+def _collect(
+    results: Any, procs: list[Any], n_workers: int, timeout_s: float, name: str, counter: Any, total: int
+) -> list[dict[str, Any]]:
+    """Gather one report per worker, printing progress every few seconds."""
+    reports: list[dict[str, Any]] = []
+    end = time.monotonic() + timeout_s
+    next_note = time.monotonic() + 10
+    while len(reports) < n_workers and time.monotonic() < end:
+        try:
+            reports.append(results.get(timeout=1.0))
+        except queue_mod.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+        if time.monotonic() > next_note:
+            print(f"[{name}]   claimed {counter.value}/{total}", flush=True)
+            next_note = time.monotonic() + 10
+    return reports
+
+
+def _summarize(
+    name: str, reports: list[dict[str, Any]], start_wall: float, attach_all_s: float, cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """Turn worker reports into the figures of one system."""
+    errors = [f"{r['role']} {r['wid']}: {r['error']}" for r in reports if "error" in r]
+    for r in reports:
+        if "traceback" in r:
+            print(f"[{name}] {r['role']} {r['wid']} failed:\n{r['traceback']}", file=sys.stderr, flush=True)
+    consumers = [r for r in reports if r["role"] == "consumer" and "indexes" in r]
+    producers = [r for r in reports if r["role"] == "producer" and "put_s" in r]
+    counts = collections.Counter(i for r in consumers for i in r["indexes"])
+    claimed = sum(counts.values())
+    distinct = len(counts)
+    duplicates = claimed - distinct
+    last = [r["last_claim_at"] for r in consumers if r.get("last_claim_at")]
+    wall = (max(last) - start_wall) if last else None
+    produce_wall = max((r["done_at"] for r in producers), default=start_wall) - start_wall
+    result = {
+        "claimed": claimed,
+        "distinct": distinct,
+        "duplicates": duplicates,
+        "missing": cfg["samples"] - distinct,
+        "complete": distinct == cfg["samples"],
+        "wall_s": wall,
+        "claims_per_s": claimed / wall if wall else None,
+        "producers_done_s": produce_wall,
+        "get_meta_calls": sum(r["get_meta_calls"] for r in consumers),
+        "empty_polls": sum(r["empty_polls"] for r in consumers),
+        "attach_all_s": attach_all_s,
+        "attach_s_max": max((r.get("attach_s", 0.0) for r in reports), default=None),
+        "workers_reported": len(reports),
+        "errors": errors,
+        "startup_s": startup_seconds(name),
+    }
+    print(
+        f"[{name}] claimed {claimed} ({distinct} distinct, {duplicates} duplicates) in "
+        f"{wall if wall is None else round(wall, 2)} s -> {result['claims_per_s'] or 0:.1f} claims/s; "
+        f"producers done at {produce_wall:.1f} s; {result['get_meta_calls']} get_meta calls "
+        f"({result['empty_polls']} empty)",
+        flush=True,
+    )
+    if errors:
+        print(f"[{name}] {len(errors)} worker error(s): {errors[:3]}", flush=True)
+    return result
+
+
+def main() -> dict[str, Any]:
+    """Measure every requested system; print and write the result."""
+    args = parse_args(__doc__.splitlines()[0], _add_args)
+    cfg = {
+        "producers": args.producers or (4 if args.quick else 8),
+        "consumers": args.consumers or (8 if args.quick else 32),
+        "samples": args.samples or (1024 if args.quick else 8192),
+        "put_batch": args.put_batch,
+        "get_batch": args.get_batch,
+        "poll_interval": args.poll_interval,
+        "wait_s": args.wait_s,
+        "read": not args.no_read,
+        "attach_mode": args.attach_mode,
+        "timeout_s": args.timeout_s,
+        "barrier_timeout_s": 300.0,
+        "payload": f"{FIELD}: int64[{WIDTH}] per sample",
+        "process_model": "separate processes (forkserver), each attached to the running system",
+    }
+    if cfg["samples"] % cfg["producers"] or cfg["samples"] % cfg["get_batch"]:
+        raise SystemExit("--samples must be a multiple of --producers and of --get-batch")
+    # One forkserver for the whole run, with both systems' imports preloaded (a missing one is
+    # skipped by multiprocessing), so each of the 40 workers starts with torch already imported.
+    modules = sorted({m for s in args.systems for m in preload_modules(s)})
+    mp.set_forkserver_preload(modules)
+    print(
+        f"P3: {cfg['producers']} producers + {cfg['consumers']} consumers, {cfg['samples']} samples, "
+        f"put batch {cfg['put_batch']}, get batch {cfg['get_batch']}"
+    )
+    results = run_per_system(args.systems, lambda name: measure_system(name, cfg))
+
+    def get(system: str, key: str) -> float | None:
+        return results.get(system, {}).get(key)
+
+    print_comparison(
+        "P3 concurrent drain (claims/s higher is better; wall s and duplicates lower is better)",
+        [
+            (
+                "aggregate claims/s",
+                get("reference", "claims_per_s"),
+                get("tq_redis", "claims_per_s"),
+                "",
+                True,
+            ),
+            ("wall time", get("reference", "wall_s"), get("tq_redis", "wall_s"), " s", False),
+        ],
+    )
+    print(
+        f"  duplicates: reference {get('reference', 'duplicates')}, tq_redis {get('tq_redis', 'duplicates')}"
+    )
+    write_result(MEASURE, args, cfg, results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()

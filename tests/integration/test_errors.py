@@ -1,0 +1,179 @@
+"""Bad input raises a typed error that says what to fix, and leaves no partial state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tq_redis import TransferQueueClient, errors
+from tq_redis.keys import PartitionKeys
+
+
+def _state(client, partition: str) -> dict:
+    """Every key of the partition with its type and content, to prove nothing changed."""
+    out = {}
+    for key in sorted(client.redis.scan_iter(f"{client.namespace}:*")):
+        kind = client.redis.type(key).decode()
+        if kind == "stream":
+            out[key] = client.redis.xlen(key)
+        elif kind == "string":
+            out[key] = client.redis.get(key)
+        elif kind == "hash":
+            out[key] = client.redis.hgetall(key)
+        elif kind == "set":
+            out[key] = client.redis.smembers(key)
+        elif kind == "zset":
+            out[key] = client.redis.zrange(key, 0, -1)
+    return out
+
+
+@pytest.fixture
+def seeded(client):
+    meta = client.put(
+        TensorDict({"ids": torch.zeros(4, 3, dtype=torch.long), "resp": torch.ones(4, 2)}, batch_size=[4]),
+        partition_id="p",
+    )
+    return client, meta
+
+
+def test_dtype_conflict_on_insert_leaves_nothing(seeded):
+    client, _ = seeded
+    before = _state(client, "p")
+    with pytest.raises(errors.DTypeConflict, match="ids"):
+        client.put(TensorDict({"ids": torch.zeros(2, 3, dtype=torch.float32)}, batch_size=[2]), partition_id="p")
+    assert _state(client, "p") == before
+
+
+def test_shape_conflict_on_insert_leaves_nothing(seeded):
+    client, _ = seeded
+    before = _state(client, "p")
+    with pytest.raises(errors.ShapeConflict):
+        client.put(TensorDict({"ids": torch.zeros(2, 5, dtype=torch.long)}, batch_size=[2]), partition_id="p")
+    assert _state(client, "p") == before
+
+
+def test_dtype_conflict_on_rewrite_leaves_nothing(seeded):
+    client, meta = seeded
+    before = _state(client, "p")
+    with pytest.raises(errors.DTypeConflict):
+        client.put(TensorDict({"resp": torch.ones(4, 2, dtype=torch.float64)}, batch_size=[4]), metadata=meta)
+    assert _state(client, "p") == before
+    assert torch.equal(client.get_data(meta)["resp"], torch.ones(4, 2))
+
+
+def test_batch_size_mismatch(seeded):
+    client, meta = seeded
+    with pytest.raises(errors.BatchSizeMismatch, match="4"):
+        client.put(TensorDict({"x": torch.ones(3)}, batch_size=[3]), metadata=meta)
+    with pytest.raises(errors.BatchSizeMismatch):
+        client.put({"a": torch.ones(3), "b": torch.ones(2)}, partition_id="p")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_batch_size_must_be_positive_int(client, bad):
+    with pytest.raises(errors.InvalidArgument, match="batch_size"):
+        client.get_meta(["x"], bad, "p", task_name="t")
+
+
+def test_empty_tensordict(client):
+    with pytest.raises(errors.EmptyBatch):
+        client.put(TensorDict({}, batch_size=[0]), partition_id="p")
+    with pytest.raises(errors.EmptyBatch):
+        client.put(TensorDict({"x": torch.ones(0, 2)}, batch_size=[0]), partition_id="p")
+    with pytest.raises(errors.EmptyBatch):
+        client.put({}, partition_id="p")
+
+
+def test_non_tensor_where_tensor_required(client):
+    with pytest.raises(errors.UnsupportedValue):
+        client.put(42, partition_id="p")
+    with pytest.raises(errors.UnsupportedValue):
+        client.put({"x": object()}, partition_id="p")
+
+
+def test_unknown_partition(client):
+    with pytest.raises(errors.UnknownPartition, match="nope"):
+        client.get_meta(["x"], 1, "nope", mode="force_fetch")
+    with pytest.raises(errors.UnknownPartition):
+        client.get_production_status(["x"], "nope")
+    with pytest.raises(errors.UnknownPartition):
+        client.get_consumption_status("t", "nope")
+
+
+def test_unknown_field(seeded):
+    client, _ = seeded
+    with pytest.raises(errors.UnknownField, match="nope"):
+        client.get_meta(["nope"], 1, "p", mode="force_fetch")
+
+
+def test_rewrite_of_cleared_samples(seeded):
+    client, meta = seeded
+    client.clear_samples(meta[0:1])
+    before = _state(client, "p")
+    with pytest.raises(errors.SampleNotFound):
+        client.put(TensorDict({"resp": torch.ones(4, 2)}, batch_size=[4]), metadata=meta)
+    assert _state(client, "p") == before
+
+
+def test_get_data_of_unproduced_field(seeded):
+    client, meta = seeded
+    ff = client.get_meta(["ids"], 4, "p", mode="force_fetch")
+    ff.field_schema["later"] = dict(ff.field_schema["ids"])
+    ff = type(ff)(ff.global_indexes, ff.partition_ids, ff.field_schema, ff.production_status)
+    with pytest.raises(errors.DataNotReady, match="later"):
+        client.get_data(ff)
+
+
+def test_bad_names_and_modes(client):
+    with pytest.raises(errors.InvalidArgument, match="partition_id"):
+        client.put(TensorDict({"x": torch.ones(1)}, batch_size=[1]), partition_id="a{b}")
+    with pytest.raises(errors.InvalidArgument, match="mode"):
+        client.get_meta(["x"], 1, "p", mode="insert", task_name="t")
+    with pytest.raises(errors.InvalidArgument, match="task_name"):
+        client.get_meta(["x"], 1, "p")
+    with pytest.raises(errors.InvalidArgument, match="partition_id"):
+        client.put(TensorDict({"x": torch.ones(1)}, batch_size=[1]))
+    with pytest.raises(errors.LeaseError):
+        client.ack(client.put(TensorDict({"x": torch.ones(1)}, batch_size=[1]), partition_id="p"))
+
+
+def test_pickle_refused_by_default(client):
+    class Custom:
+        pass
+
+    td = TensorDict({"x": torch.ones(2)}, batch_size=[2])
+    td.set_non_tensor("obj", Custom())
+    with pytest.raises(errors.UnsupportedValue, match="allow_pickle"):
+        client.put(td, partition_id="p")
+
+
+def test_redis_unreachable_names_the_url():
+    from tq_redis.embedded import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    client = TransferQueueClient(url, "ns")
+    client._driver.redis.connection_pool.connection_kwargs["socket_connect_timeout"] = 0.2
+    client._driver.redis.set_retry(type(client._driver.redis.get_retry())(
+        client._driver.redis.get_retry()._backoff, 1))
+    with pytest.raises(errors.ConnectionFailed, match=url.split("/0")[0]):
+        client.get_meta(["x"], 1, "p", task_name="t")
+    assert isinstance(errors.ConnectionFailed("x"), ConnectionError)
+
+
+def test_errors_are_catchable_as_builtins():
+    assert issubclass(errors.UnknownPartition, KeyError)
+    assert issubclass(errors.BatchSizeMismatch, ValueError)
+    assert str(errors.UnknownField("field 'a' is unknown")) == "field 'a' is unknown"
+    assert issubclass(errors.DTypeConflict, TypeError)
+    assert np.int8(1) == 1
+
+
+def test_nothing_written_for_unknown_partition_rewrite(client):
+    meta = client.put(TensorDict({"x": torch.ones(2)}, batch_size=[2]), partition_id="p")
+    client.clear_partition("p")
+    with pytest.raises(errors.UnknownPartition):
+        client.put(TensorDict({"y": torch.ones(2)}, batch_size=[2]), metadata=meta)
+    pk = PartitionKeys(client.namespace, "p")
+    assert not client.redis.exists(pk.data(0, "y"))

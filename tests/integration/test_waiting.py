@@ -1,0 +1,87 @@
+"""get_meta(timeout=...) blocks on the partition's event stream and wakes when data lands."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from tensordict import TensorDict
+
+from tests.conftest import make_client
+
+
+def _blocked_on_stream(client, partition: str) -> bool:
+    """True while some connection of the server is blocked in XREAD on the partition's stream."""
+    for entry in client.redis.client_list():
+        if entry.get("cmd") in ("xread", "xreadgroup") and "b" in entry.get("flags", ""):
+            return True
+    return False
+
+
+def _wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)  # polling an observable condition, not synchronising on time
+    return False
+
+
+def test_waiting_get_meta_wakes_up_on_put(real_server, namespace):
+    producer = make_client(real_server.url, namespace)
+    consumer = make_client(real_server.url, namespace)
+    result: dict = {}
+
+    def consume():
+        result["meta"] = consumer.get_meta(["x"], 4, "p", task_name="t", timeout=20)
+        result["returned"] = time.monotonic()
+
+    thread = threading.Thread(target=consume)
+    started = time.monotonic()
+    thread.start()
+    assert _wait_until(lambda: _blocked_on_stream(producer, "p"), 5), "consumer never blocked on the stream"
+    assert "meta" not in result
+    put_at = time.monotonic()
+    producer.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id="p")
+    thread.join(20)
+    assert result["meta"].global_indexes == [0, 1, 2, 3]
+    wake_up = result["returned"] - put_at
+    assert 0 <= wake_up < 0.5, f"woke {wake_up:.3f}s after the put"
+    assert result["returned"] - started < 10
+    producer.close()
+    consumer.close()
+
+
+def test_waiting_consumer_does_not_delay_others(real_server, namespace):
+    waiter = make_client(real_server.url, namespace)
+    other = make_client(real_server.url, namespace)
+    thread = threading.Thread(target=lambda: waiter.get_meta(["x"], 1, "q", task_name="t", timeout=3))
+    thread.start()
+    assert _wait_until(lambda: _blocked_on_stream(other, "q"), 5)
+    t0 = time.monotonic()
+    meta = other.put(TensorDict({"y": torch.arange(2)}, batch_size=[2]), partition_id="elsewhere")
+    other.get_data(other.get_meta(["y"], 2, "elsewhere", task_name="t"))
+    assert time.monotonic() - t0 < 0.5
+    assert meta.size == 2
+    thread.join(10)
+    waiter.close()
+    other.close()
+
+
+def test_timeout_expires_with_empty_batch(client):
+    t0 = time.monotonic()
+    meta = client.get_meta(["x"], 2, "never", task_name="t", timeout=0.3)
+    elapsed = time.monotonic() - t0
+    assert meta.size == 0
+    assert 0.25 <= elapsed < 2.0
+
+
+def test_waiter_wakes_when_lease_lapses(real_client):
+    real_client.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    leased = real_client.get_meta(["x"], 2, "p", task_name="t", lease_s=0.3)
+    assert leased.size == 2
+    t0 = time.monotonic()
+    again = real_client.get_meta(["x"], 2, "p", task_name="t", timeout=5)
+    assert again.global_indexes == [0, 1]
+    assert time.monotonic() - t0 < 2.0
