@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import mmap
+import operator
 import os
 import re
 import socket
@@ -138,7 +139,7 @@ def recv_into_buffers(sock: socket.socket, views: list[memoryview]) -> None:
     n = len(views)
     i = 0
     while i < n:
-        got = sock.recvmsg_into(views[i : i + MAX_IOV])[0]
+        got = sock.recvmsg_into(views[i : i + MAX_IOV], 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionError("connection closed by peer")
         while i < n and got >= len(views[i]):
@@ -152,10 +153,22 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` completely from the socket."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
+
+
+def set_blocking_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket whose sends/receives give up after ``seconds`` without progress.
+
+    Kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO) instead of Python's, which make the socket
+    non-blocking and so split every large send/receive into many short syscalls.
+    """
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -288,6 +301,57 @@ def _as_bytes_view(seg: Any) -> Buffer:
         ) from None
 
 
+_NBYTES = operator.attrgetter("nbytes")
+_CONTIGUOUS = operator.attrgetter("c_contiguous")
+
+
+class _Values:
+    """A put batch's values as one flat list of byte segments plus numpy bookkeeping."""
+
+    __slots__ = ("flat", "seg_len", "first", "nseg", "sizes", "seg_off")
+
+    def __init__(self, values: Sequence[Segments]) -> None:
+        vals = [(v,) if isinstance(v, (bytes, bytearray, memoryview)) else v for v in values]
+        # per-segment work stays in C (map/fromiter): this runs for every segment of every put
+        flat = list(map(memoryview, itertools.chain.from_iterable(vals)))
+        nbytes = np.fromiter(map(_NBYTES, flat), np.int64, len(flat))
+        try:
+            lens = np.fromiter(map(len, flat), np.int64, len(flat))
+        except TypeError:  # a 0-d view
+            lens = np.full(len(flat), -1, dtype=np.int64)
+        for i in np.flatnonzero(lens != nbytes).tolist():  # multi-byte formats, n-d views
+            flat[i] = _as_bytes_view(flat[i])
+        if not all(map(_CONTIGUOUS, flat)):
+            raise InvalidArgument(
+                "a value segment is not C-contiguous; pass contiguous buffers (e.g. tensor.contiguous())"
+            )
+        self.flat: list[Buffer] = flat
+        self.seg_len = nbytes
+        self.nseg = np.fromiter(map(len, vals), np.int64, len(vals))
+        ends = np.cumsum(self.nseg)
+        self.first = ends - self.nseg
+        cum = np.concatenate(([0], np.cumsum(nbytes)))
+        self.sizes = cum[ends] - cum[self.first]
+        self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
+
+    def segments_of(self, vidx: np.ndarray) -> np.ndarray:
+        """Indexes (into ``flat``) of the segments of values ``vidx``, in that order."""
+        ns = self.nseg[vidx]
+        ends = np.cumsum(ns)
+        return np.repeat(self.first[vidx] - (ends - ns), ns) + np.arange(int(ends[-1]) if len(ends) else 0)
+
+    def payload(self, vidx: np.ndarray) -> list[Buffer]:
+        return list(map(self.flat.__getitem__, self.segments_of(vidx).tolist()))
+
+    def copy_into(self, dst: memoryview, vidx: np.ndarray, offsets: np.ndarray) -> None:
+        """Write values ``vidx`` at byte ``offsets`` of ``dst``: one memcpy per segment, looped in C."""
+        seg = self.segments_of(vidx)
+        starts = np.repeat(offsets, self.nseg[vidx]) + self.seg_off[seg]
+        ends = starts + self.seg_len[seg]
+        parts = map(self.flat.__getitem__, seg.tolist())
+        deque(map(dst.__setitem__, map(slice, starts.tolist(), ends.tolist()), parts), maxlen=0)
+
+
 class _Slab:
     """A node's memory slab mapped into this process (read-write for puts, read-only for gets)."""
 
@@ -396,7 +460,7 @@ class _Link:
             self.gen += 1
             idle, self.idle = self.idle, []
             slabs, self.slabs = self.slabs, {}
-            self.unpins = []
+            # queued unpins stay: pin ids belong to this client, not to the broken connection
         for c in idle:
             c.close()
         for s in slabs.values():
@@ -420,6 +484,7 @@ class _Link:
             s.settimeout(st.timeout_s)
             try:
                 s.connect("\0" + uds)
+                set_blocking_timeout(s, st.timeout_s)
                 conn = self._hello(s, True, gen)
                 self.local_ok = True
                 return conn
@@ -439,7 +504,7 @@ class _Link:
                 f"is it running? (tq-redis storage-unit ...)"
             ) from exc
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.settimeout(st.timeout_s)
+        set_blocking_timeout(s, st.timeout_s)
         conn = self._hello(s, False, gen)
         if try_local:
             self.local_ok = False  # alive over TCP but not over the unix socket: another netns
@@ -473,7 +538,7 @@ class _Link:
         return _Conn(s, local, bool(reply.get("shm")), gen)
 
     def unavailable(self, exc: BaseException) -> StorageUnavailable:
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO expired
             what = f"did not answer within {self.store.timeout_s:g} s"
         else:
             what = f"is unreachable ({exc})"
@@ -762,6 +827,7 @@ class DramStore:
                 send_frame(conn.sock, op, meta, payload)
                 sent[i] = True
             except OSError as exc:
+                link.unpins.extend(unpins)
                 link.fail(conn)
                 first_err = first_err or link.unavailable(exc)
         for i, (link, conn, _op, _meta, _payload) in enumerate(reqs):
@@ -823,36 +889,31 @@ class DramStore:
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("put got the same key twice in one batch")
-        segs: list[list[Buffer]] = []
-        sizes = np.empty(len(keys), dtype=np.int64)
-        for i, v in enumerate(values):
-            parts = [v] if isinstance(v, (bytes, bytearray, memoryview)) else v
-            parts = [_as_bytes_view(p) for p in parts]
-            segs.append(parts)
-            sizes[i] = sum(len(p) for p in parts)
-        self._with_retry(lambda ring: self._put(ring, keys, segs, sizes))
+        vals = _Values(values)
+        self._with_retry(lambda ring: self._put(ring, keys, vals))
 
-    def _put(self, ring: _Ring, keys: list[str], segs: list[list[Buffer]], sizes: np.ndarray) -> None:
+    def _put(self, ring: _Ring, keys: list[str], vals: _Values) -> None:
         groups = _groups(ring.owners(keys), len(ring.links))
         links = [ring.links[n] for n, _ in groups]
         conns = self._hold(links)
         try:
-            self._put_on(links, conns, groups, keys, segs, sizes)
+            self._put_on(links, conns, groups, keys, vals)
         finally:
             self._free(links, conns)
 
-    def _put_on(self, links, conns, groups, keys, segs, sizes) -> None:
+    def _put_on(self, links, conns, groups, keys: list[str], vals: _Values) -> None:
         two_phase = len(groups) > 1
         reqs, plans = [], []
         for (_n, idx), link, conn in zip(groups, links, conns):
-            gsizes = sizes[idx]
-            meta = {"keys": [keys[i] for i in idx], "sizes": gsizes.astype("<i8").tobytes()}
+            gsizes = vals.sizes[idx]
+            gkeys = list(map(keys.__getitem__, idx.tolist()))
+            meta = {"keys": gkeys, "sizes": gsizes.astype("<i8").tobytes()}
             shm = conn.shm and int(gsizes.sum()) >= self.inline_threshold
             if shm:
                 reqs.append((link, conn, OP_ALLOC, meta, ()))
             else:
                 meta["commit"] = not two_phase
-                reqs.append((link, conn, OP_PUT, meta, [s for i in idx.tolist() for s in segs[i]]))
+                reqs.append((link, conn, OP_PUT, meta, vals.payload(idx)))
             plans.append((idx, gsizes, shm))
         replies, err = self._exchange(reqs, self._check)
         txns = [
@@ -864,7 +925,7 @@ class DramStore:
         try:
             for (idx, gsizes, shm), (link, conn, *_), reply in zip(plans, reqs, replies):
                 if shm:
-                    self._copy_into(link, conn, reply["chunks"], idx, gsizes, segs)
+                    self._copy_into(link, conn, reply["chunks"], idx, gsizes, vals)
         except BaseException:
             self._end(txns, OP_ABORT)
             raise
@@ -878,21 +939,11 @@ class DramStore:
         if check and err is not None:
             raise err
 
-    def _copy_into(self, link: _Link, conn: _Conn, chunks, idx, gsizes, segs) -> None:
-        """Write each value's segments into the node's slab at the offsets it reserved."""
+    def _copy_into(self, link: _Link, conn: _Conn, chunks, idx: np.ndarray, gsizes, vals: _Values) -> None:
+        """Write each value into the node's slab at the offsets it reserved."""
         for sid, base, start, count in chunks:
-            slab = link.slab(conn, sid)
             offs, _ = layout(gsizes[start : start + count])
-            starts, ends, parts = [], [], []
-            for o, i in zip((offs + base).tolist(), idx[start : start + count].tolist()):
-                for p in segs[i]:
-                    n = len(p)
-                    starts.append(o)
-                    ends.append(o + n)
-                    parts.append(p)
-                    o += n
-            # one memcpy per segment, looped in C
-            deque(map(slab.rw_view.__setitem__, map(slice, starts, ends), parts), maxlen=0)
+            vals.copy_into(link.slab(conn, sid).rw_view, idx[start : start + count], offs + base)
 
     def get(self, keys: Sequence[str]) -> list[Buffer]:
         """Return every key's value, in order; ``DataMissing`` names the keys no node holds.
@@ -993,6 +1044,8 @@ class DramStore:
         """Remove keys from their nodes; absent keys are ignored (idempotent)."""
         keys = list(keys)
         if keys:
+            # a fresh ring: a key put by a client that already saw a new node must be found there
+            self._mark_stale()
             self._with_retry(lambda ring: self._delete(ring, keys))
 
     def _delete(self, ring: _Ring, keys: list[str]) -> None:

@@ -13,8 +13,13 @@ a barrier so that the clock starts when every process is connected.
   at once; the consumer sleeps ``--poll-interval`` and asks again); tq-redis blocks on its event
   stream for up to ``--wait-s`` inside ``get_meta(timeout=...)`` instead.
 
+``--phase concurrent`` (default) runs producers and consumers at once, so the drain rate is
+bounded by the slower side; ``--phase prefill`` makes consumers wait until every sample is put
+and then times the claims alone.
+
 Reported: wall time from the barrier to the last claim, aggregate claims/s (samples claimed per
-second), ``get_meta`` calls and empty polls, and ``duplicates``: the number of times a sample
+second of that wall time; with ``prefill``, per second of the claim phase), when the producers
+were done, ``get_meta`` calls and empty polls, and ``duplicates``: the number of times a sample
 was handed to the task beyond the first (must be 0), plus ``missing`` samples never handed out.
 
 Run: ``python -m benchmarks.p3_concurrency [--systems ...] [--quick]``.
@@ -69,6 +74,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-read", action="store_true", help="consumers skip get_data")
     parser.add_argument(
+        "--phase", choices=("concurrent", "prefill"), default="concurrent", help="see module doc"
+    )
+    parser.add_argument(
         "--attach-mode",
         choices=("zmq", "ray"),
         default="zmq",
@@ -87,6 +95,7 @@ def _worker(
     cfg: dict[str, Any],
     barrier: Any,
     counter: Any,
+    produced: Any,
     results: Any,
 ) -> None:
     """Body of one producer or consumer process; sends one report dict to ``results``."""
@@ -99,9 +108,9 @@ def _worker(
         barrier.wait(timeout=cfg["barrier_timeout_s"])
         deadline = time.monotonic() + cfg["timeout_s"]
         if role == "producer":
-            report.update(_produce(client, wid, cfg, deadline))
+            report.update(_produce(client, wid, cfg, produced, deadline))
         else:
-            report.update(_consume(client, name, cfg, counter, deadline))
+            report.update(_consume(client, name, cfg, counter, produced, deadline))
     except Exception as exc:  # noqa: BLE001 - sent to the parent, which reports it
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()
@@ -119,7 +128,7 @@ def _worker(
                 pass
 
 
-def _produce(client: Any, wid: int, cfg: dict[str, Any], deadline: float) -> dict[str, Any]:
+def _produce(client: Any, wid: int, cfg: dict[str, Any], produced: Any, deadline: float) -> dict[str, Any]:
     """Put this producer's share of samples in batches; return its figures."""
     import torch
     from tensordict import TensorDict
@@ -135,13 +144,20 @@ def _produce(client: Any, wid: int, cfg: dict[str, Any], deadline: float) -> dic
         n = min(put_batch, first + share - start)
         values = torch.arange(start, start + n, dtype=torch.int64).unsqueeze(1).expand(n, WIDTH).contiguous()
         client.put(TensorDict({FIELD: values}, batch_size=[n]), partition_id=PARTITION)
+        with produced.get_lock():
+            produced.value += n
         puts += 1
     return {"puts": puts, "put_s": time.perf_counter() - t0, "done_at": time.time()}
 
 
-def _consume(client: Any, name: str, cfg: dict[str, Any], counter: Any, deadline: float) -> dict[str, Any]:
+def _consume(
+    client: Any, name: str, cfg: dict[str, Any], counter: Any, produced: Any, deadline: float
+) -> dict[str, Any]:
     """Claim batches for the shared task until every sample is claimed; return what it got."""
     total = cfg["samples"]
+    if cfg["phase"] == "prefill":
+        while produced.value < total and time.monotonic() < deadline:
+            time.sleep(0.005)
     batch = cfg["get_batch"]
     wait_kw = {"timeout": cfg["wait_s"]} if name == "tq_redis" else {}
     got: list[int] = []
@@ -182,6 +198,7 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         n_workers = cfg["producers"] + cfg["consumers"]
         barrier = ctx.Barrier(n_workers + 1)
         counter = ctx.Value("q", 0)
+        produced = ctx.Value("q", 0)
         results = ctx.Queue()
         t_spawn = time.perf_counter()
         roles = [("producer", i) for i in range(cfg["producers"])] + [
@@ -190,7 +207,7 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         for role, wid in roles:
             proc = ctx.Process(
                 target=_worker,
-                args=(role, wid, name, spec, cfg, barrier, counter, results),
+                args=(role, wid, name, spec, cfg, barrier, counter, produced, results),
                 name=f"p3-{name}-{role}-{wid}",
                 daemon=True,
             )
@@ -250,6 +267,7 @@ def _summarize(
     last = [r["last_claim_at"] for r in consumers if r.get("last_claim_at")]
     wall = (max(last) - start_wall) if last else None
     produce_wall = max((r["done_at"] for r in producers), default=start_wall) - start_wall
+    claim_phase = wall if cfg["phase"] == "concurrent" or wall is None else wall - produce_wall
     result = {
         "claimed": claimed,
         "distinct": distinct,
@@ -257,7 +275,8 @@ def _summarize(
         "missing": cfg["samples"] - distinct,
         "complete": distinct == cfg["samples"],
         "wall_s": wall,
-        "claims_per_s": claimed / wall if wall else None,
+        "claims_per_s": claimed / claim_phase if claim_phase else None,
+        "claim_phase_s": claim_phase,
         "producers_done_s": produce_wall,
         "get_meta_calls": sum(r["get_meta_calls"] for r in consumers),
         "empty_polls": sum(r["empty_polls"] for r in consumers),
@@ -293,6 +312,7 @@ def main() -> dict[str, Any]:
         "read": not args.no_read,
         "attach_mode": args.attach_mode,
         "timeout_s": args.timeout_s,
+        "phase": args.phase,
         "barrier_timeout_s": 300.0,
         "payload": f"{FIELD}: int64[{WIDTH}] per sample",
         "process_model": "separate processes (forkserver), each attached to the running system",
@@ -313,7 +333,7 @@ def main() -> dict[str, Any]:
         return results.get(system, {}).get(key)
 
     print_comparison(
-        "P3 concurrent drain (claims/s higher is better; wall s and duplicates lower is better)",
+        f"P3 drain, phase {cfg['phase']} (claims/s higher is better; wall s lower is better)",
         [
             (
                 "aggregate claims/s",

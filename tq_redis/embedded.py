@@ -51,7 +51,8 @@ class EmbeddedServer:
     Args:
         port: TCP port; a free one by default.
         data_dir: where AOF/RDB files go; a temporary directory (removed at stop) by default.
-        appendonly: turn on AOF persistence (``appendfsync everysec``).
+        appendonly: turn on AOF persistence.
+        appendfsync: AOF fsync policy (``everysec`` by default; ``always`` loses nothing on a crash).
         binary: server binary; the bundled Valkey by default (tests also pass ``redis-server``).
         die_with_parent: stop the server if this process dies (off for ``tq-redis up --detach``).
     """
@@ -61,6 +62,7 @@ class EmbeddedServer:
         port: int | None = None,
         data_dir: str | Path | None = None,
         appendonly: bool = False,
+        appendfsync: str = "everysec",
         binary: str | None = None,
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
@@ -71,6 +73,7 @@ class EmbeddedServer:
         self.data_dir = Path(data_dir or self._tmp)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.binary = binary or valkey_binary()
         self.die_with_parent = die_with_parent
         self.process: subprocess.Popen | None = None
@@ -88,7 +91,7 @@ class EmbeddedServer:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--protected-mode", "no",
         ]
         self.process = subprocess.Popen(

@@ -23,8 +23,15 @@ key                                type    holds
 ``ns:{p}:tag:<name>``              HASH    sample id -> JSON value of tag ``name``
 ``ns:{p}:groups``                  HASH    first id of an insert -> group size (GRPO groups)
 ``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
+``ns:{p}:kvkeys``                  HASH    sample id -> user key (KV API, reverse of ``kv``)
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
+``ns:chan:{c}:meta``               HASH    channel ``c``: maxsize, created_ms, ``w:<key>`` summed weights
+``ns:chan:{c}:seq``                STRING  next data-plane id of a tensor item put in the channel
+``ns:chan:{c}:q:<key>``            LIST    FIFO of entries ``"<weight>|<payload>"`` of queue ``key``
+``ns:chan:{c}:puts``               STREAM  one event per put (wakes blocked ``get``/``get_batch``)
+``ns:chan:{c}:gets``               STREAM  one event per get of a bounded channel (wakes blocked ``put``)
+``ns:{__chan__.c}:d:<id>:<field>`` STRING  bytes of tensor / TensorDict items of channel ``c`` (redis store)
 =================================  ======  ===============================================
 """
 
@@ -103,6 +110,11 @@ class PartitionKeys:
         return self.prefix + "kv"
 
     @property
+    def kvkeys(self) -> str:
+        """Reverse map of :attr:`kv`: sample id -> user key."""
+        return self.prefix + "kvkeys"
+
+    @property
     def events(self) -> str:
         return self.prefix + "events"
 
@@ -127,3 +139,41 @@ class PartitionKeys:
     def data(self, sample_id: int, field: str) -> str:
         """Data-plane key of one (sample, field) value; every store uses this name."""
         return f"{self.prefix}d:{sample_id}:{field}"
+
+
+class ChannelKeys:
+    """Key builder for one :class:`tq_redis.Channel`; all keys share the ``{channel}`` hash tag.
+
+    Tensor items go through the data plane under the hidden partition :attr:`data_partition`.
+    """
+
+    __slots__ = ("ns", "name", "prefix")
+
+    def __init__(self, ns: str, name: str) -> None:
+        self.ns = ns
+        self.name = check_name("channel name", name)
+        self.prefix = f"{ns}:chan:{{{name}}}:"
+
+    @property
+    def meta(self) -> str:
+        return self.prefix + "meta"
+
+    @property
+    def seq(self) -> str:
+        return self.prefix + "seq"
+
+    @property
+    def puts(self) -> str:
+        return self.prefix + "puts"
+
+    @property
+    def gets(self) -> str:
+        return self.prefix + "gets"
+
+    def queue(self, key: str) -> str:
+        return self.prefix + "q:" + key
+
+    @property
+    def data_partition(self) -> str:
+        """Partition id whose data-plane keys hold this channel's tensor items."""
+        return f"__chan__.{self.name}"

@@ -1,0 +1,53 @@
+"""init() on the embedded default, attaching from other processes, and close()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+import torch
+from tensordict import TensorDict
+
+import tq_redis as tq
+from tq_redis.runtime import NotInitialized
+
+ATTACH = """
+import sys, torch, tq_redis as tq
+cfg = tq.init()                      # attaches: TQ_REDIS_URL / TQ_NAMESPACE are set
+client = tq.get_client()
+meta = client.get_meta(["x"], 4, "p", task_name="other-process", timeout=10)
+data = client.get_data(meta)
+assert data["x"].tolist() == [0, 1, 2, 3], data["x"]
+client.put({"y": torch.full((4,), 7)}, metadata=meta)
+print("attached", cfg["redis"]["url"], cfg["namespace"])
+tq.close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["redis", "dram"])
+def test_embedded_default_and_attach_from_another_process(backend, monkeypatch):
+    monkeypatch.delenv("TQ_REDIS_URL", raising=False)
+    cfg = tq.init({"namespace": "rt", "storage": {"backend": backend}})
+    url = cfg["redis"]["url"]
+    try:
+        assert url.startswith("redis://127.0.0.1:")
+        assert cfg["namespace"] == "rt"
+        assert tq.init() is cfg  # idempotent within a process
+        client = tq.get_client()
+        client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id="p")
+        env = dict(os.environ, TQ_REDIS_URL=url, TQ_NAMESPACE="rt")
+        out = subprocess.run([sys.executable, "-c", ATTACH], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"attached {url} rt" in out.stdout
+        meta = client.get_meta(["x", "y"], 4, "p", task_name="main")
+        assert client.get_data(meta)["y"].tolist() == [7, 7, 7, 7]
+    finally:
+        tq.close()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    with pytest.raises(NotInitialized):
+        tq.get_client()
+    tq.close()  # idempotent

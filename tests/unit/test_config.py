@@ -1,0 +1,81 @@
+"""init() config: defaults, environment, our shape and the reference system's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from tq_redis import config
+from tq_redis.errors import ConfigError
+
+
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("TQ_REDIS_URL", raising=False)
+    monkeypatch.delenv("TQ_NAMESPACE", raising=False)
+    cfg = config.load()
+    assert cfg["redis"]["url"] is None
+    assert cfg["namespace"] == "tq"
+    assert cfg["storage"]["backend"] == "dram"
+
+
+def test_environment_attaches(monkeypatch):
+    monkeypatch.setenv("TQ_REDIS_URL", "redis://h:1/0")
+    monkeypatch.setenv("TQ_NAMESPACE", "job7")
+    cfg = config.load({"storage": {"backend": "redis"}})
+    assert cfg["redis"]["url"] == "redis://h:1/0"
+    assert cfg["namespace"] == "job7"
+    assert cfg["storage"]["backend"] == "redis"
+    assert cfg["storage"]["units"] == 2  # untouched defaults survive a partial section
+
+
+def test_reference_shape_is_mapped():
+    cfg = config.load(
+        {
+            "controller": {"sampler": "GRPOGroupNSampler", "polling_mode": True, "zmq_info": None},
+            "backend": {
+                "storage_backend": "SimpleStorage",
+                "SimpleStorage": {"num_data_storage_units": 4, "total_storage_size": 1000, "zmq_info": None},
+            },
+            "metrics": {"enabled": True, "port": 9000},
+        }
+    )
+    assert cfg["sampler"] == "GRPOGroupNSampler"
+    assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "options": {}}
+    assert cfg["metrics"] == {"enabled": True, "port": 9000}
+
+
+def test_reference_mooncake_options_pass_through():
+    cfg = config.load({"backend": {"storage_backend": "MooncakeStore",
+                                   "MooncakeStore": {"protocol": "tcp", "zmq_info": 1}}})
+    assert cfg["storage"]["backend"] == "mooncake"
+    assert cfg["storage"]["options"] == {"protocol": "tcp"}
+
+
+def test_omegaconf_accepted():
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = config.load(omegaconf.OmegaConf.create({"namespace": "x"}))
+    assert cfg["namespace"] == "x"
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"nonsense": 1}, "unknown config section"),
+        ({"backend": {"storage_backend": "Nope"}}, "storage_backend"),
+        ({"namespace": ""}, "namespace"),
+        ({"storage": 3}, "mapping"),
+        ("redis://x", "dict"),
+    ],
+)
+def test_bad_config(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load(bad)
+
+
+@pytest.mark.parametrize("text, expected", [("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1024", 1024), (7, 7)])
+def test_parse_size(text, expected):
+    assert config.parse_size(text) == expected
+
+
+def test_parse_size_error():
+    with pytest.raises(ConfigError, match="4GiB"):
+        config.parse_size("lots")
