@@ -1,0 +1,567 @@
+"""The KV API: samples named by user keys instead of global indexes (what verl's trainer uses).
+
+Each partition keeps ``<ns>:{p}:kv`` (user key -> sample id) and ``<ns>:{p}:kvkeys`` (the reverse)
+in Redis; keys of two partitions never collide. ``lua/kv_resolve.lua`` maps keys to ids in one
+atomic step, giving unknown keys fresh, never-reused ids; the bytes then go through the ordinary
+rewrite path of :func:`tq_redis.ops.put` (data first, then bits), so a key's fields accumulate
+over several puts and concurrent writers of different fields never lose an update.
+
+Operations are generators of effects (see :mod:`tq_redis.driver`); the clients expose them as
+``kv_*`` / ``async_kv_*`` methods and this module as module-level functions on the client
+``tq_redis.init()`` created.
+
+Deliberate differences from TransferQueue 0.1.11 (whose semantics are otherwise kept):
+
+* ``kv_batch_get`` raises :class:`~tq_redis.errors.SampleNotFound` naming the missing keys when
+  *any* key is unknown; the reference silently returns only the keys it found.
+* A selected field that is not produced for every key raises
+  :class:`~tq_redis.errors.DataNotReady` (the reference raises ``ValueError``); a field never put in
+  the partition raises :class:`~tq_redis.errors.UnknownField`.
+* ``kv_retrieve_keys`` raises :class:`~tq_redis.errors.SampleNotFound` for ids with no key (the
+  reference raises ``RuntimeError``).
+* ``data_parser`` works with every store (the reference: SimpleStorage only); it runs in the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from tq_redis import codec, ops
+from tq_redis.driver import Cmd, FCall, Offload, Pipe
+from tq_redis.errors import (
+    BatchSizeMismatch,
+    DataNotReady,
+    InvalidArgument,
+    SampleNotFound,
+    UnknownField,
+    UnsupportedValue,
+)
+from tq_redis.keys import PartitionKeys, check_name, partitions_key
+from tq_redis.metadata import BatchMeta, KVBatchMeta
+
+Op = ops.Op
+DataParser = Callable[[dict[str, Any]], Any]
+
+__all__ = [
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _key_list(keys: Any, who: str) -> list[str]:
+    if isinstance(keys, str):
+        keys = [keys]
+    if not isinstance(keys, Sequence) or not keys:
+        raise InvalidArgument(f"{who}: keys must be a non-empty list of strings, got {keys!r}")
+    out = list(keys)
+    bad = [k for k in out if not isinstance(k, str) or not k]
+    if bad:
+        raise InvalidArgument(f"{who}: every key must be a non-empty string; got {bad[:5]!r}")
+    if len(set(out)) != len(out):
+        seen: set[str] = set()
+        dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+        raise InvalidArgument(f"{who}: keys must be unique; duplicated: {dups[:5]!r}")
+    return out
+
+
+def _field_list(fields: Any, who: str) -> list[str] | None:
+    if fields is None:
+        return None
+    if isinstance(fields, str):
+        fields = [fields]
+    if not isinstance(fields, Sequence) or isinstance(fields, bytes):
+        raise InvalidArgument(f"{who}: select_fields must be a field name or a list of names, got {fields!r}")
+    return [check_name("field name", f) for f in fields]
+
+
+def _pairs(flat: list) -> list[tuple[str, Any]]:
+    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def _tags_by_position(flat: list, n: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
+    for name, values in _pairs(flat):
+        for i, raw in enumerate(values):
+            if raw is not None:
+                rows[i][name] = json.loads(raw)
+    return rows
+
+
+def _single_row(fields: Mapping[str, Any] | TensorDictBase) -> TensorDict:
+    """``kv_put``'s fields as a batch of one: a dict holds one sample's values (unsqueezed)."""
+    if isinstance(fields, TensorDictBase):
+        if len(fields.batch_size) == 0:
+            return fields.unsqueeze(0)  # type: ignore[return-value]
+        return fields  # type: ignore[return-value]
+    if not isinstance(fields, Mapping):
+        raise UnsupportedValue(f"kv_put: fields must be a dict or a TensorDict, got {type(fields).__name__}")
+    batch: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                raise InvalidArgument(
+                    f"kv_put: field {name!r} is a nested tensor, i.e. a batch; use kv_batch_put for batches"
+                )
+            batch[name] = value.unsqueeze(0)
+        elif isinstance(value, NonTensorData | NonTensorStack):
+            batch[name] = value
+        else:
+            batch[name] = NonTensorStack(NonTensorData(value))
+    return TensorDict(batch, batch_size=[1])
+
+
+def _batch(fields: Any, n: int) -> TensorDict:
+    if isinstance(fields, TensorDictBase):
+        td = fields
+    elif isinstance(fields, Mapping):
+        try:
+            td = TensorDict(dict(fields), batch_size=[n])
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise BatchSizeMismatch(f"kv_batch_put: fields do not all have {n} rows (one per key): {exc}") from exc
+    else:
+        raise UnsupportedValue(f"kv_batch_put: fields must be a TensorDict, got {type(fields).__name__}")
+    if len(td.batch_size) == 0 or td.batch_size[0] != n:
+        raise BatchSizeMismatch(
+            f"kv_batch_put: {n} keys but the fields have batch_size {list(td.batch_size)}; "
+            f"give one row per key"
+        )
+    if not list(td.keys()):
+        raise InvalidArgument("kv_batch_put: fields has no field; pass fields=None to update tags only")
+    return td  # type: ignore[return-value]
+
+
+def _parse(td: TensorDict, data_parser: DataParser) -> TensorDict:
+    """Run the user's parser on a plain dict of the batch's columns (it edits values in place)."""
+    columns: dict[str, Any] = {}
+    for name in td.keys():
+        value = td.get(name)
+        if isinstance(value, NonTensorStack):
+            columns[name] = value.tolist()
+        elif isinstance(value, torch.Tensor) and value.is_nested:
+            columns[name] = list(value.unbind(0))
+        else:
+            columns[name] = value
+    before = {k: len(v) for k, v in columns.items()}
+    data_parser(columns)
+    after = {k: len(v) for k, v in columns.items()}
+    if after != before:
+        raise InvalidArgument(
+            f"data_parser must edit values in place without adding, removing or resizing columns; "
+            f"columns were {before}, are {after}"
+        )
+    out: dict[str, Any] = {}
+    for name, value in columns.items():
+        original = td.get(name)
+        if isinstance(original, NonTensorStack):
+            out[name] = NonTensorStack(*[NonTensorData(v) for v in value])
+        elif isinstance(original, torch.Tensor) and original.is_nested:
+            out[name] = torch.nested.as_nested_tensor(list(value), layout=original.layout)
+        else:
+            out[name] = value
+    return TensorDict(out, batch_size=td.batch_size)
+
+
+def _schema_pairs(td: TensorDict | None) -> list[str]:
+    if td is None:
+        return []
+    n = td.batch_size[0]
+    flat: list[str] = []
+    for name in td.keys():
+        check_name("field name", name)
+        flat += [name, ops.canonical(codec.describe_field(name, td.get(name), n))]
+    return flat
+
+
+# ------------------------------------------------------------------ resolution
+
+
+class _Resolved:
+    """What ``kv_resolve`` said about a list of keys."""
+
+    __slots__ = ("created", "ids", "schemas", "tags")
+
+    def __init__(self, ids: list[int], created: int, schemas: dict[str, str], tags: list[dict[str, Any]]):
+        self.ids = ids
+        self.created = created
+        self.schemas = schemas  # fields produced for every pre-existing key, in registration order
+        self.tags = tags
+
+    def meta(self, partition_id: str, fields: Sequence[str], positions: Sequence[int] | None = None) -> BatchMeta:
+        pos = list(range(len(self.ids))) if positions is None else list(positions)
+        schema = {f: codec.to_batchmeta_schema(json.loads(self.schemas[f])) for f in fields}
+        return BatchMeta.from_columns(
+            [self.ids[i] for i in pos],
+            partition_id,
+            schema,
+            production_status=1,
+            custom_meta=[self.tags[i] for i in pos],
+        )
+
+
+def _resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: list[str]) -> Op:
+    args = (1 if create else 0, int(time.time() * 1000), len(keys), *keys, *schemas)
+    if create:
+        reply, _ = yield Pipe(
+            (
+                FCall("kv_resolve", (pk.meta,), args),
+                Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
+            )
+        )
+    else:
+        reply = yield FCall("kv_resolve", (pk.meta,), args)
+    code = int(reply[0])
+    if code == -1:
+        return None
+    if code == 0:
+        field, registered = _text(reply[1]), _text(reply[2])
+        offered = dict(zip(schemas[::2], schemas[1::2]))[field]
+        codec.check_compatible(field, json.loads(registered), json.loads(offered))
+        raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {registered}")
+    _, ids, created, common, tags = reply
+    return _Resolved(
+        [int(i) for i in ids],
+        int(created),
+        {name: _text(s) for name, s in _pairs(common)},
+        _tags_by_position(tags, len(ids)),
+    )
+
+
+def retrieve_meta(ctx: ops.Context, keys: Any, partition_id: str, create: bool = False) -> Op:
+    """``BatchMeta`` of the keys found (created with ``create=True``), with the fields every one has."""
+    keys = _key_list(keys, "kv_retrieve_meta")
+    pk = ctx.keys(partition_id)
+    res = yield from _resolve(ctx, pk, keys, create, [])
+    if res is None:
+        return BatchMeta.empty()
+    found = [i for i, sid in enumerate(res.ids) if sid >= 0]
+    return res.meta(partition_id, list(res.schemas), found)
+
+
+def retrieve_keys(ctx: ops.Context, global_indexes: Any, partition_id: str) -> Op:
+    """The user key of each sample id; raises :class:`SampleNotFound` for ids without a key."""
+    if isinstance(global_indexes, int):
+        global_indexes = [global_indexes]
+    ids = [int(i) for i in global_indexes]
+    if not ids:
+        raise InvalidArgument("kv_retrieve_keys: global_indexes is empty")
+    pk = ctx.keys(partition_id)
+    keys, alive = yield Pipe(
+        (Cmd(("HMGET", pk.kvkeys, *ids)), Cmd(("BITFIELD", pk.alive, *[x for i in ids for x in ("GET", "u1", i)])))
+    )
+    missing = [i for i, k, a in zip(ids, keys, alive) if k is None or not a]
+    if missing:
+        raise SampleNotFound(f"samples {missing[:10]} of partition {partition_id!r} have no key (cleared, or not put by key)")
+    return [_text(k) for k in keys]
+
+
+# ------------------------------------------------------------------ put
+
+
+def batch_put(
+    ctx: ops.Context,
+    keys: Any,
+    partition_id: str,
+    fields: TensorDict | Mapping[str, Any] | None = None,
+    tags: Sequence[Mapping[str, Any]] | None = None,
+    data_parser: DataParser | None = None,
+    *,
+    single: bool = False,
+) -> Op:
+    """Write fields and/or tags of keys, creating unknown keys. Returns a :class:`KVBatchMeta`."""
+    who = "kv_put" if single else "kv_batch_put"
+    keys = _key_list(keys, who)
+    if fields is None and tags is None:
+        raise InvalidArgument(f"{who}: give fields=, tags= or both")
+    if tags is not None:
+        if isinstance(tags, Mapping) or len(tags) != len(keys):
+            raise BatchSizeMismatch(f"{who}: {len(keys)} keys need {len(keys)} tag dicts, got {tags!r:.80}")
+        if any(not isinstance(t, Mapping) for t in tags):
+            raise InvalidArgument(f"{who}: every tag entry must be a dict")
+        for t in tags:
+            for name in t:
+                check_name("tag name", name)
+    td = None
+    if fields is not None:
+        td = _single_row(fields) if single else _batch(fields, len(keys))
+        if single and td.batch_size[0] != 1:
+            raise BatchSizeMismatch(f"kv_put: fields hold {td.batch_size[0]} rows; use kv_batch_put for batches")
+        if data_parser is not None:
+            td = _parse(td, data_parser)
+    pk = ctx.keys(partition_id)
+    schemas = _schema_pairs(td)
+    res = yield from _resolve(ctx, pk, keys, True, schemas)
+    meta = res.meta(partition_id, list(res.schemas))
+    if tags is not None:
+        meta.update_custom_meta(list(tags))
+    try:
+        if td is not None:
+            meta = yield from ops.put(ctx, td, meta)
+        else:
+            yield from ops.set_custom_meta(ctx, meta)
+    except Exception:
+        if res.created:  # leave no half-created keys behind
+            yield from _forget(ctx, pk, _created_pairs(keys, res))
+        raise
+    return KVBatchMeta(
+        keys=keys,
+        tags=meta.get_all_custom_meta(),
+        partition_id=partition_id,
+        fields=list(meta.field_names),
+        extra_info=meta.extra_info,
+    )
+
+
+def _created_pairs(keys: list[str], res: _Resolved) -> list[tuple[str, int]]:
+    # Fresh ids come from one INCRBY, so they are the largest ids of this reply.
+    first_fresh = sorted(res.ids)[-res.created]
+    return [(k, i) for k, i in zip(keys, res.ids) if i >= first_fresh]
+
+
+def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -> Op:
+    """Clear these samples (bits, then bytes) and drop their key mappings."""
+    if not pairs:
+        return
+    ids = [i for _, i in pairs]
+    (cleared, fields), _ = yield Pipe(
+        (
+            FCall("clear", (pk.meta,), tuple(ids)),
+            FCall("kv_unmap", (pk.meta,), tuple(x for k, i in pairs for x in (k, i))),
+        )
+    )
+    if cleared:
+        store = yield from ops.storage(ctx)
+        yield Offload(store.delete, (pk, [int(i) for i in cleared], [_text(f) for f in fields]))
+
+
+# ------------------------------------------------------------------ get, list, clear
+
+
+def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any = None) -> Op:
+    """The fields of keys as a TensorDict in key order (default: the fields every key has)."""
+    keys = _key_list(keys, "kv_batch_get")
+    wanted = _field_list(select_fields, "kv_batch_get")
+    pk = ctx.keys(partition_id)
+    while True:
+        res = yield from _resolve(ctx, pk, keys, False, [])
+        if res is None:
+            raise SampleNotFound(f"kv_batch_get: partition {partition_id!r} does not exist (cleared, or never put)")
+        missing = [k for k, i in zip(keys, res.ids) if i < 0]
+        if missing:
+            raise SampleNotFound(f"kv_batch_get: keys {missing[:10]} are not in partition {partition_id!r}")
+        fields = list(res.schemas) if wanted is None else wanted
+        if not fields:
+            raise DataNotReady(
+                f"kv_batch_get: keys {keys[:10]} of partition {partition_id!r} have no field in common yet"
+            )
+        absent = [f for f in fields if f not in res.schemas]
+        if not absent:
+            return (yield from ops.get_data(ctx, res.meta(partition_id, fields)))
+        # Raises unless the fields were produced since kv_resolve looked; then look again.
+        yield from _explain_absent(pk, keys, res.ids, absent)
+
+
+def _explain_absent(pk: PartitionKeys, keys: list[str], ids: list[int], fields: list[str]) -> Op:
+    bitfield = [x for i in ids for x in ("GET", "u1", i)]
+    calls = [Cmd(("HMGET", pk.fields, *fields))] + [Cmd(("BITFIELD", pk.prod(f), *bitfield)) for f in fields]
+    replies = yield Pipe(tuple(calls))
+    for name, registered, bits in zip(fields, replies[0], replies[1:]):
+        if registered is None:
+            raise UnknownField(f"field {name!r} was never put in partition {pk.partition!r}")
+        lacking = [k for k, b in zip(keys, bits) if not b]
+        if lacking:
+            raise DataNotReady(f"field {name!r} is not produced yet for keys {lacking[:10]} of partition {pk.partition!r}")
+
+
+def batch_get_by_meta(ctx: ops.Context, meta: KVBatchMeta, select_fields: Any = None) -> Op:
+    """:func:`batch_get` of a :class:`KVBatchMeta` (``select_fields`` must be among ``meta.fields``)."""
+    if not isinstance(meta, KVBatchMeta):
+        raise InvalidArgument(f"kv_batch_get_by_meta takes a KVBatchMeta, got {type(meta).__name__}")
+    if meta.partition_id is None:
+        raise InvalidArgument("kv_batch_get_by_meta: the KVBatchMeta has no partition_id")
+    wanted = _field_list(select_fields, "kv_batch_get_by_meta")
+    if wanted is not None:
+        unknown = [f for f in wanted if meta.fields is None or f not in meta.fields]
+        if unknown:
+            raise InvalidArgument(
+                f"kv_batch_get_by_meta: select_fields {unknown} are not in the KVBatchMeta's fields {meta.fields}"
+            )
+    else:
+        wanted = meta.fields
+    return (yield from batch_get(ctx, meta.keys, meta.partition_id, wanted))
+
+
+def list_keys(ctx: ops.Context, partition_id: str | None = None) -> Op:
+    """``{partition: {key: tags}}`` of one partition (``{}`` if unknown) or of all of them."""
+    if partition_id is None:
+        names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
+        partitions = [_text(n) for n in names]
+    else:
+        partitions = [partition_id]
+    if not partitions:
+        return {}
+    replies = yield Pipe(tuple(FCall("kv_list", (ctx.keys(p).meta,), ()) for p in partitions))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for pid, (keys, ids, tags) in zip(partitions, replies):
+        exists = keys or partition_id is None
+        if not exists:
+            continue
+        rows = _tags_by_position(tags, len(ids))
+        order = sorted(range(len(ids)), key=lambda j: int(ids[j]))  # creation order
+        out[pid] = {_text(keys[j]): rows[j] for j in order}
+    if partition_id is not None and partition_id not in out:
+        exists = yield Cmd(("EXISTS", ctx.keys(partition_id).meta))
+        if exists:
+            out[partition_id] = {}
+    return out
+
+
+def clear(ctx: ops.Context, keys: Any, partition_id: str) -> Op:
+    """Remove keys, their samples and bytes. Unknown keys are ignored (idempotent)."""
+    keys = _key_list(keys, "kv_clear")
+    pk = ctx.keys(partition_id)
+    res = yield from _resolve(ctx, pk, keys, False, [])
+    if res is None:
+        return
+    yield from _forget(ctx, pk, [(k, i) for k, i in zip(keys, res.ids) if i >= 0])
+
+
+# ------------------------------------------------------------------ module level
+
+
+def _client():
+    from tq_redis.runtime import get_client
+
+    return get_client()
+
+
+_async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _async_client():
+    """An async twin of the default client, one per running event loop."""
+    from tq_redis.client import AsyncTransferQueueClient
+
+    sync = _client()
+    loop = asyncio.get_running_loop()
+    client = _async_clients.get(loop)
+    if client is None or client.redis_url != sync.redis_url or client.namespace != sync.namespace:
+        client = AsyncTransferQueueClient(
+            sync.redis_url, sync.namespace, allow_pickle=sync._ctx.allow_pickle, nested_output=sync._ctx.nested_output
+        )
+        _async_clients[loop] = client
+    return client
+
+
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | Mapping[str, Any] | None = None,
+    tag: Mapping[str, Any] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Put one key's fields (a dict of one sample's values, or a batch-1 TensorDict) and/or tag.
+
+    Fields accumulate: a later put of other fields adds them. ``fields=None`` updates the tag only.
+    Returns a :class:`KVBatchMeta` whose ``fields`` lists every field the key has.
+    """
+    return _client().kv_put(key, partition_id, fields, tag, data_parser)
+
+
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Put a batch: row ``i`` of ``fields`` and ``tags[i]`` belong to ``keys[i]``."""
+    return _client().kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> TensorDict:
+    """The keys' fields as a TensorDict in key order; by default the fields every key has."""
+    return _client().kv_batch_get(keys, partition_id, select_fields)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
+    """:func:`kv_batch_get` of the keys, partition and fields of a :class:`KVBatchMeta`."""
+    return _client().kv_batch_get_by_meta(meta, select_fields)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{partition_id: {key: tags}}`` for one partition or every partition of the namespace."""
+    return _client().kv_list(partition_id)
+
+
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Remove keys and their data. Idempotent."""
+    _client().kv_clear(keys, partition_id)
+
+
+async def async_kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | Mapping[str, Any] | None = None,
+    tag: Mapping[str, Any] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Coroutine of :func:`kv_put`."""
+    return await _async_client().async_kv_put(key, partition_id, fields, tag, data_parser)
+
+
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Coroutine of :func:`kv_batch_put`."""
+    return await _async_client().async_kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> TensorDict:
+    """Coroutine of :func:`kv_batch_get`."""
+    return await _async_client().async_kv_batch_get(keys, partition_id, select_fields)
+
+
+async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
+    """Coroutine of :func:`kv_batch_get_by_meta`."""
+    return await _async_client().async_kv_batch_get_by_meta(meta, select_fields)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Coroutine of :func:`kv_list`."""
+    return await _async_client().async_kv_list(partition_id)
+
+
+async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Coroutine of :func:`kv_clear`."""
+    await _async_client().async_kv_clear(keys, partition_id)
