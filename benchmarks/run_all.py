@@ -238,7 +238,7 @@ def main() -> int:
     if not args.charts_only:
         for measure in measures:
             runs[measure] = run_measure(measure, args)
-    merged = merge(args.out, measures, runs)
+    merged = merge(args.out, list(MEASURES), runs)
     if not args.no_charts:
         draw_charts(merged, args.out)
     failed = [m for m, r in runs.items() if r["status"] != "ok"]

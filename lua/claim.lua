@@ -1,22 +1,45 @@
 --[[
-  claim: hand a task `batch_size` samples whose requested fields are all produced and which the
-  task has not consumed, marking them consumed (or leased) in the same atomic step.
-  Never a partial batch: with fewer ready samples nothing is marked and no ids are returned.
-  Lapsed leases of the task are handed back first (no reaper process).
+  claim: hand a task a batch chosen by a built-in sampler from the samples whose requested
+  fields are all produced and which the task has not consumed, marking them consumed (or leased)
+  in the same atomic step. Lapsed leases of the task are handed back first (no reaper process).
+  Never a partial batch: with too few eligible samples nothing is marked and no ids are
+  returned -- except with a token budget (max_tokens), where the batch may be smaller.
+  Cost: O(samples examined + bitmap words skipped), independent of the partition size.
+
+  Samplers (ARGV[6]; see includes/samplers.lua for the selection rules):
+    sequential   the first eligible samples in id order
+    grpo         whole groups of n (option n)
+    rank         RankAwareSampler: the first rank of a DP group to ask for (dp_rank,
+                 batch_index) selects and stores its choice under
+                 <prefix>rank:<task>:<dp_rank>:<batch_index> (TTL ttl_ms); the group's other
+                 ranks get the same ids back without marking anything
+    balance      SeqlenBalancedSampler: the first rank to ask for batch_index selects
+                 batch_size * dp_size samples in whole groups of n, splits them into dp_size
+                 parts of equal group count balanced by total_lengths (Karmarkar-Karp), and
+                 stores the parts under <prefix>bal:<task>:<batch_index>; each rank gets part
+                 dp_rank
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<p>}:meta
     ARGV[1]  task name
-    ARGV[2]  batch_size          (>= 1)
+    ARGV[2]  batch_size          (>= 1; per rank for `balance`)
     ARGV[3]  now_ms              client clock, used for lease deadlines
     ARGV[4]  lease_ms            0 = plain fetch (consumed at once); > 0 = lease for that long
-    ARGV[5]  max_deliveries      0 = unlimited; lapsed samples delivered this often go to poison
-    ARGV[6]  nfields
-    ARGV[7..6+nfields]           required field names
+    ARGV[5]  max_deliveries      0 = unlimited; a sample delivered this often is put aside
+                                 (poison set) instead of being handed out again
+    ARGV[6]  sampler             sequential | grpo | rank | balance
+    ARGV[7]  nopts, then nopts pairs of option name, value:
+               n            group size (grpo, balance; rank optional)      default 1
+               max_tokens   token budget by the total_lengths tag          default none
+               min_version  only samples with policy_version >= it        default none
+               drop_stale   1 = put samples below min_version aside       default 0
+               dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
+    then     nfields, then nfields required field names
   Output:
     {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms}
       last_event_id              stream id to XREAD BLOCK from when ids is empty
-      ids                        claimed sample ids, ascending (empty if not enough are ready)
+      ids                        the batch (empty if not enough is ready); ascending, except
+                                 that uid groups are kept adjacent
       schemas                    flat {field, schema JSON, ...} of the required fields
       tags                       flat {tag name, {JSON value per id}, ...}
       deliveries                 delivery count per id (lease mode), else empty
@@ -27,14 +50,12 @@ local function claim(KEYS, ARGV)
   local task, want = ARGV[1], tonumber(ARGV[2])
   local now_ms, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
   local max_deliveries = tonumber(ARGV[5])
-  local fields = {unpack(ARGV, 7, 6 + tonumber(ARGV[6]))}
-  local lease = prefix .. 'lease:' .. task
-
-  local function next_deadline()
-    local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
-    if #first == 0 then return -1 end
-    return tonumber(first[2])
-  end
+  local sampler = ARGV[6]
+  local nopts = tonumber(ARGV[7])
+  local opts = {}
+  for i = 8, 7 + 2 * nopts, 2 do opts[ARGV[i]] = ARGV[i + 1] end
+  local at = 8 + 2 * nopts
+  local fields = {unpack(ARGV, at + 1, at + tonumber(ARGV[at]))}
 
   if redis.call('EXISTS', KEYS[1]) == 0 then
     return {last_event_id(prefix), {}, {}, {}, {}, -1}
@@ -42,28 +63,79 @@ local function claim(KEYS, ARGV)
   redis.call('SADD', prefix .. 'tasks', task)
   release_lapsed(prefix, task, now_ms, max_deliveries)
 
-  local ids = {}
-  local ready = compute_ready(prefix, task, fields)
-  if ready then
-    if redis.call('BITCOUNT', ready) >= want then ids = first_set_bits(ready, want) end
-    redis.call('DEL', ready)
+  local function reply(ids, deliveries)
+    return {last_event_id(prefix), ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
+            next_lease_deadline(prefix, task)}
   end
-  if #ids == 0 then
-    return {last_event_id(prefix), {}, read_schemas(prefix, fields), {}, {}, next_deadline()}
+  local function known_deliveries(ids)
+    if lease_ms <= 0 or #ids == 0 then return {} end
+    local got = hmget_many(prefix .. 'dlv:' .. task, ids)
+    local out = {}
+    for i = 1, #ids do out[i] = tonumber(got[i]) or 0 end
+    return out
   end
 
-  set_bits(prefix .. 'cons:' .. task, ids, 1)
-  local deliveries = {}
-  if lease_ms > 0 then
-    local deadline = now_ms + lease_ms
-    local zargs = {}
-    for i = 1, #ids do
-      zargs[2 * i - 1] = deadline
-      zargs[2 * i] = ids[i]
-      deliveries[i] = redis.call('HINCRBY', prefix .. 'dlv:' .. task, ids[i], 1)
-    end
-    redis.call('ZADD', lease, unpack(zargs))
+  -- rank / balance: a choice stored by an earlier rank is handed back as it is.
+  local cache_key, part = nil, 1
+  if sampler == 'rank' then
+    cache_key = prefix .. 'rank:' .. task .. ':' .. opts.dp_rank .. ':' .. opts.batch_index
+  elseif sampler == 'balance' then
+    cache_key = prefix .. 'bal:' .. task .. ':' .. opts.batch_index
+    part = tonumber(opts.dp_rank) + 1
   end
-  return {last_event_id(prefix), ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
-          next_deadline()}
+  if cache_key then
+    local cached = redis.call('GET', cache_key)
+    if cached then
+      local parts = {}
+      for s in string.gmatch(cached, '[^;]+') do parts[#parts + 1] = s end
+      local ids = parse_alive_ids(prefix, parts[part] or '')
+      if ids then return reply(ids, known_deliveries(ids)) end
+      redis.call('DEL', cache_key) -- samples of the stored choice are gone: choose afresh
+    end
+  end
+
+  local total = want
+  local dp_size = tonumber(opts.dp_size) or 1
+  if sampler == 'balance' then total = want * dp_size end
+  local select_opts = {
+    n = tonumber(opts.n) or 1,
+    max_tokens = tonumber(opts.max_tokens) or 0,
+    min_version = tonumber(opts.min_version),
+    drop_stale = opts.drop_stale == '1',
+    max_deliveries = (lease_ms > 0) and max_deliveries or 0,
+    weights = sampler == 'balance',
+  }
+  if sampler == 'sequential' then select_opts.n = 1 end
+
+  local ids, tags = select_units(prefix, task, fields, total, select_opts)
+  if #ids == 0 then
+    return {last_event_id(prefix), {}, read_schemas(prefix, fields), {}, {}, next_lease_deadline(prefix, task)}
+  end
+  local deliveries = mark_claimed(prefix, task, ids, now_ms, lease_ms)
+  local ttl = tonumber(opts.ttl_ms) or 3600000
+
+  if sampler == 'rank' then
+    redis.call('SET', cache_key, table.concat(ids, ','), 'PX', ttl)
+  elseif sampler == 'balance' then
+    local n = select_opts.n
+    local weights = {}
+    for g = 1, #ids / n do
+      local w = 0
+      for j = 1, n do w = w + (tonumber(tags.len[ids[(g - 1) * n + j]]) or 1) end
+      weights[g] = w
+    end
+    local groups = kk_partition(weights, dp_size)
+    local texts, mine = {}, {}
+    for r = 1, dp_size do
+      local members = {}
+      for _, g in ipairs(groups[r]) do
+        for j = 1, n do members[#members + 1] = ids[(g - 1) * n + j] end
+      end
+      texts[r] = table.concat(members, ',')
+      if r == part then mine = members end
+    end
+    redis.call('SET', cache_key, table.concat(texts, ';'), 'PX', ttl)
+    return reply(mine, known_deliveries(mine))
+  end
+  return reply(ids, deliveries)
 end

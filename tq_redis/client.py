@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tq_redis import ops
+from tq_redis import kv, ops, streaming
 from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
-from tq_redis.metadata import BatchMeta
+from tq_redis.metadata import BatchMeta, KVBatchMeta
 
 
 def lease_task(metadata: BatchMeta) -> str:
@@ -126,6 +126,53 @@ class AsyncTransferQueueClient:
 
     async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
         return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+
+    # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------
+
+    async def async_kv_put(self, key: str, partition_id: str, fields: Any = None,
+                           tag: dict[str, Any] | None = None,
+                           data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_put`."""
+        tags = None if tag is None else [tag]
+        return await self._driver.run(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+                                                   single=True))
+
+    async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
+                                 tags: list[dict[str, Any]] | None = None,
+                                 data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_put`."""
+        return await self._driver.run(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+
+    async def async_kv_batch_get(self, keys: list[str] | str, partition_id: str,
+                                 select_fields: list[str] | str | None = None) -> TensorDict:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_get`."""
+        return await self._driver.run(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+
+    async def async_kv_batch_get_by_meta(self, meta: KVBatchMeta,
+                                         select_fields: list[str] | str | None = None) -> TensorDict:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_get_by_meta`."""
+        return await self._driver.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
+        return await self._driver.run(kv.list_keys(self._ctx, partition_id))
+
+    async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
+        """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""
+        await self._driver.run(kv.clear(self._ctx, keys, partition_id))
+
+    async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str,
+                                     create: bool = False) -> BatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_meta`."""
+        return await self._driver.run(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+
+    async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_keys`."""
+        return await self._driver.run(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+
+    async def async_seal_partition(self, partition_id: str) -> bool:
+        """See :meth:`tq_redis.TransferQueueClient.seal_partition`."""
+        return await self._driver.run(streaming.seal_partition(self._ctx, partition_id))
 
     async def async_close(self) -> None:
         await self._driver.close()

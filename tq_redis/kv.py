@@ -142,7 +142,9 @@ def _batch(fields: Any, n: int) -> TensorDict:
         try:
             td = TensorDict(dict(fields), batch_size=[n])
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise BatchSizeMismatch(f"kv_batch_put: fields do not all have {n} rows (one per key): {exc}") from exc
+            raise BatchSizeMismatch(
+                f"kv_batch_put: fields do not all have {n} rows (one per key): {exc}"
+            ) from exc
     else:
         raise UnsupportedValue(f"kv_batch_put: fields must be a TensorDict, got {type(fields).__name__}")
     if len(td.batch_size) == 0 or td.batch_size[0] != n:
@@ -211,7 +213,9 @@ class _Resolved:
         self.schemas = schemas  # fields produced for every pre-existing key, in registration order
         self.tags = tags
 
-    def meta(self, partition_id: str, fields: Sequence[str], positions: Sequence[int] | None = None) -> BatchMeta:
+    def meta(
+        self, partition_id: str, fields: Sequence[str], positions: Sequence[int] | None = None
+    ) -> BatchMeta:
         pos = list(range(len(self.ids))) if positions is None else list(positions)
         schema = {f: codec.to_batchmeta_schema(json.loads(self.schemas[f])) for f in fields}
         return BatchMeta.from_columns(
@@ -270,12 +274,13 @@ def retrieve_keys(ctx: ops.Context, global_indexes: Any, partition_id: str) -> O
     if not ids:
         raise InvalidArgument("kv_retrieve_keys: global_indexes is empty")
     pk = ctx.keys(partition_id)
-    keys, alive = yield Pipe(
-        (Cmd(("HMGET", pk.kvkeys, *ids)), Cmd(("BITFIELD", pk.alive, *[x for i in ids for x in ("GET", "u1", i)])))
-    )
+    bitfield = [x for i in ids for x in ("GET", "u1", i)]
+    keys, alive = yield Pipe((Cmd(("HMGET", pk.kvkeys, *ids)), Cmd(("BITFIELD", pk.alive, *bitfield))))
     missing = [i for i, k, a in zip(ids, keys, alive) if k is None or not a]
     if missing:
-        raise SampleNotFound(f"samples {missing[:10]} of partition {partition_id!r} have no key (cleared, or not put by key)")
+        raise SampleNotFound(
+            f"samples {missing[:10]} of partition {partition_id!r} have no key (cleared, or not put by key)"
+        )
     return [_text(k) for k in keys]
 
 
@@ -309,7 +314,9 @@ def batch_put(
     if fields is not None:
         td = _single_row(fields) if single else _batch(fields, len(keys))
         if single and td.batch_size[0] != 1:
-            raise BatchSizeMismatch(f"kv_put: fields hold {td.batch_size[0]} rows; use kv_batch_put for batches")
+            raise BatchSizeMismatch(
+                f"kv_put: fields hold {td.batch_size[0]} rows; use kv_batch_put for batches"
+            )
         if data_parser is not None:
             td = _parse(td, data_parser)
     pk = ctx.keys(partition_id)
@@ -369,7 +376,9 @@ def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any
     while True:
         res = yield from _resolve(ctx, pk, keys, False, [])
         if res is None:
-            raise SampleNotFound(f"kv_batch_get: partition {partition_id!r} does not exist (cleared, or never put)")
+            raise SampleNotFound(
+                f"kv_batch_get: partition {partition_id!r} does not exist (cleared, or never put)"
+            )
         missing = [k for k, i in zip(keys, res.ids) if i < 0]
         if missing:
             raise SampleNotFound(f"kv_batch_get: keys {missing[:10]} are not in partition {partition_id!r}")
@@ -394,7 +403,9 @@ def _explain_absent(pk: PartitionKeys, keys: list[str], ids: list[int], fields: 
             raise UnknownField(f"field {name!r} was never put in partition {pk.partition!r}")
         lacking = [k for k, b in zip(keys, bits) if not b]
         if lacking:
-            raise DataNotReady(f"field {name!r} is not produced yet for keys {lacking[:10]} of partition {pk.partition!r}")
+            raise DataNotReady(
+                f"field {name!r} is not produced yet for keys {lacking[:10]} of partition {pk.partition!r}"
+            )
 
 
 def batch_get_by_meta(ctx: ops.Context, meta: KVBatchMeta, select_fields: Any = None) -> Op:
@@ -408,7 +419,8 @@ def batch_get_by_meta(ctx: ops.Context, meta: KVBatchMeta, select_fields: Any = 
         unknown = [f for f in wanted if meta.fields is None or f not in meta.fields]
         if unknown:
             raise InvalidArgument(
-                f"kv_batch_get_by_meta: select_fields {unknown} are not in the KVBatchMeta's fields {meta.fields}"
+                f"kv_batch_get_by_meta: select_fields {unknown} are not in the KVBatchMeta's "
+                f"fields {meta.fields}"
             )
     else:
         wanted = meta.fields
@@ -470,8 +482,9 @@ def _async_client():
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)
     if client is None or client.redis_url != sync.redis_url or client.namespace != sync.namespace:
+        opts = sync._ctx
         client = AsyncTransferQueueClient(
-            sync.redis_url, sync.namespace, allow_pickle=sync._ctx.allow_pickle, nested_output=sync._ctx.nested_output
+            sync.redis_url, sync.namespace, allow_pickle=opts.allow_pickle, nested_output=opts.nested_output
         )
         _async_clients[loop] = client
     return client
@@ -503,7 +516,9 @@ def kv_batch_put(
     return _client().kv_batch_put(keys, partition_id, fields, tags, data_parser)
 
 
-def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> TensorDict:
+def kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> TensorDict:
     """The keys' fields as a TensorDict in key order; by default the fields every key has."""
     return _client().kv_batch_get(keys, partition_id, select_fields)
 
@@ -552,7 +567,9 @@ async def async_kv_batch_get(
     return await _async_client().async_kv_batch_get(keys, partition_id, select_fields)
 
 
-async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None
+) -> TensorDict:
     """Coroutine of :func:`kv_batch_get_by_meta`."""
     return await _async_client().async_kv_batch_get_by_meta(meta, select_fields)
 

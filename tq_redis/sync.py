@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tq_redis import ops
+from tq_redis import kv, ops, streaming
 from tq_redis.client import lease_task, make_context
 from tq_redis.driver import SyncDriver
-from tq_redis.metadata import BatchMeta
+from tq_redis.metadata import BatchMeta, KVBatchMeta
 
 
 class TransferQueueClient:
@@ -134,6 +134,52 @@ class TransferQueueClient:
     def extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
         """Keep a leased batch for ``seconds`` more from now."""
         return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+
+    # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------
+
+    def kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None,
+               data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """Put one key's fields (one sample's values) and/or tag; see :func:`tq_redis.kv_put`."""
+        tags = None if tag is None else [tag]
+        return self._driver.run(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+                                             single=True))
+
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
+                     tags: list[dict[str, Any]] | None = None,
+                     data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """Put a batch by keys; see :func:`tq_redis.kv_batch_put`."""
+        return self._driver.run(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+
+    def kv_batch_get(self, keys: list[str] | str, partition_id: str,
+                     select_fields: list[str] | str | None = None) -> TensorDict:
+        """Fields of keys in key order; see :func:`tq_redis.kv_batch_get`."""
+        return self._driver.run(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+
+    def kv_batch_get_by_meta(self, meta: KVBatchMeta,
+                             select_fields: list[str] | str | None = None) -> TensorDict:
+        """:meth:`kv_batch_get` of a :class:`KVBatchMeta`."""
+        return self._driver.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition_id: {key: tags}}`` of one partition or all of them."""
+        return self._driver.run(kv.list_keys(self._ctx, partition_id))
+
+    def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
+        """Remove keys, their samples and bytes. Idempotent."""
+        self._driver.run(kv.clear(self._ctx, keys, partition_id))
+
+    def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
+        """``BatchMeta`` of the keys found (unknown keys are created with ``create=True``, else left out)."""
+        return self._driver.run(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        """The user key of each sample id."""
+        return self._driver.run(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+
+    def seal_partition(self, partition_id: str) -> bool:
+        """Say no more samples will be inserted: streaming loaders end once they drained it.
+        Returns True if this call sealed it (False: it was sealed already)."""
+        return self._driver.run(streaming.seal_partition(self._ctx, partition_id))
 
     def close(self) -> None:
         """Close the Redis pool and store connections."""

@@ -1,11 +1,37 @@
 --[[
   The ready set of a task: alive AND every requested field produced AND NOT consumed by the task.
-  Computed into a scratch key of the partition's slot with three BITOPs (no BITOP NOT: its
-  result is only as long as the consumed bitmap, which would hide newer samples).
+
+  Two ways to read it:
+  - `ready_scanner` streams ready ids in ascending order straight from the bitmaps, a window at a
+    time; BITPOS skips (in C) every run that cannot hold a ready id, so a claim costs
+    O(ids examined + words skipped), whatever the partition size. The claim script uses it.
+  - `compute_ready` materialises the whole ready bitmap with BITOP (O(partition)); only the
+    user-sampler path, which must hand the full ready list to Python, uses it.
+  Plus the lease bookkeeping shared by the claim scripts.
 ]]
 
+-- BYTE_BIT[o] is the value of bit offset o (0 = most significant) within a byte.
+local BYTE_BIT = {}
+for o = 0, 7 do BYTE_BIT[o] = 2 ^ (7 - o) end
+
+-- a AND b for byte values, without the `bit` library (fakeredis lacks it). The fast cases
+-- (0, 255, equal) cover almost every byte of a claim; mixed bytes decode their set bits.
+local function byte_and(a, b)
+  if a == 255 then return b end
+  if b == 255 or a == b then return a end
+  if a == 0 or b == 0 then return 0 end
+  local r = 0
+  local offsets = SET_BITS[a]
+  for k = 1, #offsets do
+    local p = BYTE_BIT[offsets[k]]
+    if math.floor(b / p) % 2 == 1 then r = r + p end
+  end
+  return r
+end
+
 -- Returns the scratch key holding the ready bitmap, or nil if a field is not registered yet.
--- The caller must DEL the key before returning.
+-- The caller must DEL the key before returning. No BITOP NOT: its result is only as long as
+-- the consumed bitmap, which would hide newer samples.
 local function compute_ready(prefix, task, fields)
   local prods = {}
   if #fields > 0 then
@@ -23,19 +49,199 @@ local function compute_ready(prefix, task, fields)
   return ready
 end
 
+--[[
+  A stream of the task's ready ids, ascending. Returns a table with
+    next(hint)   the next ready id, or nil when there is none; `hint` (optional) is how many ids
+                 the caller still expects to need, which sizes the next window read
+    unread()     push the id last returned by next() back (one step only)
+  and, if `on_fill` is given, calls on_fill(ids, from, to) for every window of ids read (so a
+  sampler can HMGET the tags of a whole window in one call).
+]]
+local SCAN_MIN_BYTES, SCAN_MAX_BYTES = 32, 4096
+
+local function ready_scanner(prefix, task, fields, on_fill)
+  local ones = {prefix .. 'alive'}
+  for i = 1, #fields do ones[i + 1] = prefix .. 'prod:' .. fields[i] end
+  local cons = prefix .. 'cons:' .. task
+  -- Ids past the end of the shortest must-be-set bitmap cannot be ready.
+  local limit = nil
+  for i = 1, #ones do
+    local len = redis.call('STRLEN', ones[i])
+    if limit == nil or len < limit then limit = len end
+  end
+  local cons_len = redis.call('STRLEN', cons)
+  local byte, exhausted = 0, (limit == 0)
+  local buf, head, tail = {}, 1, 0
+
+  -- Leapfrog: the first byte >= b where every must-be-set bitmap has a set bit and the
+  -- consumed bitmap a clear bit (byte granularity), or nil when there is none.
+  local function align(b)
+    while true do
+      if b >= limit then return nil end
+      local nb = b
+      for i = 1, #ones do
+        local p = redis.call('BITPOS', ones[i], 1, nb)
+        if p < 0 then return nil end
+        local pb = math.floor(p / 8)
+        if pb > nb then nb = pb end
+      end
+      if nb < cons_len then
+        local p = redis.call('BITPOS', cons, 0, nb)
+        local pb = cons_len
+        if p >= 0 then pb = math.floor(p / 8) end
+        if pb > nb then nb = pb end
+      end
+      if nb == b then return b end
+      b = nb
+    end
+  end
+
+  local function fill(hint)
+    buf, head, tail = {}, 1, 0
+    while not exhausted do
+      local b = align(byte)
+      if b == nil then
+        exhausted = true
+        return
+      end
+      local nbytes = math.max(SCAN_MIN_BYTES, math.min(SCAN_MAX_BYTES, math.ceil(hint / 8) + 1))
+      local e = math.min(limit - 1, b + nbytes - 1)
+      local strs = {}
+      for i = 1, #ones do strs[i] = redis.call('GETRANGE', ones[i], b, e) end
+      local cs = ''
+      if b < cons_len then cs = redis.call('GETRANGE', cons, b, e) end
+      for j = 1, e - b + 1 do
+        local r = 255
+        for i = 1, #strs do
+          local v = string.byte(strs[i], j) or 0
+          if v ~= 255 then
+            r = byte_and(r, v)
+            if r == 0 then break end
+          end
+        end
+        if r ~= 0 then
+          local c = string.byte(cs, j) or 0
+          if c ~= 0 then r = r - byte_and(r, c) end
+          if r ~= 0 then
+            local base = (b + j - 1) * 8
+            local offsets = SET_BITS[r]
+            for k = 1, #offsets do
+              tail = tail + 1
+              buf[tail] = base + offsets[k]
+            end
+          end
+        end
+      end
+      byte = e + 1
+      if tail > 0 then
+        if on_fill then on_fill(buf, 1, tail) end
+        return
+      end
+    end
+  end
+
+  local scanner = {}
+  function scanner.next(hint)
+    if head > tail then
+      fill(hint or 64)
+      if head > tail then return nil end
+    end
+    local x = buf[head]
+    head = head + 1
+    return x
+  end
+  function scanner.unread()
+    head = head - 1
+  end
+  return scanner
+end
+
+-- Set the bits of `ids` (any order) in `key`: whole bytes of consecutive runs with SETRANGE,
+-- the rest with BITFIELD. A sequential claim of 1024 ids is a handful of calls.
+local function set_id_bits(key, ids)
+  local sorted = {}
+  for i = 1, #ids do sorted[i] = ids[i] end
+  table.sort(sorted)
+  local edges = {}
+  local i = 1
+  while i <= #sorted do
+    local j = i
+    while j < #sorted and sorted[j + 1] == sorted[j] + 1 do j = j + 1 end
+    local first, last = sorted[i], sorted[j]
+    local byte_from, byte_to = math.ceil(first / 8), math.floor((last + 1) / 8) - 1
+    if byte_to >= byte_from then
+      redis.call('SETRANGE', key, byte_from, string.rep('\255', byte_to - byte_from + 1))
+      for id = first, byte_from * 8 - 1 do edges[#edges + 1] = id end
+      for id = (byte_to + 1) * 8, last do edges[#edges + 1] = id end
+    else
+      for id = first, last do edges[#edges + 1] = id end
+    end
+    i = j + 1
+  end
+  if #edges > 0 then set_bits(key, edges, 1) end
+end
+
+-- Mark `ids` consumed by the task; with a lease (lease_ms > 0) also put them in flight until
+-- now_ms + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
+local function mark_claimed(prefix, task, ids, now_ms, lease_ms)
+  if #ids == 0 then return {} end
+  set_id_bits(prefix .. 'cons:' .. task, ids)
+  if lease_ms <= 0 then return {} end
+  local dlv_key = prefix .. 'dlv:' .. task
+  local before = hmget_many(dlv_key, ids)
+  local deliveries, zargs, hargs = {}, {}, {}
+  local deadline = now_ms + lease_ms
+  for i = 1, #ids do
+    deliveries[i] = (tonumber(before[i]) or 0) + 1
+    zargs[#zargs + 1] = deadline
+    zargs[#zargs + 1] = ids[i]
+    hargs[#hargs + 1] = ids[i]
+    hargs[#hargs + 1] = deliveries[i]
+    if #zargs >= 2 * BITFIELD_CHUNK then
+      redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
+      redis.call('HSET', dlv_key, unpack(hargs))
+      zargs, hargs = {}, {}
+    end
+  end
+  if #zargs > 0 then
+    redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
+    redis.call('HSET', dlv_key, unpack(hargs))
+  end
+  return deliveries
+end
+
+-- Put samples aside for a task for good: consumed, and listed in its poison set (`status`
+-- shows them). Used for samples past max_deliveries and for stale samples dropped on request.
+local function poison_ids(prefix, task, ids)
+  if #ids == 0 then return end
+  set_id_bits(prefix .. 'cons:' .. task, ids)
+  for from = 1, #ids, BITFIELD_CHUNK do
+    redis.call('SADD', prefix .. 'poison:' .. task, unpack(ids, from, math.min(#ids, from + BITFIELD_CHUNK - 1)))
+  end
+end
+
+-- Earliest lease deadline of the task (ms), -1 if none is in flight.
+local function next_lease_deadline(prefix, task)
+  local first = redis.call('ZRANGE', prefix .. 'lease:' .. task, 0, 0, 'WITHSCORES')
+  if #first == 0 then return -1 end
+  return tonumber(first[2])
+end
+
 -- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,
 -- or move them to the poison set once they reached max_deliveries (0 = unlimited).
 local function release_lapsed(prefix, task, now_ms, max_deliveries)
   local lease = prefix .. 'lease:' .. task
   local lapsed = redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms)
   if #lapsed == 0 then return 0 end
-  redis.call('ZREM', lease, unpack(lapsed))
+  for from = 1, #lapsed, BITFIELD_CHUNK do
+    redis.call('ZREM', lease, unpack(lapsed, from, math.min(#lapsed, from + BITFIELD_CHUNK - 1)))
+  end
   local release, poison = {}, {}
   if max_deliveries > 0 then
-    local counts = redis.call('HMGET', prefix .. 'dlv:' .. task, unpack(lapsed))
+    local counts = hmget_many(prefix .. 'dlv:' .. task, lapsed)
     for i = 1, #lapsed do
       if tonumber(counts[i] or 0) >= max_deliveries then
-        poison[#poison + 1] = lapsed[i]
+        poison[#poison + 1] = tonumber(lapsed[i])
       else
         release[#release + 1] = tonumber(lapsed[i])
       end
@@ -43,7 +249,7 @@ local function release_lapsed(prefix, task, now_ms, max_deliveries)
   else
     for i = 1, #lapsed do release[i] = tonumber(lapsed[i]) end
   end
-  if #poison > 0 then redis.call('SADD', prefix .. 'poison:' .. task, unpack(poison)) end
+  if #poison > 0 then poison_ids(prefix, task, poison) end
   if #release > 0 then
     set_bits(prefix .. 'cons:' .. task, release, 0)
     emit(prefix, 'released', 'task', task, 'count', #release)

@@ -1,0 +1,125 @@
+"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from tq_redis.backends.dram_server import start_local_nodes
+    from tq_redis.embedded import EmbeddedServer
+
+    server = EmbeddedServer(
+        port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host
+    ).start()
+    nodes = None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if args.units > 0:
+            nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
+                                      token=args.token)
+        r = redis.Redis.from_url(server.url)
+        r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
+                                                                   "options": {}}))
+        r.close()
+        print(f"tq-redis up: {server.url} namespace {args.namespace!r}", flush=True)
+        if nodes is not None:
+            print(f"storage nodes: {', '.join(nodes.addresses)}", flush=True)
+        print(f"attach with: TQ_REDIS_URL={server.url} TQ_NAMESPACE={args.namespace}  (Ctrl-C stops)", flush=True)
+        while not stop.wait(0.5):
+            if server.process is None or server.process.poll() is not None:
+                print("tq-redis up: the Redis server exited", file=sys.stderr)
+                return 1
+    finally:
+        if nodes is not None:
+            nodes.stop()
+        server.stop(remove_data=args.data_dir is None)
+        print("tq-redis up: stopped", flush=True)
+    return 0
+
+
+def _cmd_storage_unit(argv: list[str]) -> int:
+    from tq_redis.backends.dram_server import main as node_main
+
+    return node_main(argv)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tq_redis.errors import ConnectionFailed
+    from tq_redis.status import render, snapshot
+
+    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    if not url:
+        print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
+        return 2
+    r = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        while True:
+            try:
+                snap = snapshot(r, args.namespace)
+            except redis.ConnectionError as exc:
+                raise ConnectionFailed(f"cannot reach Redis at {url}: {exc}") from exc
+            if args.json:
+                print(json.dumps(snap, indent=2, sort_keys=True))
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")
+                print(render(snap), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.interval)  # a refresh interval for a human watching, not synchronisation
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        r.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tq-redis", description="tq-redis: controller-less RL data gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded Valkey + N DRAM storage nodes in the foreground")
+    up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
+    up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
+    up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
+    up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
+    up.add_argument("--token", default=os.environ.get("TQ_STORAGE_TOKEN"), help="storage-node auth token")
+    up.set_defaults(func=_cmd_up)
+
+    sub.add_parser("storage-unit", help="one DRAM storage node (see: tq-redis storage-unit --help)",
+                   add_help=False)
+
+    status = sub.add_parser("status", help="partitions, progress per task, leases, storage nodes")
+    status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
+    status.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0)
+    status.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "storage-unit":
+        return _cmd_storage_unit(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

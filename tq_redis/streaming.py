@@ -1,0 +1,147 @@
+"""Streaming reads: seal a partition, and claim a task's next batch until the partition is drained.
+
+A producer calls ``seal_partition`` when no more samples will be inserted (``lua/seal_partition``
+sets ``sealed`` in the partition's meta hash and emits an event, waking every blocked reader).
+:func:`next_batch` is what each rank's loader runs: claim a batch; if none is ready, read the
+partition's :func:`progress` and either end (sealed and drained) or block on the event stream
+(XREAD BLOCK) until something changes. Nothing polls or sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tq_redis import ops
+from tq_redis.driver import Cmd, FCall, Pipe, Wait
+from tq_redis.errors import InvalidArgument
+from tq_redis.keys import check_name, partitions_key
+from tq_redis.metadata import BatchMeta
+
+Op = ops.Op
+
+WAIT_SLICE_S = 5.0
+"""Longest single XREAD BLOCK while waiting without a deadline (the loop re-checks after it)."""
+
+
+def seal_partition(ctx: ops.Context, partition_id: str) -> Op:
+    """Mark the partition sealed (creating it if needed); True if this call sealed it."""
+    pk = ctx.keys(partition_id)
+    done, _ = yield Pipe(
+        (
+            FCall("seal_partition", (pk.meta,), (int(time.time() * 1000),)),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
+        )
+    )
+    return bool(done)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What is left of a partition for one task (see ``lua/progress.lua``)."""
+
+    last_event_id: str
+    exists: bool
+    sealed: bool
+    alive: int
+    pending: int
+    ready: int
+
+    @property
+    def drained(self) -> bool:
+        """Sealed, and the task has consumed every sample for good."""
+        return self.sealed and self.pending == 0
+
+    @property
+    def settled(self) -> bool:
+        """Sealed, and every sample still pending is ready: nothing more can arrive."""
+        return self.sealed and self.pending == self.ready
+
+
+def progress(ctx: ops.Context, partition_id: str, task_name: str, fields: Sequence[str] = ()) -> Op:
+    """The partition's :class:`Progress` for ``task_name`` reading ``fields``."""
+    check_name("task_name", task_name)
+    fields = [check_name("field name", f) for f in fields]
+    pk = ctx.keys(partition_id)
+    last, exists, sealed, alive, pending, ready = yield FCall(
+        "progress", (pk.meta,), (task_name, len(fields), *fields)
+    )
+    return Progress(
+        last.decode() if isinstance(last, bytes) else str(last),
+        bool(exists), bool(sealed), int(alive), int(pending), int(ready),
+    )
+
+
+def wait_for_event(ctx: ops.Context, partition_id: str, last_event_id: str, timeout_s: float) -> Op:
+    """Block until the partition's event stream moves past ``last_event_id`` or the timeout passes."""
+    yield Wait(ctx.keys(partition_id).events, last_event_id, timeout_s)
+
+
+def next_batch(
+    ctx: ops.Context,
+    data_fields: Sequence[str],
+    batch_size: int,
+    partition_id: str,
+    task_name: str,
+    sampling_config: dict[str, Any] | None = None,
+    *,
+    drop_last: bool = False,
+    end_when_consumed: bool = False,
+    timeout: float | None = None,
+) -> Op:
+    """Claim ``task_name``'s next batch of ``partition_id``, waiting for data as long as needed.
+
+    Returns ``None`` when the stream has ended: the partition is sealed and the task consumed
+    every sample, or (``end_when_consumed``) every sample present is consumed, or what is left
+    can never form a batch (sealed, all of it ready, and fewer than ``batch_size`` with
+    ``drop_last``, or a sampler that refuses it). With ``drop_last=False`` the last batch of a
+    sealed partition may be smaller than ``batch_size``. Raises ``TimeoutError`` if ``timeout``
+    seconds pass without a batch.
+    """
+    if timeout is not None and timeout < 0:
+        raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    fields = list(data_fields)
+    previous: Progress | None = None
+    while True:
+        # Progress first: any change after it emits an event after last_event_id, so the wait
+        # below cannot miss what the claim did not see.
+        state = yield from progress(ctx, partition_id, task_name, fields)
+        meta = yield from _claim(ctx, fields, batch_size, partition_id, task_name, sampling_config)
+        if meta.size:
+            return meta
+        if state.drained or (end_when_consumed and state.alive and state.pending == 0):
+            return None
+        if state.settled:
+            if not drop_last and 0 < state.ready < batch_size:
+                meta = yield from _claim(ctx, fields, state.ready, partition_id, task_name, sampling_config)
+                if meta.size:
+                    return meta
+            if previous == state:
+                return None  # a second look saw the same: what is left cannot form a batch
+            previous = state
+            continue
+        previous = None
+        remaining = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"no batch of {batch_size} for task {task_name!r} in partition {partition_id!r} "
+                f"within {timeout}s ({state.ready} ready, {state.pending} pending)"
+            )
+        yield from wait_for_event(ctx, partition_id, state.last_event_id, min(remaining, WAIT_SLICE_S))
+
+
+def _claim(
+    ctx: ops.Context,
+    fields: list[str],
+    batch_size: int,
+    partition_id: str,
+    task_name: str,
+    sampling_config: dict[str, Any] | None,
+) -> Op:
+    meta: BatchMeta = yield from ops.get_meta(
+        ctx, fields, batch_size, partition_id, "fetch", task_name, sampling_config, 0.0, None
+    )
+    return meta
