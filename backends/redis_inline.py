@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-
 from tq_redis.backends.base import Buffer, Segments, StoreContext, join_segments
+
 from tq_redis.errors import DataMissing, StorageUnavailable
 
 _CHUNK = 512  # keys per MSET/MGET, so one command never carries an unbounded payload

@@ -111,9 +111,12 @@ class EmbeddedServer:
                 except redis.ConnectionError:
                     if self.process.poll() is not None:
                         log = (self.data_dir / "server.log").read_text(errors="replace")[-2000:]
-                        raise ConnectionFailed(f"{self.binary} exited at start (code {self.process.returncode}): {log}")
+                        code = self.process.returncode
+                        raise ConnectionFailed(f"{self.binary} exited at start (code {code}): {log}") from None
                     if time.monotonic() > deadline:
-                        raise ConnectionFailed(f"{self.binary} did not answer on {self.url} within {timeout}s")
+                        raise ConnectionFailed(
+                            f"{self.binary} did not answer on {self.url} within {timeout}s"
+                        ) from None
                     time.sleep(0.02)  # waiting for an external process to open its port
         finally:
             client.close()

@@ -75,7 +75,9 @@ class TransferQueueClient:
                          timeout, lease_s)
         )
 
-    def put(self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None) -> BatchMeta:
+    def put(
+        self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None
+    ) -> BatchMeta:
         """Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
         With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
         the samples become visible. Returns the metadata with the fields added."""
