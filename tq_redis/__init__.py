@@ -21,7 +21,7 @@ from tq_redis.kv import (
     kv_put,
 )
 from tq_redis.metadata import BatchMeta, KVBatchMeta
-from tq_redis.runtime import close, get_client, init
+from tq_redis.runtime import close, get_client, get_metrics_endpoint, init
 from tq_redis.sync import TransferQueueClient
 
 __version__ = "0.1.0"
@@ -42,6 +42,7 @@ __all__ = [
     "async_kv_put",
     "close",
     "get_client",
+    "get_metrics_endpoint",
     "init",
     "kv_batch_get",
     "kv_batch_get_by_meta",

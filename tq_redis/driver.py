@@ -10,6 +10,7 @@ thread. So ``TransferQueueClient`` and ``AsyncTransferQueueClient`` share one im
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from tq_redis import scripts
+from tq_redis import metrics, scripts
 from tq_redis.errors import ConnectionFailed
 
 
@@ -92,6 +93,16 @@ def _wait_ms(wait: Wait) -> int:
     return max(1, int(wait.timeout_s * 1000))
 
 
+_call_histograms: dict[str, Any] = {}
+
+
+def _observe_call(name: str, seconds: float) -> None:
+    hist = _call_histograms.get(name)
+    if hist is None:
+        hist = _call_histograms[name] = metrics.REDIS_CALL_SECONDS.labels(name)
+    hist.observe(seconds)
+
+
 class SyncDriver:
     """Runs operations with a blocking redis-py client (one connection pool per driver)."""
 
@@ -124,7 +135,10 @@ class SyncDriver:
 
     def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
-            return self._fcall(effect)
+            started = time.perf_counter()
+            result = self._fcall(effect)
+            _observe_call(effect.name, time.perf_counter() - started)
+            return result
         if isinstance(effect, Cmd):
             return self.redis.execute_command(*effect.args)
         if isinstance(effect, Pipe):
@@ -132,7 +146,8 @@ class SyncDriver:
         if isinstance(effect, Offload):
             return effect.fn(*effect.args)
         if isinstance(effect, Wait):
-            return self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+            with metrics.WAIT_SECONDS.time():
+                return self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
         raise TypeError(f"unknown effect {effect!r}")
 
     def ensure_loaded(self, force: bool = False) -> None:
@@ -211,7 +226,10 @@ class AsyncDriver:
 
     async def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
-            return await self._fcall(effect)
+            started = time.perf_counter()
+            result = await self._fcall(effect)
+            _observe_call(effect.name, time.perf_counter() - started)
+            return result
         if isinstance(effect, Cmd):
             return await self.redis.execute_command(*effect.args)
         if isinstance(effect, Pipe):
@@ -219,7 +237,8 @@ class AsyncDriver:
         if isinstance(effect, Offload):
             return await asyncio.to_thread(effect.fn, *effect.args)
         if isinstance(effect, Wait):
-            return await self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+            with metrics.WAIT_SECONDS.time():
+                return await self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
         raise TypeError(f"unknown effect {effect!r}")
 
     async def ensure_loaded(self, force: bool = False) -> None:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from tq_redis import config as config_mod
+from tq_redis import metrics
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import TQError
 from tq_redis.keys import config_key
@@ -70,6 +71,10 @@ def init(conf: Any = None) -> dict[str, Any]:
             else:
                 client.redis.hsetnx(key, "storage", spec)
             client.redis.hset(key, "sampler", json.dumps(_sampler_name(cfg["sampler"])))
+            if cfg["metrics"].get("enabled"):
+                metrics.start_exporter(
+                    int(cfg["metrics"].get("port") or 0), redis_url=cfg["redis"]["url"], namespace=cfg["namespace"]
+                )
         except BaseException:
             if nodes is not None:
                 nodes.stop()
@@ -92,11 +97,17 @@ def default_sampler() -> Any:
     return _state.get("sampler")
 
 
+def get_metrics_endpoint() -> str | None:
+    """URL of the Prometheus exporter (``init({"metrics": {"enabled": True}})``), else None."""
+    return metrics.endpoint()
+
+
 def close() -> None:
     """Close the default client and stop whatever ``init()`` started. Idempotent."""
     with _lock:
         if not _state:
             return
+        metrics.stop_exporter()
         _state["client"].close()
         if _state.get("nodes") is not None:
             _state["nodes"].stop()

@@ -10,11 +10,17 @@ bits in Redis.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tq_redis import metrics
 from tq_redis.backends.base import Buffer, Segments, StorageClient, StoreContext, create_store
 from tq_redis.keys import PartitionKeys
+
+
+def _nbytes(buffer: Buffer) -> int:
+    return buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
 
 
 class KVStorageManager:
@@ -26,6 +32,18 @@ class KVStorageManager:
         self.ctx = ctx
         self._store: StorageClient | None = None
         self._lock = threading.Lock()
+        self._m = {
+            d: (metrics.BYTES.labels(d, backend), metrics.VALUES.labels(d, backend),
+                metrics.STORE_SECONDS.labels(d, backend))
+            for d in ("put", "get", "delete")
+        }
+
+    def _record(self, direction: str, started: float, values: int, nbytes: int) -> None:
+        bytes_counter, values_counter, seconds = self._m[direction]
+        seconds.observe(time.perf_counter() - started)
+        values_counter.inc(values)
+        if nbytes:
+            bytes_counter.inc(nbytes)
 
     @property
     def store(self) -> StorageClient:
@@ -42,23 +60,30 @@ class KVStorageManager:
 
     def put(self, pk: PartitionKeys, ids: Sequence[int], encoded: dict[str, list[Segments]]) -> None:
         """Store each field's per-sample values (``encoded[field][j]`` belongs to ``ids[j]``)."""
+        started = time.perf_counter()
         keys: list[str] = []
         values: list[Segments] = []
         for field, per_sample in encoded.items():
             keys.extend(pk.data(i, field) for i in ids)
             values.extend(per_sample)
         self.store.put(keys, values)
+        self._record("put", started, len(keys), sum(_nbytes(seg) for value in values for seg in value))
 
     def get(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[Buffer]]:
         """Fetch values of ``fields`` for ``ids``; returns field -> values aligned with ids."""
+        started = time.perf_counter()
         raw = self.store.get(self.keys_for(pk, ids, fields))
+        self._record("get", started, len(raw), sum(_nbytes(v) for v in raw))
         n = len(ids)
         return {f: raw[k * n : (k + 1) * n] for k, f in enumerate(fields)}
 
     def delete(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> None:
         """Delete values (absent ones are ignored)."""
         if ids and fields:
-            self.store.delete(self.keys_for(pk, ids, fields))
+            started = time.perf_counter()
+            keys = self.keys_for(pk, ids, fields)
+            self.store.delete(keys)
+            self._record("delete", started, len(keys), 0)
 
     def close(self) -> None:
         if self._store is not None:
