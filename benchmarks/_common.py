@@ -30,9 +30,7 @@ TARGET_NOTES: dict[str, str] = {
 }
 
 
-def parse_args(
-    description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
-) -> argparse.Namespace:
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """Parse the options every measure accepts, plus the measure's own (added by ``extra``).
 
     Common options: ``--systems reference,tq_redis``, ``--quick`` (smaller sizes, a smoke run),
@@ -159,9 +157,7 @@ def _cpu_model() -> str:
 def git_commit() -> str | None:
     """The repository's HEAD commit, or ``None`` (no commit yet, no git)."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -182,9 +178,7 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def write_result(
-    measure: str, args: Any, params: dict[str, Any], results: dict[str, Any], out_dir: Path
-) -> Path:
+def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[str, Any], out_dir: Path) -> Path:
     """Write ``<out_dir>/<measure>.json`` with the parameters, per-system results and context."""
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {

@@ -25,9 +25,7 @@ MEASURE = "p1_throughput"
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=1024, help="rows per put (default %(default)s)")
-    parser.add_argument(
-        "--width", type=int, default=4096, help="int64 per row per field (default %(default)s)"
-    )
+    parser.add_argument("--width", type=int, default=4096, help="int64 per row per field (default %(default)s)")
     parser.add_argument("--fields", type=int, default=2, help="fields per sample (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions (default 7, quick 3)")
     parser.add_argument("--storage-units", type=int, default=2, help="storage units (default %(default)s)")
@@ -54,8 +52,7 @@ def _make_batch(samples: int, width: int, fields: int, seed: int) -> Any:
 
     gen = torch.Generator().manual_seed(seed)
     data = {
-        f"f{i}": torch.randint(0, 1 << 30, (samples, width), dtype=torch.int64, generator=gen)
-        for i in range(fields)
+        f"f{i}": torch.randint(0, 1 << 30, (samples, width), dtype=torch.int64, generator=gen) for i in range(fields)
     }
     return TensorDict(data, batch_size=[samples])
 

@@ -31,13 +31,9 @@ QUICK_SIZES = [1 << 10, 1 << 14, 1 << 16]
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--sizes", default=None, help="comma-separated partition sizes (default 1k..1M; quick 1k..65k)"
-    )
+    parser.add_argument("--sizes", default=None, help="comma-separated partition sizes (default 1k..1M; quick 1k..65k)")
     parser.add_argument("--batch", type=int, default=1024, help="get_meta batch_size (default %(default)s)")
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="timed calls per size (default 15, quick 5)"
-    )
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per size (default 15, quick 5)")
     parser.add_argument(
         "--put-batch", type=int, default=65536, help="samples per put while filling (default %(default)s)"
     )
@@ -115,9 +111,7 @@ def measure_system(
                     flush=True,
                 )
                 for s in skipped:
-                    per_size[str(s)] = {
-                        "skipped": f"previous size took {step_s:.0f} s > budget {budget_s:.0f} s"
-                    }
+                    per_size[str(s)] = {"skipped": f"previous size took {step_s:.0f} s > budget {budget_s:.0f} s"}
                 break
         return {"sizes": per_size, "startup_s": startup_seconds(name)}
     finally:
@@ -148,9 +142,7 @@ def main() -> dict[str, Any]:
     print(f"P2: get_meta(batch={args.batch}, fetch) latency vs partition size {sizes}")
     results = run_per_system(
         args.systems,
-        lambda name: measure_system(
-            name, sizes, args.batch, repeats, args.put_batch, args.consume, args.budget_s
-        ),
+        lambda name: measure_system(name, sizes, args.batch, repeats, args.put_batch, args.consume, args.budget_s),
     )
 
     def med(system: str, size: int) -> float | None:
@@ -158,10 +150,7 @@ def main() -> dict[str, Any]:
 
     print_comparison(
         "P2 get_meta(1024) median latency (ms, lower is better)",
-        [
-            (f"{size:,d} samples", med("reference", size), med("tq_redis", size), " ms", False)
-            for size in sizes
-        ],
+        [(f"{size:,d} samples", med("reference", size), med("tq_redis", size), " ms", False) for size in sizes],
     )
     write_result(MEASURE, args, params, results, args.out)
     return results

@@ -50,20 +50,14 @@ WIDTH = 16
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--producers", type=int, default=None, help="producer processes (default 8, quick 4)")
-    parser.add_argument(
-        "--consumers", type=int, default=None, help="consumer processes (default 32, quick 8)"
-    )
-    parser.add_argument(
-        "--samples", type=int, default=None, help="samples to drain (default 8192, quick 1024)"
-    )
-    parser.add_argument(
-        "--put-batch", type=int, default=1, help="samples per producer put (default %(default)s)"
-    )
+    parser.add_argument("--consumers", type=int, default=None, help="consumer processes (default 32, quick 8)")
+    parser.add_argument("--samples", type=int, default=None, help="samples to drain (default 8192, quick 1024)")
+    parser.add_argument("--put-batch", type=int, default=1, help="samples per producer put (default %(default)s)")
     parser.add_argument("--get-batch", type=int, default=1, help="get_meta batch_size (default %(default)s)")
     parser.add_argument(
         "--poll-interval",
         type=float,
-        default=0.05,
+        default=0.2,
         help="consumer sleep after an empty poll, s (default %(default)s)",
     )
     parser.add_argument(
@@ -73,18 +67,14 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
         help="tq-redis get_meta(timeout=...) per call, s (default %(default)s)",
     )
     parser.add_argument("--no-read", action="store_true", help="consumers skip get_data")
-    parser.add_argument(
-        "--phase", choices=("concurrent", "prefill"), default="concurrent", help="see module doc"
-    )
+    parser.add_argument("--phase", choices=("concurrent", "prefill"), default="concurrent", help="see module doc")
     parser.add_argument(
         "--attach-mode",
         choices=("zmq", "ray"),
         default="zmq",
         help="how reference workers attach (see reference.py)",
     )
-    parser.add_argument(
-        "--timeout-s", type=float, default=300.0, help="give up after this long (default %(default)s)"
-    )
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default %(default)s)")
 
 
 def _worker(
@@ -201,9 +191,7 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         produced = ctx.Value("q", 0)
         results = ctx.Queue()
         t_spawn = time.perf_counter()
-        roles = [("producer", i) for i in range(cfg["producers"])] + [
-            ("consumer", i) for i in range(cfg["consumers"])
-        ]
+        roles = [("producer", i) for i in range(cfg["producers"])] + [("consumer", i) for i in range(cfg["consumers"])]
         for role, wid in roles:
             proc = ctx.Process(
                 target=_worker,
@@ -345,9 +333,7 @@ def main() -> dict[str, Any]:
             ("wall time", get("reference", "wall_s"), get("tq_redis", "wall_s"), " s", False),
         ],
     )
-    print(
-        f"  duplicates: reference {get('reference', 'duplicates')}, tq_redis {get('tq_redis', 'duplicates')}"
-    )
+    print(f"  duplicates: reference {get('reference', 'duplicates')}, tq_redis {get('tq_redis', 'duplicates')}")
     write_result(MEASURE, args, cfg, results, args.out)
     return results
 

@@ -53,8 +53,13 @@ from typing import Any
 SYSTEMS: tuple[str, ...] = ("reference", "tq_redis")
 """Names accepted by :func:`open_system` and :func:`attach`."""
 
-# Set before anything imports Ray, in this process and in every child it starts.
+# Set before anything imports Ray or the reference, in this process and in every child it
+# starts (Ray's raylet, and so the reference's actors, inherit the environment at ray.init).
+# The reference reads TQ_LOGGING_LEVEL when it creates each logger; at its default (WARNING) it
+# logs a line on every put on a 2-core machine, which would slow it down. Override by exporting
+# TQ_LOGGING_LEVEL before running.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
 
 CloseFn = Callable[[], None]
 
@@ -67,13 +72,13 @@ _OPEN: dict[str, dict[str, Any]] = {}
 # Reference system
 # ----------------------------------------------------------------------------------------
 def _quiet_reference_logs() -> None:
-    """Turn the reference system's per-call warnings (thread-count clamp, ...) down to errors."""
+    """Turn already-created loggers of the reference system down to ``TQ_LOGGING_LEVEL``."""
     import logging
 
-    os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
+    level = os.environ.get("TQ_LOGGING_LEVEL", "ERROR")
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("transfer_queue"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(level)
 
 
 def _open_reference(
@@ -182,9 +187,7 @@ def _attach_reference(spec: dict[str, Any], *, attach_mode: str = "zmq") -> tupl
 # ----------------------------------------------------------------------------------------
 # tq-redis
 # ----------------------------------------------------------------------------------------
-def _open_tq_redis(
-    *, conf: dict[str, Any] | None = None, num_storage_units: int | None = 2
-) -> tuple[Any, CloseFn]:
+def _open_tq_redis(*, conf: dict[str, Any] | None = None, num_storage_units: int | None = 2) -> tuple[Any, CloseFn]:
     """Start tq-redis on its embedded default (embedded Valkey + local DRAM storage units).
 
     Args:

@@ -31,14 +31,10 @@ COLORS = {"reference": "#8c8c8c", "tq_redis": "#d62728", "memcpy": "#1f77b4"}
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma-separated systems (default %(default)s)"
-    )
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes for a smoke run")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(MEASURES)}")
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help="results directory (default %(default)s)"
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory (default %(default)s)")
     parser.add_argument("--charts-only", action="store_true", help="only merge existing JSON and draw charts")
     parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     parser.add_argument(
@@ -133,11 +129,7 @@ def chart_p2(doc: dict[str, Any], plt: Any, path: Path) -> None:
     results = doc["results"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for system in _systems_with(results, "sizes"):
-        points = [
-            (int(size), row["median_ms"])
-            for size, row in results[system]["sizes"].items()
-            if "median_ms" in row
-        ]
+        points = [(int(size), row["median_ms"]) for size, row in results[system]["sizes"].items() if "median_ms" in row]
         points.sort()
         if points:
             ax.plot(*zip(*points), marker="o", label=system, color=COLORS[system])
@@ -187,9 +179,7 @@ def chart_p4(doc: dict[str, Any], plt: Any, path: Path) -> None:
     width = 0.8 / max(1, len(systems))
     for k, system in enumerate(systems):
         xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ops))]
-        bars = ax.bar(
-            xs, [results[system][op]["median_ms"] for op in ops], width, label=system, color=COLORS[system]
-        )
+        bars = ax.bar(xs, [results[system][op]["median_ms"] for op in ops], width, label=system, color=COLORS[system])
         _bar_labels(ax, bars, "{:.2f}")
     ax.set_xticks(range(len(ops)), list(ops))
     ax.set_ylabel("median ms (lower is better)")
