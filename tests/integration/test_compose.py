@@ -1,0 +1,105 @@
+"""docker-compose.yml is real: each service's command runs natively here, on loopback.
+
+No Docker engine runs on this machine, so the test reads the compose file, maps service host
+names and ports to loopback ones, and starts every service's command as a local process: Valkey
+with AOF (the bundled binary stands in for the image), the storage nodes through the installed
+``tq-redis`` CLI, then the example rank, which must finish its round trip through the nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+import yaml
+
+from tq_redis.embedded import free_port, valkey_binary
+
+ROOT = Path(__file__).parents[2]
+
+
+def _translate(args: list[str], mapping: dict[str, str]) -> list[str]:
+    out = []
+    for a in args:
+        for old, new in mapping.items():
+            a = a.replace(old, new)
+        out.append(a)
+    return out
+
+
+def test_compose_services_run_natively(tmp_path):
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"valkey", "storage-0", "storage-1", "rank"}
+    assert "valkey-data" in compose["volumes"]
+    assert "--appendonly" in services["valkey"]["command"]
+
+    redis_port = free_port()
+    mapping = {"valkey:6379": f"127.0.0.1:{redis_port}", "/data": str(tmp_path)}
+    for name in ("storage-0", "storage-1"):
+        cmd = services[name]["command"]
+        port = cmd[cmd.index("--listen") + 1].rsplit(":", 1)[1]
+        local = free_port()
+        mapping[f"0.0.0.0:{port}"] = f"127.0.0.1:{local}"
+        mapping[f"{name}:{port}"] = f"127.0.0.1:{local}"
+
+    procs: list[subprocess.Popen] = []
+    bin_dir = Path(sys.executable).parent
+    try:
+        valkey_cmd = _translate(services["valkey"]["command"], mapping)
+        assert valkey_cmd[0] == "valkey-server"
+        valkey_cmd = [valkey_binary(), *valkey_cmd[1:], "--port", str(redis_port), "--bind", "127.0.0.1"]
+        procs.append(subprocess.Popen(valkey_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        r = redis.Redis(port=redis_port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "valkey from the compose command did not start"
+                time.sleep(0.02)  # waiting for an external process to open its port
+        assert r.config_get("appendonly")["appendonly"] == "yes"
+
+        for name in ("storage-0", "storage-1"):
+            cmd = _translate(services[name]["command"], mapping)
+            assert cmd[0] == "tq-redis"
+            cmd = [str(bin_dir / "tq-redis"), *cmd[1:], "--capacity", "256MiB"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while len(r.hgetall("tq:storage:nodes")) < 2:
+            assert time.monotonic() < deadline, "storage nodes from the compose commands did not register"
+            assert all(p.poll() is None for p in procs), "a compose service exited early"
+            time.sleep(0.05)  # waiting for external processes to register
+
+        rank = services["rank"]
+        env = dict(os.environ, **{k: _translate([str(v)], mapping)[0] for k, v in rank["environment"].items()})
+        cmd = _translate(rank["command"], mapping)
+        assert cmd[0] == "python"
+        out = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        assert "attach_rank OK: 256 samples" in out.stdout
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_dockerfile_copies_what_the_package_needs():
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    copied = {line.split()[1] for line in lines if line.startswith("COPY ")} | {
+        part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]
+    }
+    for needed in ("tq_redis", "lua", "backends", "pyproject.toml", "examples"):
+        assert needed in copied, f"Dockerfile does not copy {needed}"
+        assert (ROOT / needed).exists()
+    assert any("torch==2.13.0" in line for line in lines)
