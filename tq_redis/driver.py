@@ -93,6 +93,23 @@ def _wait_ms(wait: Wait) -> int:
     return max(1, int(wait.timeout_s * 1000))
 
 
+def _library_is_current(reply: Any) -> bool:
+    """Whether ``FCALL tq_version`` answered with this client's library version."""
+    return reply is not None and reply.decode() == scripts.library()[1]
+
+
+def _pipeline_results(results: list, first_attempt: bool) -> list | None:
+    """The results, None when the library must be reloaded and the pipeline re-sent, or raise."""
+    if first_attempt and any(
+        isinstance(r, redis.ResponseError) and scripts.is_missing_function(r) for r in results
+    ):
+        return None
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
 _call_histograms: dict[str, Any] = {}
 
 
@@ -154,13 +171,12 @@ class SyncDriver:
         """Load the Lua library unless the server already has this exact version."""
         if self._loaded and not force:
             return
-        source, version = scripts.library()
         try:
             current = self.redis.execute_command("FCALL", "tq_version", 0)
         except redis.ResponseError:
             current = None
-        if current is None or current.decode() != version:
-            self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        if not _library_is_current(current):
+            self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0])
         self._loaded = True
 
     def _fcall(self, call: FCall) -> Any:
@@ -180,15 +196,10 @@ class SyncDriver:
             pipe = self.redis.pipeline(transaction=False)
             for call in effect.calls:
                 pipe.execute_command(*_as_args(call))
-            results = pipe.execute(raise_on_error=False)
-            missing = [r for r in results if isinstance(r, redis.ResponseError) and scripts.is_missing_function(r)]
-            if missing and attempt == 0:
-                self.ensure_loaded(force=True)
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise r
-            return results
+            results = _pipeline_results(pipe.execute(raise_on_error=False), attempt == 0)
+            if results is not None:
+                return results
+            self.ensure_loaded(force=True)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -244,13 +255,12 @@ class AsyncDriver:
     async def ensure_loaded(self, force: bool = False) -> None:
         if self._loaded and not force:
             return
-        source, version = scripts.library()
         try:
             current = await self.redis.execute_command("FCALL", "tq_version", 0)
         except redis.ResponseError:
             current = None
-        if current is None or current.decode() != version:
-            await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+        if not _library_is_current(current):
+            await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0])
         self._loaded = True
 
     async def _fcall(self, call: FCall) -> Any:
@@ -270,15 +280,10 @@ class AsyncDriver:
             pipe = self.redis.pipeline(transaction=False)
             for call in effect.calls:
                 pipe.execute_command(*_as_args(call))
-            results = await pipe.execute(raise_on_error=False)
-            missing = [r for r in results if isinstance(r, redis.ResponseError) and scripts.is_missing_function(r)]
-            if missing and attempt == 0:
-                await self.ensure_loaded(force=True)
-                continue
-            for r in results:
-                if isinstance(r, Exception):
-                    raise r
-            return results
+            results = _pipeline_results(await pipe.execute(raise_on_error=False), attempt == 0)
+            if results is not None:
+                return results
+            await self.ensure_loaded(force=True)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:

@@ -158,6 +158,9 @@ def test_function_library_reloads_after_flush(client):
     client.put(_td(2), partition_id="p")
     client.redis.execute_command("FUNCTION", "FLUSH")
     assert client.get_meta(["input_ids"], 2, "p", task_name="t").size == 2
+    client.redis.execute_command("FUNCTION", "FLUSH")
+    # the insert travels in a pipeline: a missing library there is reloaded and the pipeline re-sent
+    assert client.put(_td(1), partition_id="p").global_indexes == [2]
 
 
 def test_keys_share_one_hash_tag(client):
