@@ -1,4 +1,4 @@
-"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``."""
+"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``, ``demo``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("storage-unit", help="one DRAM storage node (see: tq-redis storage-unit --help)",
                    add_help=False)
 
+    sub.add_parser("demo", help="the GRPO-shaped pipeline demo (see: tq-redis demo --help)", add_help=False)
+
     status = sub.add_parser("status", help="partitions, progress per task, leases, storage nodes")
     status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
     status.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
@@ -117,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "storage-unit":
         return _cmd_storage_unit(argv[1:])
+    if argv and argv[0] == "demo":
+        from tq_redis.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

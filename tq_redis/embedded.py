@@ -99,6 +99,7 @@ class EmbeddedServer:
             stdout=open(self.data_dir / "server.log", "ab"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
+            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop the server in order
         )
         atexit.register(self.stop)
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
