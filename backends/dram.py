@@ -21,6 +21,11 @@ Design, in short:
   the node until every view is garbage-collected, so the node never reuses memory a caller can
   still see. Slabs are anonymous (``memfd``), so nothing can be left in ``/dev/shm`` even when a
   node is SIGKILLed: the kernel frees a slab when the last process mapping it lets go.
+* **Socket path** (other hosts, ``shm=False``, nodes started ``--no-shm``): blocking sockets with
+  kernel timeouts, so a batch moves in about one syscall per 1024 values; received values are
+  views of pooled buffers that return to the pool when the caller drops them (warm pages).
+* **Threads and processes**: thread-safe (connections are pooled per node, one thread at a time
+  each); a store used after ``fork()`` opens its own connections in the child.
 * **Failures** are typed: an unreachable or silent node raises :class:`StorageUnavailable` naming
   it after at most ``timeout_s``; a full node :class:`StorageFull`; a missing key
   :class:`DataMissing`; a wrong token :class:`StorageAuthError`. A put spread over several nodes is
@@ -59,6 +64,7 @@ from tq_redis.errors import (
     ConnectionFailed,
     DataMissing,
     InvalidArgument,
+    StorageAuthError,
     StorageError,
     StorageFull,
     StorageUnavailable,
@@ -258,10 +264,6 @@ def format_size(n: int | float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class StorageAuthError(StorageError, PermissionError):
-    """A storage node rejected this client's token."""
-
-
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 
@@ -395,6 +397,39 @@ class _Unpin:
     def __call__(self) -> None:
         if next(self.count) == self.total:  # next() is atomic: safe from any thread's GC
             self.link.unpins.append(self.pin)
+
+
+class _BufferPool:
+    """Recycles receive buffers of the socket path: warm pages instead of fresh, faulting ones.
+
+    A buffer goes back to the pool when the last view handed out from it is garbage-collected.
+    Only ``append``/``pop`` touch the free lists, which are atomic, so finalisers may run anywhere.
+    """
+
+    MIN = 1 << 20
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pooled = 0
+        self.free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, n: int) -> np.ndarray:
+        if n < self.MIN or self.limit <= 0:
+            return np.empty(n, dtype=np.uint8)
+        size = 1 << (n - 1).bit_length()
+        try:
+            base = self.free.setdefault(size, []).pop()
+            self.pooled -= size
+        except IndexError:
+            base = np.empty(size, dtype=np.uint8)
+        view = base[:n]
+        weakref.finalize(view, self._give, base)
+        return view
+
+    def _give(self, base: np.ndarray) -> None:
+        if self.pooled + base.nbytes <= self.limit:
+            self.pooled += base.nbytes
+            self.free.setdefault(base.nbytes, []).append(base)
 
 
 class _Conn:
@@ -548,7 +583,7 @@ class _Link:
         )
 
     # -- slabs --------------------------------------------------------------------------------
-    def map_slabs(self, conn: _Conn, fds: list[int], meta: dict[str, Any]) -> None:
+    def map_slabs(self, fds: list[int], meta: dict[str, Any]) -> None:
         """Take ownership of slab fds sent with a reply; forget slabs the node has released."""
         fd_slabs = meta.get("fd_slabs") or []
         new = []
@@ -580,7 +615,7 @@ class _Link:
             meta = recv_meta(conn.sock, mlen)
             if code != ST_OK:
                 raise _error_from(code, meta, self)
-            self.map_slabs(conn, fds, meta)
+            self.map_slabs(fds, meta)
             s = self.slabs.get(sid)
             if s is None:
                 raise StorageError(f"DRAM storage node {self.label} no longer has memory slab {sid}")
@@ -628,8 +663,7 @@ class _Ring:
 
     def ranked(self, keys: Sequence[str], depth: int = 2) -> np.ndarray:
         """The ``depth`` best nodes of each key, best first (shape ``(len(keys), depth)``)."""
-        sc = self.scores(keys)
-        order = np.argsort(-sc.astype(np.float64), axis=1, kind="stable")
+        order = np.argsort(self.scores(keys), axis=1)[:, ::-1]
         return order[:, : min(depth, len(self.links))]
 
 
@@ -703,6 +737,8 @@ class DramStore:
         self._fetched = 0.0
         self._stale = True
         self._closed = False
+        self._pool = _BufferPool(256 << 20)
+        self._pid = os.getpid()
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> DramStore:
@@ -742,9 +778,25 @@ class DramStore:
                 log.warning("ignoring unreadable storage-node registration %r", k)
         return sec + usec / 1e6, nodes
 
+    def _after_fork(self) -> None:
+        """In a forked child: never talk over the parent's sockets; start with fresh state."""
+        for link in self._links.values():
+            for conn in link.idle:
+                conn.sock.close()  # close (no shutdown): the parent's connection stays intact
+            link.idle = []
+            link.closed = True
+        self._links = {}
+        self._ring = None
+        self._lock = threading.Lock()
+        self._pool = _BufferPool(self._pool.limit)
+        self.client_id = uuid.uuid4().hex
+        self._pid = os.getpid()
+
     def _current_ring(self, force: bool = False) -> _Ring:
         if self._closed:
             raise StorageError("the dram store is closed")
+        if self._pid != os.getpid():
+            self._after_fork()
         now = time.monotonic()
         ring = self._ring
         if ring is not None and not force and not self._stale and now - self._fetched < self.refresh_s:
@@ -796,15 +848,14 @@ class DramStore:
         ring = self._current_ring()
         try:
             return fn(ring)
-        except StorageUnavailable:
+        except StorageUnavailable as exc:
             self._mark_stale()
             before = {lk.node_id: lk.instance for lk in ring.links}
             try:
                 fresh = self._current_ring(force=True)
             except (StorageUnavailable, ConnectionFailed):
-                raise
-            after = {lk.node_id: lk.instance for lk in fresh.links}
-            if after == before:
+                raise exc from None  # the error naming the node says more than "no nodes left"
+            if {lk.node_id: lk.instance for lk in fresh.links} == before:
                 raise
             return fn(fresh)
 
@@ -870,7 +921,7 @@ class DramStore:
     def _check(i, link, conn, code, meta, plen, fds):
         """Reply handler for requests that only return a status (and maybe slab fds)."""
         if fds or "live" in meta:
-            link.map_slabs(conn, fds, meta)
+            link.map_slabs(fds, meta)
         if code != ST_OK:
             drain(conn.sock, plen)
             raise _error_from(code, meta, link)
@@ -1002,8 +1053,7 @@ class DramStore:
             if "offs" in meta:
                 self._views(link, conn, meta, pos, out)
                 return
-            buf = np.empty(plen, dtype=np.uint8)
-            mv = memoryview(buf)
+            mv = memoryview(self._pool.take(plen))
             recv_into(conn.sock, mv)
             ends = np.cumsum(np.frombuffer(meta["sizes"], dtype="<i8")).tolist()
             for p, s, e in zip(pos.tolist(), [0, *ends[:-1]], ends):

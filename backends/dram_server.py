@@ -401,6 +401,7 @@ class StorageNode:
                 "slabs": len(self.slabs),
                 "slab_bytes": self.slab_bytes,
                 "pins": len(self.pins),
+                "clients": len(self.client_conns),
                 "pinned_extents": sum(1 for _o, ex in self.pins.values() for _ in ex),
             }
 
@@ -598,6 +599,8 @@ class _Session:
 
 
 class _Server:
+    """A node process: listeners, sessions, the Redis registration and its heartbeat."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stop = threading.Event()
@@ -627,6 +630,7 @@ class _Server:
         self.redis = redis.Redis.from_url(args.redis, socket_timeout=5, socket_connect_timeout=5)
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
+        self.registered = False
 
     def info(self, now: float) -> dict[str, Any]:
         st = self.node.stats()
@@ -652,6 +656,7 @@ class _Server:
         sec, usec = self.redis.time()  # Redis's clock, so clients on other hosts agree on staleness
         info = self.info(sec + usec / 1e6)
         self.redis.hset(self.key, self.node.node_id, json.dumps(info))
+        self.registered = True
         return info
 
     def heartbeat_loop(self) -> None:
@@ -668,6 +673,8 @@ class _Server:
                 failing = True
 
     def deregister(self) -> None:
+        if not self.registered:
+            return
         try:
             raw = self.redis.hget(self.key, self.node.node_id)
             if raw and json.loads(raw).get("instance") == self.node.instance:

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = tq.init({"storage": {"backend": args.store}})
     url, ns = cfg["redis"]["url"], cfg["namespace"]
     print(f"metadata plane: {url} (namespace {ns!r}), store: {args.store}", flush=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # torch is imported once, in the fork server, not per worker
+    ctx.set_forkserver_preload(["torch", "tensordict", "tq_redis"])
     out = ctx.Queue()
     workers = [
         ctx.Process(target=rollout, args=(url, ns, args.steps, args.batch), name="rollout"),

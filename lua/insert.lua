@@ -12,12 +12,14 @@
   Output:
     {1}                          samples alive, fields marked produced, `insert` event emitted
     {0, field, registered}       a schema conflict appeared since `reserve`; nothing written
+    {-3}                         the partition was sealed since `reserve`; nothing written
 ]]
 local function insert(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local first, count = tonumber(ARGV[1]), tonumber(ARGV[2])
   local nfields = tonumber(ARGV[4])
   local pairs_ = {unpack(ARGV, 5, 4 + 2 * nfields)}
+  if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then return {-3} end
   local conflict = schema_conflict(prefix, pairs_)
   if conflict then return {0, conflict[1], conflict[2]} end
 

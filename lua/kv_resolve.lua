@@ -15,7 +15,7 @@
       ids                        sample id per key, -1 where the key is unknown (create = '0')
       created                    how many keys got a fresh id
       common                     flat {field, schema JSON, ...}: fields produced for every key
-                                 that existed before this call (empty if none did)
+                                 with an id (none if this call created a key: it has no field)
       tags                       flat {tag name, {JSON value or false per key}, ...}
     {0, field, registered}       a field's schema conflicts with the registered one; nothing written
     {-1}                         the partition does not exist (create = '0')
@@ -86,7 +86,7 @@ local function kv_resolve(KEYS, ARGV)
   end
 
   local common = {}
-  if #existing > 0 then
+  if #existing > 0 and created == 0 then
     local registered = redis.call('HGETALL', prefix .. 'fields')
     for i = 1, #registered, 2 do
       local bits = get_bits(prefix .. 'prod:' .. registered[i], existing)

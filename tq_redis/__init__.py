@@ -1,36 +1,57 @@
 """tq-redis: a controller-less, sample-level data gateway for LLM RL post-training.
 
 Switch from TransferQueue with one import: ``import tq_redis as tq``.
+
+Names are imported lazily (PEP 562), so tools that need no tensors — ``tq-redis status``, a
+storage node — start without importing torch.
 """
 
-from tq_redis.channel import Channel
-from tq_redis.client import AsyncTransferQueueClient
-from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
-from tq_redis.kv import (
-    async_kv_batch_get,
-    async_kv_batch_get_by_meta,
-    async_kv_batch_put,
-    async_kv_clear,
-    async_kv_list,
-    async_kv_put,
-    kv_batch_get,
-    kv_batch_get_by_meta,
-    kv_batch_put,
-    kv_clear,
-    kv_list,
-    kv_put,
-)
-from tq_redis.metadata import BatchMeta, KVBatchMeta
-from tq_redis.runtime import close, get_client, get_metrics_endpoint, init
-from tq_redis.sync import TransferQueueClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it
+_EXPORTS = {
+    "AsyncTransferQueueClient": "tq_redis.client",
+    "BatchMeta": "tq_redis.metadata",
+    "KVBatchMeta": "tq_redis.metadata",
+    "Channel": "tq_redis.channel",
+    "GRPOTransferDock": "tq_redis.dock",
+    "StreamingDataLoader": "tq_redis.dataloader",
+    "StreamingDataset": "tq_redis.dataloader",
+    "TransferQueueClient": "tq_redis.sync",
+    "load_checkpoint": "tq_redis.checkpoint",
+    "save_checkpoint": "tq_redis.checkpoint",
+    "close": "tq_redis.runtime",
+    "get_client": "tq_redis.runtime",
+    "get_metrics_endpoint": "tq_redis.runtime",
+    "init": "tq_redis.runtime",
+    **{
+        name: "tq_redis.kv"
+        for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
+        for name in (base, f"async_{base}")
+    },
+    **{
+        name: "tq_redis.samplers"
+        for name in ("BaseSampler", "SequentialSampler", "GRPOGroupNSampler", "RankAwareSampler",
+                     "SeqlenBalancedSampler")
+    },
+}
+
 __all__ = [
     "AsyncTransferQueueClient",
+    "BaseSampler",
     "BatchMeta",
     "Channel",
+    "GRPOGroupNSampler",
+    "GRPOTransferDock",
     "KVBatchMeta",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
     "StreamingDataLoader",
     "StreamingDataset",
     "TransferQueueClient",
@@ -50,4 +71,51 @@ __all__ = [
     "kv_clear",
     "kv_list",
     "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tq_redis' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from tq_redis.channel import Channel
+    from tq_redis.checkpoint import load_checkpoint, save_checkpoint
+    from tq_redis.client import AsyncTransferQueueClient
+    from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
+    from tq_redis.dock import GRPOTransferDock
+    from tq_redis.kv import (
+        async_kv_batch_get,
+        async_kv_batch_get_by_meta,
+        async_kv_batch_put,
+        async_kv_clear,
+        async_kv_list,
+        async_kv_put,
+        kv_batch_get,
+        kv_batch_get_by_meta,
+        kv_batch_put,
+        kv_clear,
+        kv_list,
+        kv_put,
+    )
+    from tq_redis.metadata import BatchMeta, KVBatchMeta
+    from tq_redis.runtime import close, get_client, get_metrics_endpoint, init
+    from tq_redis.samplers import (
+        BaseSampler,
+        GRPOGroupNSampler,
+        RankAwareSampler,
+        SeqlenBalancedSampler,
+        SequentialSampler,
+    )
+    from tq_redis.sync import TransferQueueClient

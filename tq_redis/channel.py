@@ -32,11 +32,11 @@ from numbers import Real
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from tq_redis import codec, ops
 from tq_redis.driver import Cmd, FCall, Offload, Pipe, SyncDriver, Wait
-from tq_redis.errors import ConfigError, InvalidArgument, TQError
+from tq_redis.errors import ChannelNotFound, ConfigError, InvalidArgument
 from tq_redis.keys import ChannelKeys, PartitionKeys, check_name
 
 Op = ops.Op
@@ -44,10 +44,6 @@ Op = ops.Op
 DEFAULT_KEY = "default"
 _WAIT_SLICE_S = 5.0
 _OBJECT, _REF = b"o", b"r"
-
-
-class ChannelNotFound(TQError, KeyError):
-    """``Channel.connect`` named a channel nobody created (or one that was deleted)."""
 
 
 class ChannelWork:
@@ -92,7 +88,7 @@ def _tensor_like(item: Any) -> bool:
 
 def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], Any]]:
     out = []
-    for path, value in td.items(include_nested=True, leaves_only=True):
+    for path, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
         out.append(((path,) if isinstance(path, str) else tuple(path), value))
     return out
 
@@ -293,7 +289,7 @@ def delete(ctx: ops.Context, ck: ChannelKeys) -> Op:
 # ------------------------------------------------------------------ the class
 
 
-def _target(redis_url: str | None, namespace: str | None) -> tuple[str, str, bool]:
+def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, str, bool]:
     """(url, namespace, allow_pickle) from the arguments, ``tq_redis.init()`` or the environment."""
     from tq_redis.runtime import NotInitialized, get_client
 
@@ -340,7 +336,7 @@ class Channel:
         """
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
             raise InvalidArgument(f"maxsize must be an int >= 0 (0 = unbounded), got {maxsize!r}")
-        url, ns, pickle_default = _target(redis_url, namespace)
+        url, ns, pickle_default = resolve_target(redis_url, namespace)
         pickle = pickle_default if allow_pickle is None else allow_pickle
         chan = cls(name, url, ns, maxsize, allow_pickle=pickle)
         chan._driver.run(create(chan._ctx, chan._keys, maxsize))
@@ -350,7 +346,7 @@ class Channel:
     def connect(cls, name: str, redis_url: str | None = None, *, namespace: str | None = None,
                 allow_pickle: bool | None = None) -> Channel:
         """Attach to an existing channel; raises :class:`ChannelNotFound` if nobody created it."""
-        url, ns, pickle_default = _target(redis_url, namespace)
+        url, ns, pickle_default = resolve_target(redis_url, namespace)
         chan = cls(name, url, ns, 0, allow_pickle=pickle_default if allow_pickle is None else allow_pickle)
         chan._maxsize = chan._driver.run(connect(chan._keys))
         return chan

@@ -39,6 +39,14 @@ class UnknownPartition(TQError, KeyError):
     """The partition does not exist (never created, or cleared)."""
 
 
+class PartitionSealed(InvalidArgument):
+    """Samples were inserted into a partition its producers sealed (no more data was promised)."""
+
+
+class ChannelNotFound(TQError, KeyError):
+    """A channel was connected to (or used) that nobody created, or that was deleted."""
+
+
 class UnknownField(TQError, KeyError):
     """A field was requested that was never put in the partition."""
 
@@ -73,6 +81,10 @@ class StorageError(TQError):
 
 class StorageUnavailable(StorageError, ConnectionError):
     """A store or storage node cannot be reached; the message names it."""
+
+
+class StorageAuthError(StorageError, PermissionError):
+    """A storage node rejected this client's token (set TQ_STORAGE_TOKEN or the store's ``token`` option)."""
 
 
 class StorageFull(StorageError):

@@ -202,7 +202,7 @@ def _schema_pairs(td: TensorDict | None) -> list[str]:
 # ------------------------------------------------------------------ resolution
 
 
-class _Resolved:
+class Resolved:
     """What ``kv_resolve`` said about a list of keys."""
 
     __slots__ = ("created", "ids", "schemas", "tags")
@@ -227,7 +227,9 @@ class _Resolved:
         )
 
 
-def _resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: list[str]) -> Op:
+def resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: list[str]) -> Op:
+    """Run ``lua/kv_resolve.lua``: a :class:`Resolved`, or None if the partition does not exist
+    (``create=False``). ``schemas`` (field, schema JSON pairs) are checked before creating."""
     args = (1 if create else 0, int(time.time() * 1000), len(keys), *keys, *schemas)
     if create:
         reply, _ = yield Pipe(
@@ -247,7 +249,7 @@ def _resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool,
         codec.check_compatible(field, json.loads(registered), json.loads(offered))
         raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {registered}")
     _, ids, created, common, tags = reply
-    return _Resolved(
+    return Resolved(
         [int(i) for i in ids],
         int(created),
         {name: _text(s) for name, s in _pairs(common)},
@@ -259,7 +261,7 @@ def retrieve_meta(ctx: ops.Context, keys: Any, partition_id: str, create: bool =
     """``BatchMeta`` of the keys found (created with ``create=True``), with the fields every one has."""
     keys = _key_list(keys, "kv_retrieve_meta")
     pk = ctx.keys(partition_id)
-    res = yield from _resolve(ctx, pk, keys, create, [])
+    res = yield from resolve(ctx, pk, keys, create, [])
     if res is None:
         return BatchMeta.empty()
     found = [i for i, sid in enumerate(res.ids) if sid >= 0]
@@ -321,29 +323,32 @@ def batch_put(
             td = _parse(td, data_parser)
     pk = ctx.keys(partition_id)
     schemas = _schema_pairs(td)
-    res = yield from _resolve(ctx, pk, keys, True, schemas)
+    res = yield from resolve(ctx, pk, keys, True, schemas)
     meta = res.meta(partition_id, list(res.schemas))
-    if tags is not None:
-        meta.update_custom_meta(list(tags))
+    merged = meta.get_all_custom_meta()
+    for row, new in zip(merged, tags or ()):
+        row.update(new)
+    meta.clear_custom_meta()  # stored tags are not written again
     try:
+        if tags is not None:
+            # Tags before fields: whoever claims a key once its fields are produced sees its tags.
+            yield from ops.set_custom_meta(ctx, BatchMeta.from_columns(res.ids, partition_id, {}, custom_meta=tags))
         if td is not None:
             meta = yield from ops.put(ctx, td, meta)
-        else:
-            yield from ops.set_custom_meta(ctx, meta)
     except Exception:
         if res.created:  # leave no half-created keys behind
             yield from _forget(ctx, pk, _created_pairs(keys, res))
         raise
     return KVBatchMeta(
         keys=keys,
-        tags=meta.get_all_custom_meta(),
+        tags=merged,
         partition_id=partition_id,
         fields=list(meta.field_names),
         extra_info=meta.extra_info,
     )
 
 
-def _created_pairs(keys: list[str], res: _Resolved) -> list[tuple[str, int]]:
+def _created_pairs(keys: list[str], res: Resolved) -> list[tuple[str, int]]:
     # Fresh ids come from one INCRBY, so they are the largest ids of this reply.
     first_fresh = sorted(res.ids)[-res.created]
     return [(k, i) for k, i in zip(keys, res.ids) if i >= first_fresh]
@@ -374,7 +379,7 @@ def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any
     wanted = _field_list(select_fields, "kv_batch_get")
     pk = ctx.keys(partition_id)
     while True:
-        res = yield from _resolve(ctx, pk, keys, False, [])
+        res = yield from resolve(ctx, pk, keys, False, [])
         if res is None:
             raise SampleNotFound(
                 f"kv_batch_get: partition {partition_id!r} does not exist (cleared, or never put)"
@@ -456,7 +461,7 @@ def clear(ctx: ops.Context, keys: Any, partition_id: str) -> Op:
     """Remove keys, their samples and bytes. Unknown keys are ignored (idempotent)."""
     keys = _key_list(keys, "kv_clear")
     pk = ctx.keys(partition_id)
-    res = yield from _resolve(ctx, pk, keys, False, [])
+    res = yield from resolve(ctx, pk, keys, False, [])
     if res is None:
         return
     yield from _forget(ctx, pk, [(k, i) for k, i in zip(keys, res.ids) if i >= 0])

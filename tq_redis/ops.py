@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import codec
+from tq_redis import codec, samplers
 from tq_redis.backends.base import StoreContext
 from tq_redis.driver import Cmd, FCall, Offload, Pipe, Wait
 from tq_redis.errors import (
@@ -28,6 +28,7 @@ from tq_redis.errors import (
     DataNotReady,
     EmptyBatch,
     InvalidArgument,
+    PartitionSealed,
     SampleNotFound,
     UnknownField,
     UnknownPartition,
@@ -185,6 +186,7 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     schemas, values = _encode(ctx, td)
     flat = _flat_schemas(schemas)
     reply = yield FCall("reserve", (pk.meta,), (n, *flat))
+    _check_not_sealed(reply, partition_id)
     if reply[0] == 0:
         _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
     first = int(reply[1])
@@ -198,6 +200,7 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
                 Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
             )
         )
+        _check_not_sealed(reply, partition_id)
         if reply[0] == 0:
             _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
     except Exception:
@@ -206,6 +209,13 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     return BatchMeta.from_columns(
         ids, partition_id, _batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
     )
+
+
+def _check_not_sealed(reply: list, partition_id: str) -> None:
+    if int(reply[0]) == -3:
+        raise PartitionSealed(
+            f"partition {partition_id!r} is sealed: no more samples were promised; insert into a new partition"
+        )
 
 
 def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
@@ -232,6 +242,8 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         gone = [metadata.global_indexes[i] for i, bit in zip(positions, alive) if not bit]
         if gone:
             raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
+    if any(metadata.custom_meta):  # tags first: a consumer may claim the samples once their bits flip
+        yield from set_custom_meta(ctx, metadata)
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
@@ -239,8 +251,6 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         yield Offload(store.put, (pk, ids, part))
         reply = yield FCall("produce", (pk.meta,), (len(schemas), *flat, *ids))
         _check_produce_reply(reply, pid, schemas)
-    if any(metadata.custom_meta):
-        yield from set_custom_meta(ctx, metadata)
     result = metadata.copy()
     result.field_schema.update(_batchmeta_schema(schemas))
     result.production_status[:] = 1
@@ -292,8 +302,16 @@ def get_meta(
     sampling_config: dict[str, Any] | None = None,
     timeout: float = 0.0,
     lease_s: float | None = None,
+    max_deliveries: int | None = None,
 ) -> Op:
-    """Claim a batch for ``task_name`` (fetch) or describe every sample (force_fetch)."""
+    """Claim a batch for ``task_name`` (fetch) or describe every sample (force_fetch).
+
+    The sampler is ``sampling_config["sampler"]`` or the namespace default. A built-in runs
+    inside the ``claim`` script (one round trip); any other sampler runs here on the ready list
+    and its choice is claimed with ``claim_ids`` only if still free (see :mod:`tq_redis.samplers`).
+    ``max_deliveries`` (or ``sampling_config["max_deliveries"]``) bounds redeliveries of a leased
+    sample; past it the sample goes to the task's poison set.
+    """
     fields = _check_fields(data_fields)
     if mode not in MODES:
         raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
@@ -302,6 +320,7 @@ def get_meta(
         return (yield from _describe_partition(ctx, pk, fields))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
         raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = int(batch_size)
     if task_name is None:
         raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
     check_name("task_name", task_name)
@@ -309,18 +328,25 @@ def get_meta(
         raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}")
     if lease_s is not None and lease_s <= 0:
         raise InvalidArgument(f"lease_s must be > 0 seconds (or None for no lease), got {lease_s!r}")
-    lease_ms = int(lease_s * 1000) if lease_s else 0
-    max_deliveries = int((sampling_config or {}).get("max_deliveries", 0))
+    if sampling_config is not None and not isinstance(sampling_config, dict):
+        raise InvalidArgument(f"sampling_config must be a dict, got {type(sampling_config).__name__}")
+    config = dict(sampling_config or {})
+    lease_ms = max(1, int(lease_s * 1000)) if lease_s else 0
+    if max_deliveries is None:
+        max_deliveries = config.get("max_deliveries", 0)
+    if isinstance(max_deliveries, bool) or not isinstance(max_deliveries, int) or max_deliveries < 0:
+        raise InvalidArgument(f"max_deliveries must be an integer >= 0 (0 = unlimited), got {max_deliveries!r}")
+    spec = config.get("sampler")
+    sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
+    if samplers.is_builtin(sampler):
+        plan = samplers.builtin_plan(sampler, config, batch_size)
+        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields)
+    else:
+        attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
     deadline = time.monotonic() + timeout
     while True:
-        reply = yield FCall(
-            "claim",
-            (pk.meta,),
-            (task_name, int(batch_size), _now_ms(), lease_ms, max_deliveries, len(fields), *fields),
-        )
-        last_id, ids, schemas, tags, deliveries, next_deadline = reply
-        if ids:
-            meta = _claimed_meta(partition_id, ids, schemas, tags, deliveries)
+        meta, last_id, next_deadline = yield from attempt()
+        if meta is not None:
             meta.set_extra_info("task_name", task_name)
             return meta
         remaining = deadline - time.monotonic()
@@ -329,6 +355,121 @@ def get_meta(
         if int(next_deadline) >= 0:  # a lease of this task lapses sooner: re-check then
             remaining = min(remaining, max(0.001, (int(next_deadline) - _now_ms()) / 1000))
         yield Wait(pk.events, _text(last_id), remaining)
+
+
+_SAMPLER_ATTR = "_tq_default_sampler"
+# A user sampler whose choice keeps being taken by other consumers gives up after this many tries.
+USER_SAMPLER_ATTEMPTS = 16
+
+
+def _default_sampler(ctx: Context) -> Op:
+    """The namespace's default sampler: what ``init`` got in this process (class or instance
+    included), else the spec ``init`` recorded in ``<ns>:config``; read once per client."""
+    cached = getattr(ctx, _SAMPLER_ATTR, None)
+    if cached is not None:
+        return cached
+    from tq_redis import runtime  # runtime imports the clients, which import this module
+
+    sampler: samplers.BaseSampler | None = None
+    try:
+        client = runtime.get_client()
+    except runtime.NotInitialized:
+        client = None
+    if client is not None and client.namespace == ctx.namespace and client.redis_url == ctx.redis_url:
+        configured = runtime.default_sampler()
+        if configured is not None:
+            sampler = samplers.resolve_sampler(configured)
+    if sampler is None:
+        raw = yield Cmd(("HGET", config_key(ctx.namespace), "sampler"))
+        sampler = samplers.sampler_from_spec(raw)
+    setattr(ctx, _SAMPLER_ATTR, sampler)
+    return sampler
+
+
+def _builtin_claim(
+    pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str]
+):
+    """One claim with a built-in sampler: returns an attempt yielding ``(meta|None, last_id, deadline)``."""
+
+    def attempt() -> Op:
+        reply = yield FCall(
+            "claim",
+            (pk.meta,),
+            (task, plan.batch_size, _now_ms(), lease_ms, max_deliveries, *plan.args(), len(fields), *fields),
+        )
+        last_id, ids, schemas, tags, deliveries, next_deadline = reply
+        meta = _claimed_meta(pk.partition, ids, schemas, tags, deliveries) if ids else None
+        return meta, last_id, next_deadline
+
+    return attempt
+
+
+def _checked_choice(name: str, chosen: Any, ready: set[int], sampler: samplers.BaseSampler) -> list[int]:
+    try:
+        ids = [int(i) for i in chosen]
+    except (TypeError, ValueError):
+        raise samplers.SamplerError(
+            f"{type(sampler).__name__}.sample() must return two lists of sample ids; {name} is {chosen!r}"
+        ) from None
+    if len(set(ids)) != len(ids):
+        raise samplers.SamplerError(f"{type(sampler).__name__}.sample() returned duplicate ids in {name}: {ids[:10]}")
+    strays = [i for i in ids if i not in ready]
+    if strays:
+        raise samplers.SamplerError(
+            f"{type(sampler).__name__}.sample() chose ids {strays[:10]} in {name} that were not in ready_indexes"
+        )
+    return ids
+
+
+def _user_claim(
+    pk: PartitionKeys,
+    sampler: samplers.BaseSampler,
+    config: dict[str, Any],
+    batch_size: int,
+    task: str,
+    lease_ms: int,
+    max_deliveries: int,
+    fields: list[str],
+):
+    """One claim with a user's Python sampler: read the ready set, let the sampler choose, and
+    claim the choice only if every id is still free (``lua/claim_ids.lua``); on a conflict,
+    try again with a fresh ready set, up to :data:`USER_SAMPLER_ATTEMPTS` times."""
+    kwargs = {k: v for k, v in config.items() if k not in ("sampler", "max_deliveries")}
+    kwargs.update(task_name=task, partition_id=pk.partition)
+
+    def attempt() -> Op:
+        taken: list[int] = []
+        for _ in range(USER_SAMPLER_ATTEMPTS):
+            last_id, bitmap, next_deadline = yield FCall(
+                "ready_ids", (pk.meta,), (task, _now_ms(), max_deliveries, len(fields), *fields)
+            )
+            ready = np.flatnonzero(_unpack_bits(bitmap)).tolist()
+            if len(ready) < batch_size:
+                return None, last_id, next_deadline
+            sampled, consumed = sampler.sample(ready, batch_size, **kwargs)
+            ready_set = set(ready)
+            sampled = _checked_choice("sampled", sampled, ready_set, sampler)
+            consumed = _checked_choice("consumed", consumed, ready_set, sampler)
+            if not sampled:
+                return None, last_id, next_deadline
+            reply = yield FCall(
+                "claim_ids",
+                (pk.meta,),
+                (task, _now_ms(), lease_ms, len(sampled), *sampled, len(consumed), *consumed, len(fields), *fields),
+            )
+            code = int(reply[0])
+            if code == 1:
+                _, last_id, ids, schemas, tags, deliveries, next_deadline = reply
+                return _claimed_meta(pk.partition, ids, schemas, tags, deliveries), last_id, next_deadline
+            if code == -1:
+                return None, last_id, next_deadline
+            taken = [int(i) for i in reply[1:]]
+        raise samplers.SamplerError(
+            f"{type(sampler).__name__} lost its choice to other consumers {USER_SAMPLER_ATTEMPTS} times in a row "
+            f"(last taken: {taken[:10]}); make it pick less contended samples, e.g. spread choices at random"
+        )
+
+    return attempt
 
 
 def _pairs(flat: list) -> list[tuple[str, Any]]:
@@ -356,7 +497,10 @@ def _claimed_meta(partition_id: str, ids: list, schemas: list, tags: list, deliv
         custom_meta=custom,
     )
     if deliveries:
-        meta.set_extra_info("delivery_counts", [int(d) for d in deliveries])
+        counts = [int(d) for d in deliveries]
+        meta.set_extra_info("delivery_counts", counts)
+        # Per sample too, so the fencing token follows a sample through select/chunk/concat.
+        meta._custom_backend_meta = [{_DELIVERY: d} for d in counts]
     return meta
 
 
@@ -539,14 +683,40 @@ def consumption_status(ctx: Context, task_name: str, partition_id: str) -> Op:
     return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(cons[ids].astype(np.int8))
 
 
+_DELIVERY = "_delivery"
+
+
+def _fences(metadata: BatchMeta) -> list[int]:
+    """The delivery count each sample was handed out with (0 where unknown: settle unfenced)."""
+    n = metadata.size
+    rows = metadata._custom_backend_meta
+    fences = [int(row.get(_DELIVERY, 0)) for row in rows]
+    if not any(fences):
+        counts = metadata.get_extra_info("delivery_counts")
+        if isinstance(counts, list) and len(counts) == n:
+            fences = [int(c) for c in counts]
+    return fences
+
+
 def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease_s: float = 0.0) -> Op:
-    """ack / nack / extend the leases of ``metadata``'s samples; returns the ids not leased."""
+    """ack / nack / extend the leases of ``metadata``'s samples; returns the ids not held.
+
+    Each sample's delivery count is sent along as a fencing token (``lua/settle.lua``): once a
+    lapsed lease was handed to another consumer, the old holder can no longer settle it.
+    """
     check_name("task_name", task_name)
+    if action not in ("ack", "nack", "extend"):
+        raise InvalidArgument(f"settle action must be 'ack', 'nack' or 'extend', got {action!r}")
+    if action == "extend" and not lease_s > 0:
+        raise InvalidArgument(f"extend_lease needs seconds > 0, got {lease_s!r}")
+    fences = _fences(metadata)
     not_held: list[int] = []
     for pid, positions in _group_by_partition(metadata).items():
         pk = ctx.keys(pid)
-        ids = [metadata.global_indexes[i] for i in positions]
-        reply = yield FCall("settle", (pk.meta,), (task_name, action, _now_ms(), int(lease_s * 1000), *ids))
+        pairs = [x for i in positions for x in (metadata.global_indexes[i], fences[i])]
+        reply = yield FCall(
+            "settle", (pk.meta,), (task_name, action, _now_ms(), max(1, int(lease_s * 1000)), *pairs)
+        )
         not_held.extend(int(x) for x in reply[1:])
     return not_held
 

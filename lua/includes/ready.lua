@@ -54,6 +54,7 @@ end
     next(hint)   the next ready id, or nil when there is none; `hint` (optional) is how many ids
                  the caller still expects to need, which sizes the next window read
     unread()     push the id last returned by next() back (one step only)
+    take(k, out, count)  append up to k ids to `out` (holding `count`); returns the new count
   and, if `on_fill` is given, calls on_fill(ids, from, to) for every window of ids read (so a
   sampler can HMGET the tags of a whole window in one call).
 ]]
@@ -153,15 +154,36 @@ local function ready_scanner(prefix, task, fields, on_fill)
   function scanner.unread()
     head = head - 1
   end
+  -- Append up to k ids to `out` (which holds `count` ids); returns the new count.
+  function scanner.take(k, out, count)
+    local stop = count + k
+    while count < stop do
+      if head > tail then
+        fill(stop - count)
+        if head > tail then break end
+      end
+      local m = math.min(tail - head + 1, stop - count)
+      for i = 0, m - 1 do out[count + 1 + i] = buf[head + i] end
+      count = count + m
+      head = head + m
+    end
+    return count
+  end
   return scanner
 end
 
 -- Set the bits of `ids` (any order) in `key`: whole bytes of consecutive runs with SETRANGE,
 -- the rest with BITFIELD. A sequential claim of 1024 ids is a handful of calls.
 local function set_id_bits(key, ids)
-  local sorted = {}
-  for i = 1, #ids do sorted[i] = ids[i] end
-  table.sort(sorted)
+  local sorted = ids
+  for i = 2, #ids do
+    if ids[i] < ids[i - 1] then
+      sorted = {}
+      for j = 1, #ids do sorted[j] = ids[j] end
+      table.sort(sorted)
+      break
+    end
+  end
   local edges = {}
   local i = 1
   while i <= #sorted do

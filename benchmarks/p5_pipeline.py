@@ -1,0 +1,699 @@
+"""P5: steps per second of the ``demo``-shaped GRPO pipeline, on both systems in the same run.
+
+One pipeline implementation, written against the API subset both systems share
+(``put(td, partition_id=...)``, ``put(td, metadata=meta)``, ``get_meta(fields, batch_size,
+partition_id, mode="fetch", task_name=...)``, ``get_data(meta)``, ``clear_partition``), runs
+as independent worker processes that attach to the running system
+(:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo.py``). One
+partition per training step, ``p5_step_<k>``; the stages:
+
+* **feeder** (1 process) puts the step's ``--batch`` prompts, each repeated ``--n-samples``
+  times (one GRPO group), ``PROMPTS_PER_PUT`` prompts per ``put``; every row carries a ``uid``.
+  Step ``k`` is fed once the trainer has finished step ``k - --max-lag`` (the demo's policy lag).
+* **rollout** (``--workers`` processes) claims ``--stage-batch`` rows at a time and generates a
+  variable-length response per row token by token with a tiny bigram policy (one real decode
+  step per token, no sleeps; lengths skewed: many short, a long tail, as in the demo), writing
+  ``responses`` and ``old_log_prob`` (jagged).
+* **reward** (1) scores ``--stage-batch`` rows and writes ``rewards`` and group-normalised
+  ``advantages`` (normalised over each prompt's rows in the micro-batch).
+* **ref** (1) writes ``ref_log_prob`` of every response token.
+* **trainer** (1) claims fixed micro-batches of ``--micro-batch`` rows with every field (the
+  reference has no token-budget sampler, so no ``max_tokens`` here), runs a GRPO update on
+  each and clears the partition once the step is done.
+
+Reward, ref and trainer add bounded CPU work proportional to the tokens they handle (the demo's
+cost model: 0.2 / 0.35 / 0.5 decode-step units per token). Workers run with one torch thread.
+
+Waiting for data: tq-redis blocks in ``get_meta(timeout=--wait-s)``; the reference runs in
+polling mode (an unsatisfiable ``get_meta`` returns an empty batch at once: its blocking mode
+sleeps inside the controller and blocks every other client) and a worker sleeps
+``--poll-interval`` after an empty answer, as in P3.
+
+Measured: steps/s = steps trained / wall time of the pipeline phase (from the moment every
+worker is attached and warmed up to the trainer finishing the last step; system start-up is
+excluded). Verified: every fed ``uid`` is trained exactly once, each response arrives with the
+length its ``uid`` determines, and the log-prob fields match the responses.
+
+Run: ``python -m benchmarks.p5_pipeline [--systems ...] [--quick] [--steps 4 --batch 16 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
+from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
+
+MEASURE = "p5_pipeline"
+STAGES: tuple[str, ...] = ("feeder", "rollout", "reward", "ref", "trainer")
+VOCAB = 512
+DIM = 64
+PROMPTS_PER_PUT = 2
+UID_STEP = 1_000_000
+"""``uid = step * UID_STEP + prompt * n_samples + k``."""
+COST = {"reward": 0.2, "ref": 0.35, "trainer": 0.5}
+"""Simulated work of each stage in decode-step units per token (as in ``tq_redis/demo.py``)."""
+TRAIN_FIELDS = ["prompts", "responses", "old_log_prob", "ref_log_prob", "advantages", "uid"]
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 4, quick 2)")
+    parser.add_argument("--batch", type=int, default=None, help="prompts per step (default 16, quick 8)")
+    parser.add_argument("--n-samples", type=int, default=4, help="responses per prompt (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="rollout worker processes (default %(default)s)")
+    parser.add_argument(
+        "--stage-batch", type=int, default=None, help="rows per rollout/reward/ref claim (default: --n-samples)"
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, default=16, help="rows per trainer micro-batch (default %(default)s)"
+    )
+    parser.add_argument("--max-lag", type=int, default=1, help="steps rollout may run ahead (default %(default)s)")
+    parser.add_argument(
+        "--response-len", default="16,320", help="min,max response tokens (default %(default)s; quick 16,160)"
+    )
+    parser.add_argument("--prompt-len", default="8,48", help="min,max prompt tokens (default %(default)s)")
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.05,
+        help="reference: worker sleep after an empty get_meta, s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--wait-s", type=float, default=0.5, help="tq-redis: get_meta(timeout=...) per call, s (default %(default)s)"
+    )
+    parser.add_argument(
+        "--attach-mode", choices=("zmq", "ray"), default="zmq", help="how reference workers attach (see reference.py)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default %(default)s)")
+
+
+# ----------------------------------------------------------------------------------------
+# Model and simulated work (same shape as tq_redis/demo.py, kept here so P5 does not move
+# when the demo changes)
+# ----------------------------------------------------------------------------------------
+def _generator(*key: int) -> Any:
+    import torch
+
+    seed = 0
+    for part in key:
+        seed = (seed * 1_000_003 + int(part) + 1) % (2**62)
+    return torch.Generator().manual_seed(seed)
+
+
+class _Burn:
+    """Bounded CPU work: ``run(k)`` does ``k`` small matmuls (about one decode step each)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.w = torch.randn(DIM, DIM, generator=_generator(7)) / DIM**0.5
+        self.h = torch.randn(4, DIM, generator=_generator(8))
+
+    def run(self, units: float) -> None:
+        import torch
+
+        h = self.h
+        for _ in range(int(units)):
+            h = torch.tanh(h @ self.w)
+
+
+class _BigramLM:
+    """A tiny policy: next-token log-probs from the previous token only."""
+
+    def __init__(self, seed: int, trainable: bool = False) -> None:
+        import torch
+
+        g = _generator(seed, 1)
+        self.emb = (torch.randn(VOCAB, DIM, generator=g) / DIM**0.5).requires_grad_(trainable)
+        self.head = (torch.randn(DIM, VOCAB, generator=g) / DIM**0.5).requires_grad_(trainable)
+
+    def parameters(self) -> list[Any]:
+        return [self.emb, self.head]
+
+    def generate(self, last_token: int, length: int, gen: Any) -> tuple[Any, Any]:
+        """Sample ``length`` tokens one decode step at a time; returns (tokens, their log-probs)."""
+        import torch
+
+        tok = last_token
+        tokens, logps = [], []
+        with torch.no_grad():
+            for _ in range(length):
+                logp = torch.log_softmax(torch.tanh(self.emb[tok]) @ self.head, dim=-1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                tokens.append(tok)
+                logps.append(float(logp[tok]))
+        return torch.tensor(tokens, dtype=torch.int64), torch.tensor(logps, dtype=torch.float32)
+
+    def token_log_probs(self, prompts: list[Any], responses: list[Any]) -> Any:
+        """Log-probs of every response token given its predecessor, all rows in one pass (flat)."""
+        import torch
+
+        prev = torch.cat([torch.cat([p[-1:], r[:-1]]) for p, r in zip(prompts, responses)])
+        nxt = torch.cat(list(responses))
+        logp = torch.log_softmax(torch.tanh(self.emb[prev]) @ self.head, dim=-1)
+        return logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+
+
+def _response_len(cfg: dict[str, Any], uid: int) -> int:
+    """The response length of row ``uid`` (deterministic, so the trainer can check it)."""
+    import torch
+
+    lo, hi = cfg["response_len"]
+    u = float(torch.rand((), generator=_generator(cfg["seed"], uid, 1)))
+    return lo + int((hi - lo) * u * u)  # skewed: many short responses, a long tail
+
+
+def _jagged(rows: list[Any]) -> Any:
+    import torch
+
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+def _rows(value: Any) -> list[Any]:
+    """Per-sample 1-D tensors of a jagged (or dense 2-D) field."""
+    return list(value.unbind())
+
+
+def _flat(value: Any) -> Any:
+    """A per-sample ``[B, 1]`` field as a ``[B]`` tensor (the reference returns it nested)."""
+    return value.values() if value.is_nested else value.reshape(-1)
+
+
+def _partition(step: int) -> str:
+    return f"p5_step_{step}"
+
+
+# ----------------------------------------------------------------------------------------
+# Workers
+# ----------------------------------------------------------------------------------------
+class _Stopped(Exception):
+    """The parent asked every worker to stop (another worker failed, or the run timed out)."""
+
+
+class _Stage:
+    """What one worker process needs: its client, the shared state and its counters."""
+
+    def __init__(self, client: Any, name: str, cfg: dict[str, Any], shared: dict[str, Any], deadline: float) -> None:
+        self.client = client
+        self.system = name
+        self.cfg = cfg
+        self.sh = shared
+        self.deadline = deadline
+        self.busy_s = 0.0
+        self.batches = 0
+        self.samples = 0
+        self.tokens = 0
+        self.get_meta_calls = 0
+        self.empty = 0
+        self.claim_s = 0.0
+
+    def check(self) -> None:
+        if self.sh["stop"].is_set() or time.monotonic() > self.deadline:
+            raise _Stopped
+
+    def claim(self, fields: list[str], batch_size: int, step: int, task: str) -> Any | None:
+        """One ``get_meta`` fetch for ``task``; ``None`` when nothing was ready (after waiting)."""
+        self.check()
+        t0 = time.perf_counter()
+        if self.system == "tq_redis":
+            meta = self.client.get_meta(
+                fields, batch_size, _partition(step), mode="fetch", task_name=task, timeout=self.cfg["wait_s"]
+            )
+        else:
+            meta = self.client.get_meta(fields, batch_size, _partition(step), mode="fetch", task_name=task)
+        self.get_meta_calls += 1
+        if meta.size == 0:
+            self.empty += 1
+            if self.system != "tq_redis" and self.cfg["poll_interval"] > 0:
+                time.sleep(self.cfg["poll_interval"])
+            self.claim_s += time.perf_counter() - t0
+            return None
+        self.claim_s += time.perf_counter() - t0
+        return meta
+
+    def done(self, t0: float, n: int, tokens: int) -> None:
+        self.busy_s += time.perf_counter() - t0
+        self.batches += 1
+        self.samples += n
+        self.tokens += tokens
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "busy_s": self.busy_s,
+            "batches": self.batches,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "get_meta_calls": self.get_meta_calls,
+            "empty_polls": self.empty,
+            "claim_s": self.claim_s,
+        }
+
+
+def _stage_feeder(st: _Stage) -> dict[str, Any]:
+    import torch
+    from tensordict import TensorDict
+
+    cfg, sh = st.cfg, st.sh
+    n = cfg["n_samples"]
+    lo, hi = cfg["prompt_len"]
+    fed: dict[int, list[int]] = {}
+    for step in range(cfg["steps"]):
+        with sh["cond"]:
+            while sh["trained"].value < step - cfg["max_lag"]:
+                st.check()
+                sh["cond"].wait(0.5)
+        fed[step] = []
+        for first in range(0, cfg["batch"], PROMPTS_PER_PUT):
+            st.check()
+            t0 = time.perf_counter()
+            pids = list(range(first, min(first + PROMPTS_PER_PUT, cfg["batch"])))
+            prompts = []
+            for pid in pids:
+                g = _generator(cfg["seed"], step, pid, 0)
+                length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+                prompts.append(torch.randint(0, VOCAB, (length,), generator=g))
+            rows = [p for p in prompts for _ in range(n)]
+            uids = [step * UID_STEP + pid * n + k for pid in pids for k in range(n)]
+            td = TensorDict(
+                {
+                    "prompts": _jagged(rows),
+                    "prompt_id": torch.tensor(pids).repeat_interleave(n).unsqueeze(1),
+                    "uid": torch.tensor(uids, dtype=torch.int64).unsqueeze(1),
+                },
+                batch_size=[len(rows)],
+            )
+            st.client.put(td, partition_id=_partition(step))
+            fed[step].extend(uids)
+            st.done(t0, len(rows), sum(len(p) for p in rows))
+    return {"fed": fed}
+
+
+def _stage_rollout(st: _Stage) -> dict[str, Any]:
+    from tensordict import TensorDict
+
+    cfg, sh = st.cfg, st.sh
+    policy = _BigramLM(cfg["seed"] + 1)
+    total = cfg["samples_per_step"]
+    rolled = sh["rolled"]
+    for step in range(cfg["steps"]):
+        while rolled[step] < total:
+            meta = st.claim(["prompts", "uid"], cfg["stage_batch"], step, "rollout")
+            if meta is None:
+                continue
+            with rolled.get_lock():
+                rolled[step] += meta.size
+            t0 = time.perf_counter()
+            data = st.client.get_data(meta)
+            responses, logps = [], []
+            for uid, prompt in zip(_flat(data["uid"]).tolist(), _rows(data["prompts"])):
+                gen = _generator(cfg["seed"], uid, 2)
+                tokens, logp = policy.generate(int(prompt[-1]), _response_len(cfg, uid), gen)
+                responses.append(tokens)
+                logps.append(logp)
+            out = TensorDict({"responses": _jagged(responses), "old_log_prob": _jagged(logps)}, batch_size=[meta.size])
+            st.client.put(out, metadata=meta)
+            st.done(t0, meta.size, sum(len(r) for r in responses))
+    return {}
+
+
+def _stage_reward(st: _Stage) -> dict[str, Any]:
+    import torch
+    from tensordict import TensorDict
+
+    cfg = st.cfg
+    burn = _Burn()
+    split_groups = 0
+    for step in range(cfg["steps"]):
+        got = 0
+        while got < cfg["samples_per_step"]:
+            meta = st.claim(["prompt_id", "responses", "uid"], cfg["stage_batch"], step, "reward")
+            if meta is None:
+                continue
+            got += meta.size
+            t0 = time.perf_counter()
+            data = st.client.get_data(meta)
+            responses = _rows(data["responses"])
+            pids = _flat(data["prompt_id"])
+            tokens = sum(len(r) for r in responses)
+            # a rule-based "verifier": the share of low token ids, minus a small length penalty
+            rewards = torch.stack([(r < VOCAB // 4).float().mean() - 1e-4 * len(r) for r in responses])
+            advantages = torch.zeros_like(rewards)
+            for pid in pids.unique():
+                mask = pids == pid
+                if int(mask.sum()) != cfg["n_samples"]:
+                    split_groups += 1
+                group = rewards[mask]
+                advantages[mask] = (group - group.mean()) / (group.std(correction=0) + 1e-6)
+            burn.run(tokens * COST["reward"])
+            out = TensorDict(
+                {"rewards": rewards.unsqueeze(1), "advantages": advantages.unsqueeze(1)}, batch_size=[meta.size]
+            )
+            st.client.put(out, metadata=meta)
+            st.done(t0, meta.size, tokens)
+    return {"split_groups": split_groups}
+
+
+def _stage_ref(st: _Stage) -> dict[str, Any]:
+    import torch
+    from tensordict import TensorDict
+
+    cfg = st.cfg
+    burn = _Burn()
+    ref = _BigramLM(cfg["seed"])
+    for step in range(cfg["steps"]):
+        got = 0
+        while got < cfg["samples_per_step"]:
+            meta = st.claim(["prompts", "responses"], cfg["stage_batch"], step, "ref")
+            if meta is None:
+                continue
+            got += meta.size
+            t0 = time.perf_counter()
+            data = st.client.get_data(meta)
+            prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
+            with torch.no_grad():
+                flat = ref.token_log_probs(prompts, responses)
+            sizes = [len(r) for r in responses]
+            burn.run(sum(sizes) * COST["ref"])
+            out = TensorDict({"ref_log_prob": _jagged(list(flat.split(sizes)))}, batch_size=[meta.size])
+            st.client.put(out, metadata=meta)
+            st.done(t0, meta.size, sum(sizes))
+    return {}
+
+
+def _stage_trainer(st: _Stage) -> dict[str, Any]:
+    import torch
+
+    cfg, sh = st.cfg, st.sh
+    burn = _Burn()
+    policy = _BigramLM(cfg["seed"] + 1, trainable=True)
+    opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    trained: dict[int, list[int]] = {}
+    step_done_at: list[float] = []
+    bad: list[str] = []
+    for step in range(cfg["steps"]):
+        seen: list[int] = []
+        while len(seen) < cfg["samples_per_step"]:
+            meta = st.claim(TRAIN_FIELDS, cfg["micro_batch"], step, "train")
+            if meta is None:
+                continue
+            t0 = time.perf_counter()
+            data = st.client.get_data(meta)
+            uids = _flat(data["uid"]).tolist()
+            seen.extend(uids)
+            prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
+            sizes = [len(r) for r in responses]
+            for uid, size in zip(uids, sizes):
+                if size != _response_len(cfg, uid) and len(bad) < 10:
+                    bad.append(f"uid {uid}: response of {size} tokens, expected {_response_len(cfg, uid)}")
+            old = _rows(data["old_log_prob"])
+            ref = _rows(data["ref_log_prob"])
+            if [len(x) for x in old] != sizes or [len(x) for x in ref] != sizes:
+                bad.append(f"step {step}: log-prob lengths do not match the responses")
+            old_flat, ref_flat = torch.cat(old), torch.cat(ref)
+            adv = torch.repeat_interleave(_flat(data["advantages"]), torch.tensor(sizes))
+            # GRPO: clipped importance-weighted advantage plus a KL penalty to the reference
+            logp = policy.token_log_probs(prompts, responses)
+            ratio = torch.exp(logp - old_flat)
+            pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+            kl = torch.exp(ref_flat - logp) - (ref_flat - logp) - 1
+            loss = (pg + 0.01 * kl).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total = sum(len(p) for p in prompts) + sum(sizes)
+            burn.run(total * COST["trainer"])
+            st.done(t0, meta.size, total)
+        st.client.clear_partition(_partition(step))
+        trained[step] = seen
+        step_done_at.append(time.time())
+        with sh["cond"]:
+            sh["trained"].value = step + 1
+            sh["cond"].notify_all()
+    return {"trained": trained, "step_done_at": step_done_at, "bad": bad}
+
+
+_STAGE_FUNCS = {
+    "feeder": _stage_feeder,
+    "rollout": _stage_rollout,
+    "reward": _stage_reward,
+    "ref": _stage_ref,
+    "trainer": _stage_trainer,
+}
+
+
+def _warm_up(client: Any) -> None:
+    """First calls pay for lazy imports and kernel set-up; do them before the clock starts."""
+    import torch
+
+    _BigramLM(0).generate(1, 2, _generator(0))
+    _Burn().run(2)
+    _jagged([torch.arange(2), torch.arange(3)]).unbind()
+    client.get_meta(["prompts"], 1, "p5_warmup", mode="fetch", task_name="warmup")
+
+
+def _worker(stage: str, wid: int, name: str, spec: dict[str, Any], cfg: dict[str, Any], shared: dict[str, Any]) -> None:
+    """Body of one worker process: attach, warm up, wait at the barrier, run the stage, report."""
+    report: dict[str, Any] = {"stage": stage, "wid": wid, "pid": os.getpid()}
+    client = close = None
+    st: _Stage | None = None
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a once-per-process notice
+        client, close = attach(name, spec, attach_mode=cfg["attach_mode"])
+        _warm_up(client)
+        shared["barrier"].wait(timeout=cfg["barrier_timeout_s"])
+        st = _Stage(client, name, cfg, shared, time.monotonic() + cfg["timeout_s"])
+        report.update(_STAGE_FUNCS[stage](st))
+        report["finished_at"] = time.time()
+    except _Stopped:
+        report["stopped"] = True
+    except Exception as exc:  # noqa: BLE001 - sent to the parent, which reports it
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, threading.BrokenBarrierError):
+            report["error"] = "barrier broken (another worker failed to attach in time)"
+        else:
+            report["traceback"] = traceback.format_exc()
+            shared["barrier"].abort()  # release the others if this one never reached the barrier
+    finally:
+        if st is not None:
+            report.update(st.figures())
+        shared["results"].put(report)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the figures are already sent
+                pass
+
+
+# ----------------------------------------------------------------------------------------
+# Parent
+# ----------------------------------------------------------------------------------------
+def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run the pipeline against system ``name``; return its figures and the correctness check."""
+    _, close = open_system(name, num_storage_units=2, polling_mode=True)
+    procs: list[Any] = []
+    try:
+        spec = attach_spec(name)
+        ctx = mp.get_context("forkserver")
+        roles = [("feeder", 0)] + [("rollout", i) for i in range(cfg["workers"])]
+        roles += [("reward", 0), ("ref", 0), ("trainer", 0)]
+        shared = {
+            "barrier": ctx.Barrier(len(roles) + 1),
+            "stop": ctx.Event(),
+            "trained": ctx.Value("i", 0, lock=False),  # written by the trainer only, under "cond"
+            "cond": ctx.Condition(),
+            "rolled": ctx.Array("i", cfg["steps"]),
+            "results": ctx.Queue(),
+        }
+        t_spawn = time.perf_counter()
+        for stage, wid in roles:
+            proc = ctx.Process(
+                target=_worker, args=(stage, wid, name, spec, cfg, shared), name=f"p5-{name}-{stage}-{wid}", daemon=True
+            )
+            proc.start()
+            procs.append(proc)
+        try:
+            shared["barrier"].wait(timeout=cfg["barrier_timeout_s"])
+        except threading.BrokenBarrierError:
+            pass  # the workers report why
+        start_wall = time.time()
+        attach_all_s = time.perf_counter() - t_spawn
+        print(f"[{name}] {len(roles)} workers attached and warmed up in {attach_all_s:.1f} s; running...", flush=True)
+        reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
+        return _summarize(name, cfg, reports, start_wall, attach_all_s)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        close()
+
+
+def _collect(shared: dict[str, Any], procs: list[Any], n_workers: int, timeout_s: float, name: str) -> list[dict]:
+    """Gather one report per worker; on the first error, tell the others to stop."""
+    reports: list[dict[str, Any]] = []
+    end = time.monotonic() + timeout_s
+    next_note = time.monotonic() + 10
+    while len(reports) < n_workers and time.monotonic() < end:
+        try:
+            report = shared["results"].get(timeout=1.0)
+        except queue_mod.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+        else:
+            reports.append(report)
+            if "error" in report:
+                shared["stop"].set()
+        if time.monotonic() > next_note:
+            print(f"[{name}]   steps trained {shared['trained'].value}", flush=True)
+            next_note = time.monotonic() + 10
+    shared["stop"].set()
+    return reports
+
+
+def _summarize(
+    name: str, cfg: dict[str, Any], reports: list[dict[str, Any]], start_wall: float, attach_all_s: float
+) -> dict[str, Any]:
+    """Turn worker reports into steps/s, per-stage figures and the exactly-once check."""
+    errors = [f"{r['stage']} {r['wid']}: {r['error']}" for r in reports if "error" in r]
+    for r in reports:
+        if "traceback" in r:
+            print(f"[{name}] {r['stage']} {r['wid']} failed:\n{r['traceback']}", file=sys.stderr, flush=True)
+    by_stage = {s: [r for r in reports if r["stage"] == s] for s in STAGES}
+    feeder = next(iter(by_stage["feeder"]), {})
+    trainer = next(iter(by_stage["trainer"]), {})
+    fed = collections.Counter(u for uids in feeder.get("fed", {}).values() for u in uids)
+    trained = collections.Counter(u for uids in trainer.get("trained", {}).values() for u in uids)
+    expected = {s * UID_STEP + i for s in range(cfg["steps"]) for i in range(cfg["samples_per_step"])}
+    duplicates = sum(c - 1 for c in trained.values() if c > 1)
+    missing = len(expected - set(trained))
+    unexpected = len(set(trained) - expected)
+    done_at = trainer.get("step_done_at", [])
+    steps_done = len(done_at)
+    wall = (done_at[-1] - start_wall) if done_at else None
+    exactly_once = (
+        steps_done == cfg["steps"]
+        and duplicates == 0
+        and missing == 0
+        and unexpected == 0
+        and set(fed) == expected
+        and not trainer.get("bad")
+    )
+    stages: dict[str, dict[str, Any]] = {}
+    for stage, rs in by_stage.items():
+        keys = ("busy_s", "batches", "samples", "tokens", "get_meta_calls", "empty_polls", "claim_s")
+        stages[stage] = {"workers": len(rs), **{k: sum(r.get(k, 0) for r in rs) for k in keys}}
+    tokens = stages["rollout"]["tokens"]
+    result = {
+        "steps": steps_done,
+        "wall_s": wall,
+        "steps_per_s": steps_done / wall if wall else None,
+        "samples_per_s": len(trained) / wall if wall else None,
+        "rollout_tokens": tokens,
+        "step_s": [b - a for a, b in zip([start_wall, *done_at[:-1]], done_at)],
+        "fed": sum(fed.values()),
+        "trained": sum(trained.values()),
+        "trained_distinct": len(trained),
+        "duplicates": duplicates,
+        "missing": missing,
+        "unexpected": unexpected,
+        "exactly_once": exactly_once,
+        "data_errors": trainer.get("bad", []),
+        "reward_split_groups": sum(r.get("split_groups", 0) for r in by_stage["reward"]),
+        "stages": stages,
+        "busy_sum_s": sum(s["busy_s"] for s in stages.values()),
+        "attach_all_s": attach_all_s,
+        "workers_reported": len(reports),
+        "errors": errors,
+        "startup_s": startup_seconds(name),
+    }
+    print(
+        f"[{name}] {steps_done}/{cfg['steps']} steps in {wall if wall is None else round(wall, 2)} s -> "
+        f"{result['steps_per_s'] or 0:.3f} steps/s; trained {result['trained']} "
+        f"({result['trained_distinct']} distinct of {len(expected)}, {duplicates} duplicates, {missing} missing); "
+        f"exactly once: {exactly_once}",
+        flush=True,
+    )
+    for stage, s in stages.items():
+        print(
+            f"[{name}]   {stage:8s} busy {s['busy_s']:6.2f} s, {s['batches']:4d} batches, "
+            f"{s['get_meta_calls']:5d} get_meta ({s['empty_polls']} empty)",
+            flush=True,
+        )
+    if errors:
+        print(f"[{name}] {len(errors)} worker error(s): {errors[:3]}", flush=True)
+    return result
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def main() -> dict[str, Any]:
+    """Measure every requested system; print and write the result."""
+    args = parse_args(__doc__.splitlines()[0], _add_args)
+    cfg: dict[str, Any] = {
+        "steps": args.steps or (2 if args.quick else 4),
+        "batch": args.batch or (8 if args.quick else 16),
+        "n_samples": args.n_samples,
+        "workers": args.workers,
+        "stage_batch": args.stage_batch or args.n_samples,
+        "micro_batch": args.micro_batch,
+        "max_lag": args.max_lag,
+        "prompt_len": _pair(args.prompt_len),
+        "response_len": (16, 160) if args.quick and args.response_len == "16,320" else _pair(args.response_len),
+        "poll_interval": args.poll_interval,
+        "wait_s": args.wait_s,
+        "attach_mode": args.attach_mode,
+        "seed": args.seed,
+        "timeout_s": args.timeout_s,
+        "barrier_timeout_s": 300.0,
+        "prompts_per_put": PROMPTS_PER_PUT,
+        "stage_costs_per_token": COST,
+        "process_model": "separate processes (forkserver), each attached to the running system",
+    }
+    cfg["samples_per_step"] = cfg["batch"] * cfg["n_samples"]
+    for key in ("stage_batch", "micro_batch"):
+        if cfg["samples_per_step"] % cfg[key]:
+            raise SystemExit(f"--{key.replace('_', '-')} must divide batch x n-samples ({cfg['samples_per_step']})")
+    modules = sorted({m for s in args.systems for m in preload_modules(s)})
+    mp.set_forkserver_preload(modules)
+    print(
+        f"P5: {cfg['steps']} steps x {cfg['batch']} prompts x {cfg['n_samples']} samples, {cfg['workers']} rollout "
+        f"workers, stage batch {cfg['stage_batch']}, trainer micro-batch {cfg['micro_batch']}, "
+        f"responses {cfg['response_len'][0]}-{cfg['response_len'][1]} tokens",
+        flush=True,
+    )
+    results = run_per_system(args.systems, lambda name: measure_system(name, cfg))
+
+    def get(system: str, key: str) -> Any:
+        return results.get(system, {}).get(key)
+
+    print_comparison(
+        "P5 demo-shaped pipeline (steps/s higher is better; wall s lower is better)",
+        [
+            ("steps/s", get("reference", "steps_per_s"), get("tq_redis", "steps_per_s"), "", True),
+            ("wall time", get("reference", "wall_s"), get("tq_redis", "wall_s"), " s", False),
+        ],
+    )
+    print(f"  exactly once: reference {get('reference', 'exactly_once')}, tq_redis {get('tq_redis', 'exactly_once')}")
+    write_result(MEASURE, args, cfg, results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()

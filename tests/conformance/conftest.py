@@ -1,0 +1,311 @@
+"""Fixtures of the store conformance suite: one real, running instance of every store we ship.
+
+Each store is described by a :class:`StoreSetup` (registry name, options, context) built once per
+session by a function in :data:`SETUPS`; the ``store_setup`` fixture is parametrized over them, so
+every test in ``test_stores.py`` runs against every store. To add a store, write a setup function
+and add it to :data:`SETUPS` (and drop its name from ``PENDING`` in ``test_stores.py``).
+
+Nothing is skipped: a store whose test dependency is missing fails with the package to install.
+The slow starts are hidden: Ray (about 10 s) starts in a background thread as soon as collection
+ends and its cases run last; every server lives for the whole session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from tq_redis.backends.base import StorageClient, StoreContext, create_store
+
+from tq_redis.embedded import EmbeddedServer, free_port
+
+S3_BUCKET = "tq-conformance"
+S3_CREDENTIALS = {"key": "testing", "secret": "testing"}
+
+
+@dataclass
+class StoreSetup:
+    """How to build one store: ``create_store(backend, options, StoreContext(url, namespace))``."""
+
+    id: str
+    backend: str
+    options: dict[str, Any]
+    url: str
+    namespace: str
+    stop: Callable[[], None] | None = None
+    #: how many keys a "many keys" case uses (fewer for slow emulators, so the suite stays short)
+    many: int = 300
+
+    @property
+    def ctx(self) -> StoreContext:
+        return StoreContext(self.url, self.namespace)
+
+    def create(self) -> StorageClient:
+        return create_store(self.backend, self.options, self.ctx)
+
+
+def _need(store_id: str, modules: list[str], install: str) -> None:
+    """Fail (never skip) when a store's test dependency is missing, naming what to install."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            pytest.fail(
+                f"the {store_id!r} conformance store needs {install!r} ({exc}); "
+                f"pip install -e '.[test]' (or: pip install {install})",
+                pytrace=False,
+            )
+
+
+class _Session:
+    """Servers shared by the whole session, started on first use and stopped at the end."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._valkey: EmbeddedServer | None = None
+        self.setups: dict[str, StoreSetup] = {}
+        self._namespaces: dict[str, str] = {}
+        self.ray_thread: threading.Thread | None = None
+        self.ray_error: BaseException | None = None
+        self.ray_ready = threading.Event()
+        self.ray_release = threading.Event()
+
+    @property
+    def redis_url(self) -> str:
+        with self._lock:
+            if self._valkey is None:
+                self._valkey = EmbeddedServer().start()
+            return self._valkey.url
+
+    def namespace(self, store_id: str) -> str:
+        """The namespace (metadata and data) of one store's cases; fixed for the session."""
+        with self._lock:
+            return self._namespaces.setdefault(store_id, f"conf-{store_id}-{uuid.uuid4().hex[:6]}")
+
+    def setup(self, store_id: str, tmp_root: str) -> StoreSetup:
+        if store_id not in self.setups:
+            self.setups[store_id] = SETUPS[store_id](self, self.namespace(store_id), tmp_root)
+        return self.setups[store_id]
+
+    # ------------------------------------------------------------------ Ray, started early
+
+    def start_ray_in_background(self) -> None:
+        if self.ray_thread is None:
+            self.ray_thread = threading.Thread(target=self._start_ray, name="ray-init", daemon=True)
+            self.ray_thread.start()
+
+    def _start_ray(self) -> None:
+        try:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(
+                    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                    object_store_memory=512 << 20,
+                )  # fmt: skip
+            from tq_redis.backends.ray_store import RayStore
+
+            RayStore(self.namespace("ray")).size()  # start the key-table actor now, too
+        except BaseException as exc:  # reported by the first ray case
+            self.ray_error = exc
+        finally:
+            self.ray_ready.set()
+        # Ray's server processes die with the *thread* that started them (PR_SET_PDEATHSIG), so this
+        # thread lives until the session ends
+        self.ray_release.wait()
+
+    def wait_for_ray(self) -> None:
+        self.start_ray_in_background()
+        self.ray_ready.wait()
+        if self.ray_error is not None:
+            pytest.fail(f"Ray did not start: {self.ray_error!r}", pytrace=False)
+
+    def stop(self) -> None:
+        for setup in reversed(list(self.setups.values())):
+            if setup.stop is not None:
+                setup.stop()
+        self.setups.clear()
+        if self.ray_thread is not None:
+            self.ray_ready.wait()
+            import ray
+
+            ray.shutdown()
+            self.ray_release.set()
+            self.ray_thread.join()
+        if self._valkey is not None:
+            self._valkey.stop()
+            self._valkey = None
+
+
+# ---------------------------------------------------------------------------- one setup per store
+
+
+def _redis(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    return StoreSetup("redis", "redis", {}, session.redis_url, namespace)
+
+
+def _dram(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    from tq_redis.backends.dram_server import start_local_nodes
+
+    nodes = start_local_nodes(session.redis_url, namespace, n=2, capacity="256MiB")
+    return StoreSetup("dram", "dram", {}, session.redis_url, namespace, stop=nodes.stop)
+
+
+def _fsspec_local(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    url = f"file://{tmp_root}/fsspec-local"
+    return StoreSetup("fsspec-local", "fsspec", {"url": url}, session.redis_url, namespace)
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphaned server if pytest is killed
+
+
+def _fsspec_s3(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    _need("fsspec-s3", ["s3fs", "boto3", "moto.server", "flask", "flask_cors"], "moto[server] s3fs")
+    import boto3
+
+    # moto in its own process: in this one it would compete with the tests for the GIL
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )  # fmt: skip
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop()
+                pytest.fail(f"the moto S3 server did not start (exit status {proc.poll()})", pytrace=False)
+            time.sleep(0.05)
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=S3_CREDENTIALS["key"], aws_secret_access_key=S3_CREDENTIALS["secret"],
+    ).create_bucket(Bucket=S3_BUCKET)  # fmt: skip
+    # s3fs gets no region_name: against moto it makes requests fail
+    options = {"url": f"s3://{S3_BUCKET}/{namespace}", "storage_options": {"endpoint_url": endpoint, **S3_CREDENTIALS}}
+    return StoreSetup("fsspec-s3", "fsspec", options, session.redis_url, namespace, stop=stop, many=40)
+
+
+def _ray(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    _need("ray", ["ray"], "ray")
+    session.wait_for_ray()
+
+    def destroy() -> None:
+        from tq_redis.backends.ray_store import RayStore
+
+        RayStore(namespace).destroy()
+
+    return StoreSetup("ray", "ray", {}, session.redis_url, namespace, stop=destroy)
+
+
+def _ray_writer_owned(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    setup = session.setup("ray", tmp_root)  # the same key-table actor, writer-owned values
+    options = {"owner": "writer", "actor_name": f"tq_redis_store:{setup.namespace}"}
+    return StoreSetup("ray-writer", "ray", options, session.redis_url, namespace)
+
+
+#: store id -> setup; the suite runs every test against each, in this order (slow starts last)
+SETUPS: dict[str, Callable[[_Session, str, str], StoreSetup]] = {
+    "redis": _redis,
+    "dram": _dram,
+    "fsspec-local": _fsspec_local,
+    "fsspec-s3": _fsspec_s3,
+    "ray": _ray,
+    "ray-writer": _ray_writer_owned,
+}
+#: store id -> registry name
+STORE_BACKENDS = {
+    "redis": "redis",
+    "dram": "dram",
+    "fsspec-local": "fsspec",
+    "fsspec-s3": "fsspec",
+    "ray": "ray",
+    "ray-writer": "ray",
+}
+
+_SESSION = _Session()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run this suite's cases grouped by store, in ``SETUPS`` order, so Ray's start overlaps the rest."""
+    order = {name: n for n, name in enumerate(SETUPS)}
+    mine = [n for n, item in enumerate(items) if _store_id(item) is not None]
+    ranked = sorted((items[n] for n in mine), key=lambda item: order.get(_store_id(item) or "", len(order)))
+    for n, item in zip(mine, ranked):
+        items[n] = item
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(str(_store_id(item)).startswith("ray") for item in session.items):
+        _SESSION.start_ray_in_background()
+
+
+def _store_id(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("store_setup") if callspec is not None else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _conformance_servers() -> Iterator[None]:
+    yield
+    _SESSION.stop()
+
+
+@pytest.fixture(scope="session")
+def conformance_tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("conformance"))
+
+
+@pytest.fixture(params=list(SETUPS))
+def store_setup(request: pytest.FixtureRequest, conformance_tmp: str) -> StoreSetup:
+    """Every store in turn (its servers start once per session)."""
+    return _SESSION.setup(request.param, conformance_tmp)
+
+
+@pytest.fixture
+def store(store_setup: StoreSetup) -> Iterator[StorageClient]:
+    """A fresh client of the store, built through the registry like the storage manager does."""
+    client = store_setup.create()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The session's Valkey (metadata plane of the end-to-end cases)."""
+    return _SESSION.redis_url
+
+
+@pytest.fixture
+def ray_setup(conformance_tmp: str) -> StoreSetup:
+    """The ``ray`` store's setup, for Ray-only tests."""
+    return _SESSION.setup("ray", conformance_tmp)

@@ -1,0 +1,514 @@
+"""Samplers: which ready samples a ``get_meta(mode="fetch")`` call hands out.
+
+The interface is the reference system's: ``BaseSampler.sample(ready_indexes, batch_size, **kw) ->
+(sampled, consumed)``. The four built-ins run **inside Redis**, in the claim script
+(``lua/claim.lua``, rules in ``lua/includes/samplers.lua``), so a claim is one atomic round trip
+whatever the partition size:
+
+- :class:`SequentialSampler` -- the first ready samples in id order (the default).
+- :class:`GRPOGroupNSampler` -- only whole groups of ``n_samples_per_prompt``. A group is the n
+  rows of one prompt: the rows sharing a ``uid`` tag when the partition has that tag, else n
+  rows aligned to the start of the ``put`` that inserted the prompt repeated n times. A run of
+  ready ids that straddles two prompts is never a group (the reference's run-finding can
+  return one).
+- :class:`RankAwareSampler` -- every rank of one data-parallel group that asks with the same
+  ``dp_rank`` (the group's id) and ``batch_index`` gets the same batch, in any arrival order.
+- :class:`SeqlenBalancedSampler` -- the first rank to ask for a ``batch_index`` takes
+  ``batch_size * dp_size`` samples in whole groups and splits them into ``dp_size`` parts with
+  equal group counts, balanced by the ``total_lengths`` tag (Karmarkar-Karp); rank ``dp_rank``
+  gets its part.
+
+Two ``sampling_config`` keys of ours combine with the built-ins (groups stay whole):
+``max_tokens`` (token-budget dynamic batching: as many ready samples, up to ``batch_size``, as
+fit the budget by ``total_lengths`` -- the one case where a batch may be smaller) and
+``min_policy_version`` (only samples tagged ``policy_version >= v``; with ``drop_stale=True``
+older ones are put aside for the task, in its poison set, so they stop counting).
+
+Any other :class:`BaseSampler` -- a user's subclass or an instance of one -- runs **in the
+client**: it gets the full ready list, chooses, and the client claims the choice with a script
+that succeeds only if every chosen id is still free, retrying with a fresh ready list on
+conflict.
+
+``sample()`` of a built-in class also works stand-alone on a plain list (as in the reference);
+there GRPO groups are the aligned blocks ``[k*n, (k+1)*n)``, which is what the in-Redis rule
+yields when every ``put`` inserts a multiple of n samples.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from tq_redis.errors import SamplerError
+
+__all__ = [
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "RankAwareSampler",
+    "SamplerPlan",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "builtin_plan",
+    "is_builtin",
+    "karmarkar_karp",
+    "resolve_sampler",
+    "sampler_from_spec",
+    "sampler_spec",
+]
+
+#: default lifetime of a stored RankAware / SeqlenBalanced choice (seconds)
+DEFAULT_CACHE_TTL_S = 3600.0
+
+
+class BaseSampler(ABC):
+    """Chooses which ready samples a fetch hands out and which it marks consumed.
+
+    Subclass it and implement :meth:`sample` to run your own policy in the client; pass the
+    class or an instance as ``sampling_config={"sampler": ...}`` or as ``sampler`` in ``init``.
+    ``sample`` receives the ready ids (ascending), the batch size, ``task_name=``,
+    ``partition_id=`` and every other ``sampling_config`` entry as keyword arguments.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[Any, Any] = {}
+
+    @abstractmethod
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """Return ``(sampled, consumed)``: the ids handed out, and the ids marked consumed for
+        the task (usually the same). Return two empty lists when nothing suitable is ready."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
+        return self.sample(*args, **kwargs)
+
+    def params(self) -> dict[str, Any]:
+        """Constructor parameters, so a built-in can be described in the namespace config."""
+        return {}
+
+    # -- reference compatibility: per-process caches of earlier choices ----------------------
+
+    def has_cached_result(
+        self, partition_id: str, task_name: str, sampling_config: dict[str, Any] | None = None
+    ) -> bool:
+        """Whether this process cached a choice for ``(partition, task, dp_rank, batch_index)``."""
+        cfg = sampling_config or {}
+        dp_rank = cfg.get("dp_rank")
+        if dp_rank is None:
+            return False
+        states = self._states.get(partition_id, {}).get(task_name, {})
+        return dp_rank in states and cfg.get("batch_index") in states[dp_rank]
+
+    def clear_cache(self, partition_id: str) -> None:
+        """Forget this process's cached choices for a partition."""
+        self._states.pop(partition_id, None)
+
+    def save_checkpoint(self) -> dict[str, Any]:
+        """Serializable state of the sampler."""
+        return {"_states": self._states}
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`save_checkpoint` returned."""
+        self._states = state["_states"]
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SequentialSampler(BaseSampler):
+    """The first ``batch_size`` ready samples in id order (in Redis: never a partial batch)."""
+
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """The first ``batch_size`` of ``ready_indexes`` (all of them if fewer)."""
+        chosen = list(ready_indexes[:batch_size])
+        return chosen, list(chosen)
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SamplerError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _aligned_groups(ready_indexes: list[int], n: int, groups_wanted: int) -> list[int]:
+    """First ``groups_wanted`` complete aligned blocks ``[k*n, (k+1)*n)`` of the ready ids."""
+    ready = set(ready_indexes)
+    out: list[int] = []
+    found = 0
+    for i in sorted(ready):
+        if found == groups_wanted:
+            break
+        if i % n == 0 and all(i + j in ready for j in range(n)):
+            out.extend(range(i, i + n))
+            found += 1
+    return out if found == groups_wanted else []
+
+
+class GRPOGroupNSampler(BaseSampler):
+    """Only whole groups of ``n_samples_per_prompt`` samples (the n responses of one prompt).
+
+    ``batch_size`` must be a multiple of n. In Redis a group is the rows sharing a ``uid`` tag
+    (when the partition has that tag) or n rows aligned to the start of the ``put`` that
+    inserted them; ``sampling_config["n_samples_per_prompt"]`` overrides the constructor's n.
+    """
+
+    def __init__(self, n_samples_per_prompt: int = 1) -> None:
+        super().__init__()
+        self.n_samples_per_prompt = _check_positive("n_samples_per_prompt", n_samples_per_prompt)
+
+    def params(self) -> dict[str, Any]:
+        return {"n_samples_per_prompt": self.n_samples_per_prompt}
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """``batch_size / n`` complete aligned groups, or two empty lists if too few are ready."""
+        n = self.n_samples_per_prompt
+        if batch_size % n:
+            raise SamplerError(f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})")
+        chosen = _aligned_groups(ready_indexes, n, batch_size // n)
+        return chosen, list(chosen)
+
+
+class RankAwareSampler(BaseSampler):
+    """Every rank of one data-parallel group gets the same batch.
+
+    Ranks of a group pass the group's id as ``dp_rank`` and a step counter as ``batch_index``;
+    the first of them to ask selects (sequentially, or in whole groups when
+    ``n_samples_per_prompt`` is given), the others get the same ids back, in whatever order
+    they arrive. Different groups never share a sample. In Redis the choice is stored under
+    ``<ns>:{<partition>}:rank:<task>:<dp_rank>:<batch_index>`` for ``cache_ttl_s`` seconds.
+    """
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        dp_rank: int = 0,
+        batch_index: int = 0,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """The cached choice for ``(partition, task, dp_rank, batch_index)``, else the first
+        ``batch_size`` ready ids (cached), else two empty lists."""
+        if dp_rank < 0:
+            raise SamplerError(f"dp_rank must be >= 0, got {dp_rank}")
+        states = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
+        if batch_index in states:
+            chosen = states[batch_index]
+            return list(chosen), list(chosen)
+        if len(ready_indexes) < batch_size:
+            return [], []
+        chosen = list(ready_indexes[:batch_size])
+        states[batch_index] = chosen
+        return list(chosen), list(chosen)
+
+
+class SeqlenBalancedSampler(GRPOGroupNSampler):
+    """Whole groups balanced by ``total_lengths`` across ``dp_size`` data-parallel ranks.
+
+    ``batch_size`` is per rank. The first rank to ask for a ``batch_index`` takes
+    ``batch_size * dp_size`` samples in whole groups of ``n_samples_per_prompt`` and splits the
+    groups into ``dp_size`` parts of equal count whose summed ``total_lengths`` are balanced
+    (Karmarkar-Karp, as the reference); rank ``dp_rank`` (0 .. dp_size-1) gets part ``dp_rank``.
+    A sample without a ``total_lengths`` tag weighs 1.
+    """
+
+    def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1) -> None:
+        super().__init__(n_samples_per_prompt)
+        self.dp_size = _check_positive("dp_size", dp_size)
+        self._balanced_cache: dict[tuple, list[list[int]]] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {"n_samples_per_prompt": self.n_samples_per_prompt, "dp_size": self.dp_size}
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """Rank ``kwargs["dp_rank"]``'s part of the balanced global batch for
+        ``kwargs["batch_index"]``; ``kwargs["total_lengths"]`` maps id -> length (default 1)."""
+        dp_rank = int(kwargs.get("dp_rank", 0))
+        batch_index = kwargs.get("batch_index", 0)
+        if not 0 <= dp_rank < self.dp_size:
+            raise SamplerError(f"dp_rank must be in [0, {self.dp_size}), got {dp_rank}")
+        key = (partition_id, task_name, batch_index)
+        parts = self._balanced_cache.get(key)
+        if parts is None:
+            chosen, _ = super().sample(ready_indexes, batch_size * self.dp_size)
+            if not chosen:
+                return [], []
+            lengths = kwargs.get("total_lengths") or {}
+            parts = balance_groups(chosen, self.n_samples_per_prompt, self.dp_size, lengths)
+            self._balanced_cache[key] = parts
+        mine = parts[dp_rank]
+        return list(mine), list(mine)
+
+    def clear_cache(self, partition_id: str) -> None:
+        super().clear_cache(partition_id)
+        for key in [k for k in self._balanced_cache if k[0] == partition_id]:
+            del self._balanced_cache[key]
+
+
+# ------------------------------------------------------------------ balancing
+
+
+@dataclass
+class _Set:
+    sum: float
+    items: list[int]
+    low: int
+
+
+def _set_desc(s: _Set) -> tuple[float, int, int]:
+    # sets are ordered by (sum, item count, smallest item); a state keeps its largest first
+    return (-s.sum, -len(s.items), -s.low)
+
+
+class _State:
+    __slots__ = ("sets", "spread", "low")
+
+    def __init__(self, sets: list[_Set]) -> None:
+        self.sets = sets
+        self.settle()
+
+    def settle(self) -> None:
+        self.sets.sort(key=_set_desc)
+        self.spread = self.sets[0].sum - self.sets[-1].sum
+        self.low = min(s.low for s in self.sets)
+
+    def __lt__(self, other: _State) -> bool:  # heapq pops the state to merge first
+        if self.spread != other.spread:
+            return self.spread > other.spread
+        a, b = _set_desc(self.sets[0]), _set_desc(other.sets[0])
+        if a != b:
+            return a < b
+        return self.low < other.low
+
+
+def karmarkar_karp(weights: list[float], k: int) -> list[list[int]]:
+    """Split items ``0..len(weights)-1`` into ``k`` parts of equal item count with balanced sums.
+
+    Largest differencing (Karmarkar-Karp) with the tie-breaking the claim script uses, so the
+    result equals the in-Redis one. ``len(weights)`` must be a multiple of ``k``. Returns the
+    parts heaviest first, each ascending.
+    """
+    if k <= 0 or len(weights) % k:
+        raise SamplerError(f"{len(weights)} items cannot be split into {k} parts of equal size")
+    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    heap = [
+        _State([_Set(weights[i], [i], i) for i in order[start : start + k]]) for start in range(0, len(order), k)
+    ]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap), heapq.heappop(heap)
+        for i in range(k):
+            s, t = a.sets[i], b.sets[k - 1 - i]
+            s.items.extend(t.items)
+            s.sum += t.sum
+            s.low = min(s.low, t.low)
+        a.settle()
+        heapq.heappush(heap, a)
+    return [sorted(s.items) for s in heap[0].sets] if heap else [[] for _ in range(k)]
+
+
+def balance_groups(ids: list[int], n: int, k: int, lengths: dict[int, float]) -> list[list[int]]:
+    """Split ``ids`` (whole groups of ``n`` in order) into ``k`` balanced parts of sample ids."""
+    groups = [ids[g * n : (g + 1) * n] for g in range(len(ids) // n)]
+    weights = [sum(lengths.get(i, 1) for i in group) for group in groups]
+    return [[i for g in part for i in groups[g]] for part in karmarkar_karp(weights, k)]
+
+
+# ------------------------------------------------------------------ dispatch
+
+_BUILTINS: dict[str, type[BaseSampler]] = {
+    "SequentialSampler": SequentialSampler,
+    "GRPOGroupNSampler": GRPOGroupNSampler,
+    "RankAwareSampler": RankAwareSampler,
+    "SeqlenBalancedSampler": SeqlenBalancedSampler,
+}
+_LUA_NAMES = {
+    SequentialSampler: "sequential",
+    GRPOGroupNSampler: "grpo",
+    RankAwareSampler: "rank",
+    SeqlenBalancedSampler: "balance",
+}
+
+
+def resolve_sampler(spec: Any) -> BaseSampler:
+    """A sampler instance from a built-in's name, a :class:`BaseSampler` subclass or an instance."""
+    if spec is None:
+        return SequentialSampler()
+    if isinstance(spec, BaseSampler):
+        return spec
+    if isinstance(spec, str):
+        cls = _BUILTINS.get(spec)
+        if cls is None:
+            raise SamplerError(
+                f"unknown sampler {spec!r}; built-in samplers are {sorted(_BUILTINS)} "
+                f"(pass your own BaseSampler subclass or instance instead of a name)"
+            )
+        return cls()
+    if isinstance(spec, type) and issubclass(spec, BaseSampler):
+        try:
+            return spec()
+        except TypeError as exc:
+            raise SamplerError(
+                f"cannot build sampler {spec.__name__}() without arguments ({exc}); pass an instance"
+            ) from exc
+    raise SamplerError(
+        f"sampler must be a built-in's name, a BaseSampler subclass or an instance, got {type(spec).__name__}"
+    )
+
+
+def is_builtin(sampler: BaseSampler) -> bool:
+    """True for an instance of exactly one of the built-in classes (those run inside Redis);
+    a subclass of a built-in overrides ``sample`` and runs in the client."""
+    return type(sampler) in _LUA_NAMES
+
+
+def sampler_spec(sampler: Any) -> str | dict[str, Any]:
+    """What the namespace config records for a default sampler: a built-in's name, or
+    ``{"name": ..., "params": {...}}`` for a built-in instance with parameters. A user sampler
+    is recorded by class name (other processes must pass it per call)."""
+    if isinstance(sampler, str):
+        return sampler
+    inst = resolve_sampler(sampler)
+    params = inst.params()
+    name = type(inst).__name__
+    return {"name": name, "params": params} if params and is_builtin(inst) else name
+
+
+def sampler_from_spec(raw: str | bytes | None) -> BaseSampler:
+    """The sampler the namespace config (``<ns>:config`` field ``sampler``, JSON) describes."""
+    if raw is None:
+        return SequentialSampler()
+    value = json.loads(raw)
+    if isinstance(value, dict):
+        name, params = value.get("name"), value.get("params") or {}
+    else:
+        name, params = value, {}
+    cls = _BUILTINS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise SamplerError(
+            f"the namespace's default sampler {name!r} is not built in, so this process cannot rebuild it; "
+            f"pass it per call: sampling_config={{'sampler': {name}(...)}}"
+        )
+    try:
+        return cls(**params)
+    except (TypeError, SamplerError) as exc:
+        raise SamplerError(f"namespace default sampler {value!r} is invalid: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    """How the claim script runs a built-in: its Lua name, the batch size and the options."""
+
+    kind: str
+    batch_size: int
+    options: tuple[tuple[str, str], ...]
+
+    def args(self) -> tuple[Any, ...]:
+        """``sampler, nopts, name, value, ...`` as ``lua/claim.lua`` takes them."""
+        flat = [x for pair in self.options for x in pair]
+        return (self.kind, len(self.options), *flat)
+
+
+def _opt_int(config: dict[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+    value = config.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SamplerError(f"sampling_config[{key!r}] must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _number_text(value: float) -> str:
+    return repr(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def builtin_plan(sampler: BaseSampler, config: dict[str, Any], batch_size: int) -> SamplerPlan:
+    """Validate ``sampling_config`` for a built-in and turn it into claim-script options.
+
+    Raises:
+        SamplerError: a key has the wrong type or range, the batch size does not split into
+            whole groups, or a required key (RankAware: ``dp_rank``, ``batch_index``) is missing.
+    """
+    kind = _LUA_NAMES[type(sampler)]
+    opts: dict[str, str] = {}
+    n = 1
+    if kind in ("grpo", "balance"):
+        n = _opt_int(config, "n_samples_per_prompt", sampler.n_samples_per_prompt, 1)  # type: ignore[attr-defined]
+    elif kind == "rank":
+        n = _opt_int(config, "n_samples_per_prompt", 1, 1)
+    if n and n > 1:
+        if batch_size % n:
+            raise SamplerError(
+                f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n}): "
+                f"{type(sampler).__name__} hands out whole groups only"
+            )
+        opts["n"] = str(n)
+    max_tokens = _opt_int(config, "max_tokens", None, 1)
+    if max_tokens is not None:
+        if kind == "balance":
+            raise SamplerError("max_tokens does not combine with SeqlenBalancedSampler (it fixes the batch size)")
+        opts["max_tokens"] = str(max_tokens)
+    version = config.get("min_policy_version")
+    if version is not None:
+        if isinstance(version, bool) or not isinstance(version, int | float):
+            raise SamplerError(f"sampling_config['min_policy_version'] must be a number, got {version!r}")
+        opts["min_version"] = _number_text(version)
+    if config.get("drop_stale"):
+        if version is None:
+            raise SamplerError("drop_stale=True needs min_policy_version (which samples are stale)")
+        opts["drop_stale"] = "1"
+    if kind in ("rank", "balance"):
+        if kind == "rank":
+            missing = [k for k in ("dp_rank", "batch_index") if config.get(k) is None]
+            if missing:
+                raise SamplerError(
+                    f"RankAwareSampler needs sampling_config keys {missing}: dp_rank names the "
+                    f"data-parallel group, batch_index the step (ranks of a group share both)"
+                )
+            opts["dp_rank"] = str(_opt_int(config, "dp_rank", None, 0))
+        else:
+            dp_size = _opt_int(config, "dp_size", sampler.dp_size, 1)  # type: ignore[attr-defined]
+            dp_rank = _opt_int(config, "dp_rank", 0, 0)
+            assert dp_size is not None and dp_rank is not None
+            if dp_rank >= dp_size:
+                raise SamplerError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+            opts["dp_rank"], opts["dp_size"] = str(dp_rank), str(dp_size)
+        opts["batch_index"] = _batch_index(config.get("batch_index", 0))
+        ttl = config.get("cache_ttl_s", DEFAULT_CACHE_TTL_S)
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+            raise SamplerError(f"sampling_config['cache_ttl_s'] must be > 0 seconds, got {ttl!r}")
+        opts["ttl_ms"] = str(max(1, int(ttl * 1000)))
+    return SamplerPlan(kind, batch_size, tuple(opts.items()))
+
+
+def _batch_index(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | str) or (isinstance(value, int) and value < 0):
+        raise SamplerError(f"sampling_config['batch_index'] must be an integer >= 0 or a name, got {value!r}")
+    text = str(value)
+    if not text or any(c in text for c in "{}; ,\r\n"):
+        raise SamplerError(f"sampling_config['batch_index'] {value!r} may not be empty or contain {{}}; , or spaces")
+    return text
