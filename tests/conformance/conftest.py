@@ -13,6 +13,8 @@ ends and its cases run last; every server lives for the whole session.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.util
 import os
 import signal
 import socket
@@ -57,8 +59,6 @@ class StoreSetup:
 
 def _need(store_id: str, modules: list[str], install: str) -> None:
     """Fail (never skip) when a store's test dependency is missing, naming what to install."""
-    import importlib
-
     for module in modules:
         try:
             importlib.import_module(module)
@@ -70,6 +70,10 @@ def _need(store_id: str, modules: list[str], install: str) -> None:
             )
 
 
+def _import_tq_redis() -> None:
+    import tq_redis.backends.ray_store  # noqa: F401
+
+
 class _Session:
     """Servers shared by the whole session, started on first use and stopped at the end."""
 
@@ -78,6 +82,7 @@ class _Session:
         self._valkey: EmbeddedServer | None = None
         self.setups: dict[str, StoreSetup] = {}
         self._namespaces: dict[str, str] = {}
+        self._moto: tuple[subprocess.Popen[bytes], int] | None = None
         self.ray_thread: threading.Thread | None = None
         self.ray_error: BaseException | None = None
         self.ray_ready = threading.Event()
@@ -100,7 +105,20 @@ class _Session:
             self.setups[store_id] = SETUPS[store_id](self, self.namespace(store_id), tmp_root)
         return self.setups[store_id]
 
-    # ------------------------------------------------------------------ Ray, started early
+    # ------------------------------------------------------------------ moto and Ray, started early
+
+    def start_moto(self) -> tuple[subprocess.Popen[bytes], int]:
+        """The moto S3 server, in its own process (here it would compete with the tests for the GIL)."""
+        with self._lock:
+            if self._moto is None:
+                port = free_port()
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                )  # fmt: skip
+                self._moto = (proc, port)
+            return self._moto
 
     def start_ray_in_background(self) -> None:
         if self.ray_thread is None:
@@ -120,6 +138,8 @@ class _Session:
             from tq_redis.backends.ray_store import RayStore
 
             RayStore(self.namespace("ray")).size()  # start the key-table actor now, too
+            # and have idle workers import tq-redis, so the cases' own Ray actors start fast
+            ray.get([ray.remote(_import_tq_redis).options(num_cpus=0).remote() for _ in range(2)])
         except BaseException as exc:  # reported by the first ray case
             self.ray_error = exc
         finally:
@@ -146,6 +166,14 @@ class _Session:
             ray.shutdown()
             self.ray_release.set()
             self.ray_thread.join()
+        if self._moto is not None:
+            proc = self._moto[0]
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if self._valkey is not None:
             self._valkey.stop()
             self._valkey = None
@@ -179,22 +207,7 @@ def _fsspec_s3(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
     _need("fsspec-s3", ["s3fs", "boto3", "moto.server", "flask", "flask_cors"], "moto[server] s3fs")
     import boto3
 
-    # moto in its own process: in this one it would compete with the tests for the GIL
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-    )  # fmt: skip
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
+    proc, port = session.start_moto()
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -202,7 +215,6 @@ def _fsspec_s3(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
             break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                stop()
                 pytest.fail(f"the moto S3 server did not start (exit status {proc.poll()})", pytrace=False)
             time.sleep(0.05)
     endpoint = f"http://127.0.0.1:{port}"
@@ -212,7 +224,7 @@ def _fsspec_s3(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
     ).create_bucket(Bucket=S3_BUCKET)  # fmt: skip
     # s3fs gets no region_name: against moto it makes requests fail
     options = {"url": f"s3://{S3_BUCKET}/{namespace}", "storage_options": {"endpoint_url": endpoint, **S3_CREDENTIALS}}
-    return StoreSetup("fsspec-s3", "fsspec", options, session.redis_url, namespace, stop=stop, many=40)
+    return StoreSetup("fsspec-s3", "fsspec", options, session.redis_url, namespace, many=40)
 
 
 def _ray(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
@@ -265,7 +277,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(str(_store_id(item)).startswith("ray") for item in session.items):
+    ids = {_store_id(item) for item in session.items}
+    if "fsspec-s3" in ids and importlib.util.find_spec("moto") is not None:
+        _SESSION.start_moto()
+    if any(str(i).startswith("ray") for i in ids):
         _SESSION.start_ray_in_background()
 
 
