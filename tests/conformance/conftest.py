@@ -6,8 +6,9 @@ every test in ``test_stores.py`` runs against every store. To add a store, write
 and add it to :data:`SETUPS` (and drop its name from ``PENDING`` in ``test_stores.py``).
 
 Nothing is skipped: a store whose test dependency is missing fails with the package to install.
-The slow starts are hidden: Ray (about 10 s) starts in a background thread as soon as collection
-ends and its cases run last; every server lives for the whole session.
+The slow starts are hidden: the moto S3 server and Ray (10-20 s on a busy machine) start in the
+background as soon as collection ends, and the cases run grouped by store with Ray's last; every
+server lives for the whole session.
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ class _Session:
         self.setups.clear()
         if self.ray_thread is not None:
             self.ray_ready.wait()
-            import ray
+            if self.ray_error is None:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
             self.ray_release.set()
             self.ray_thread.join()
         if self._moto is not None:

@@ -60,8 +60,8 @@ def test_implements_the_protocol(store: StorageClient, store_setup: StoreSetup) 
 def test_round_trip_many_keys(store: StorageClient, store_setup: StoreSetup) -> None:
     keys = _keys(store_setup, store_setup.many)
     pairs = [_value(i, n=1 + (i * 37) % 300) for i in range(len(keys))]
-    pairs[7] = ([b"head", torch.randn(3, 5).numpy().data, b"tail"], b"")  # 2-D float view, 3 segments
-    pairs[7] = (pairs[7][0], b"".join(bytes(memoryview(s).cast("B")) for s in pairs[7][0]))
+    three: Segments = [b"head", torch.randn(3, 5).numpy().data, b"tail"]  # a 2-D float view in the middle
+    pairs[7] = (three, b"".join(memoryview(s).tobytes() for s in three))
     store.put(keys, [segments for segments, _ in pairs])
     got = store.get(keys)
     assert len(got) == len(keys)
