@@ -4,9 +4,11 @@ Each measure runs in its own Python process (``python -m benchmarks.<measure>``)
 system's Ray cluster, storage processes or forkserver never leak into the next measure, and a
 crash in one measure does not stop the others. The per-measure JSON files are then merged into
 ``benchmarks/results/all.json`` (with the date, the machine and the git commit), and one PNG
-chart per measure is drawn next to them with matplotlib.
+chart per measure is drawn next to them with matplotlib. Finally the README's performance section
+(between ``<!-- perf:start -->`` and ``<!-- perf:end -->``) is regenerated from ``all.json`` by
+:mod:`benchmarks.report` (not after a ``--quick`` run; ``--no-readme`` skips it always).
 
-Run: ``python -m benchmarks [--systems reference,tq_redis] [--quick] [--only p2_get_meta,p4_tiny]``
+Run: ``python -m benchmarks [--systems reference,tq_redis] [--quick] [--only p2_get_meta,p4_tiny] [--no-readme]``
 or ``python -m benchmarks --charts-only`` to redraw from the JSON files already there.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,7 +26,7 @@ from typing import Any
 from benchmarks._common import RESULTS_DIR, git_commit, machine_info, versions
 from benchmarks.reference import SYSTEMS
 
-MEASURES: tuple[str, ...] = ("p1_throughput", "p2_get_meta", "p4_tiny", "p3_concurrency")
+MEASURES: tuple[str, ...] = ("p1_throughput", "p2_get_meta", "p4_tiny", "p3_concurrency", "p5_pipeline")
 """Measures run by default, cheapest first."""
 
 COLORS = {"reference": "#8c8c8c", "tq_redis": "#d62728", "memcpy": "#1f77b4"}
@@ -37,6 +40,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory (default %(default)s)")
     parser.add_argument("--charts-only", action="store_true", help="only merge existing JSON and draw charts")
     parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    parser.add_argument("--no-readme", action="store_true", help="do not regenerate the README's performance section")
     parser.add_argument(
         "--timeout-s", type=float, default=1800.0, help="per-measure time limit, s (default %(default)s)"
     )
@@ -61,16 +65,37 @@ def run_measure(measure: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"status": status, "seconds": elapsed}
 
 
-def merge(out_dir: Path, measures: list[str], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Merge ``<measure>.json`` files into ``all.json``; return the merged document."""
+def merge(
+    out_dir: Path,
+    measures: list[str],
+    runs: dict[str, dict[str, Any]],
+    started: str | None = None,
+    loadavg_at_start: list[float] | None = None,
+) -> dict[str, Any]:
+    """Merge ``<measure>.json`` files into ``all.json``; return the merged document.
+
+    ``runs`` holds the measures this invocation ran (status, seconds); ``started`` and
+    ``loadavg_at_start`` describe the run as a whole (``None`` for ``--charts-only``).
+    """
     merged: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": started,
+        "run_wall_s": sum(r["seconds"] for r in runs.values()) if runs else None,
+        "loadavg_at_start": loadavg_at_start,
         "git_commit": git_commit(),
         "machine": machine_info(),
         "versions": versions(),
         "runs": runs,
         "measures": {},
     }
+    previous = out_dir / "all.json"
+    if not runs and previous.exists():  # --charts-only: keep what the last real run recorded
+        try:
+            last = json.loads(previous.read_text())
+        except ValueError:
+            last = {}
+        for key in ("started", "run_wall_s", "loadavg_at_start", "runs"):
+            merged[key] = last.get(key, merged[key])
     for measure in measures:
         path = out_dir / f"{measure}.json"
         if path.exists():
@@ -188,7 +213,45 @@ def chart_p4(doc: dict[str, Any], plt: Any, path: Path) -> None:
     _save(fig, path)
 
 
-CHARTS = {"p1_throughput": chart_p1, "p2_get_meta": chart_p2, "p3_concurrency": chart_p3, "p4_tiny": chart_p4}
+def chart_p5(doc: dict[str, Any], plt: Any, path: Path) -> None:
+    """Bars: pipeline steps/s per system, annotated with wall time and the exactly-once check."""
+    results = doc["results"]
+    systems = _systems_with(results, "steps_per_s")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    values = [results[s]["steps_per_s"] or 0.0 for s in systems]
+    bars = ax.bar(systems, values, color=[COLORS[s] for s in systems])
+    for bar, system in zip(bars, systems):
+        r = results[system]
+        wall = r.get("wall_s")
+        once = "each sample trained once" if r.get("exactly_once") else "NOT exactly once"
+        note = f"{bar.get_height():.2f} steps/s\n{wall:.1f} s, {once}" if wall else "incomplete"
+        ax.annotate(
+            note,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
+    p = doc["params"]
+    ax.set_ylabel("pipeline steps per second (higher is better)")
+    ax.set_title(
+        f"P5 demo pipeline: {p['steps']} steps x {p['batch']} prompts x {p['n_samples']} samples, "
+        f"{p['workers']} rollout workers",
+        fontsize=10,
+    )
+    ax.margins(y=0.2)
+    _save(fig, path)
+
+
+CHARTS = {
+    "p1_throughput": chart_p1,
+    "p2_get_meta": chart_p2,
+    "p3_concurrency": chart_p3,
+    "p4_tiny": chart_p4,
+    "p5_pipeline": chart_p5,
+}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -225,12 +288,27 @@ def main() -> int:
         raise SystemExit(f"unknown measure(s) {unknown}; choose from {list(MEASURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
+    started = None if args.charts_only else time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    loadavg = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     if not args.charts_only:
         for measure in measures:
             runs[measure] = run_measure(measure, args)
-    merged = merge(args.out, list(MEASURES), runs)
+    merged = merge(args.out, list(MEASURES), runs, started, None if args.charts_only else loadavg)
     if not args.no_charts:
         draw_charts(merged, args.out)
+    if args.no_readme:
+        pass
+    elif args.quick:
+        print("--quick: README not regenerated (python -m benchmarks.report does it anyway)", flush=True)
+    elif args.out.resolve() != RESULTS_DIR.resolve():
+        print(f"results in {args.out}: README not regenerated (it links to {RESULTS_DIR})", flush=True)
+    else:
+        from benchmarks import report
+
+        try:
+            report.main([])
+        except Exception as exc:  # noqa: BLE001 - the results are written; say why the README is not
+            print(f"README not regenerated: {type(exc).__name__}: {exc}", flush=True)
     failed = [m for m, r in runs.items() if r["status"] != "ok"]
     if failed:
         print(f"failed measures: {failed}", flush=True)

@@ -1,0 +1,380 @@
+"""Generate the README's performance section from ``benchmarks/results/all.json``.
+
+The section lies between ``<!-- perf:start -->`` and ``<!-- perf:end -->`` in ``README.md``
+(under ``## Benchmarks``; both are added before ``## Differences from the reference system``
+when missing). It states when, where and at which commit the figures were measured, and has one
+table with P1-P5 of ``ARCHITECTURE.md`` ("Performance targets"): our figure, the reference
+system's, how many times better ours is, the target and whether it is met; then links to the
+PNG charts. ``python -m benchmarks`` calls this at the end of a full run.
+
+Run: ``python -m benchmarks.report [--results benchmarks/results/all.json] [--readme README.md]``
+(``--print`` writes the section to stdout and leaves the README alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import REPO_ROOT, RESULTS_DIR
+
+START = "<!-- perf:start -->"
+END = "<!-- perf:end -->"
+HEADING = "## Benchmarks"
+ANCHOR = "## Differences from the reference system (deliberate)"
+CHARTS = ("p1_throughput", "p2_get_meta", "p3_concurrency", "p4_tiny", "p5_pipeline")
+ONE_M = 1_048_576
+
+Row = tuple[str, str, str, str, str, str, bool | None]
+"""(id, measure, tq-redis, reference, tq-redis vs reference, target, met)."""
+
+
+# ----------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------
+def _num(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return f"{value:#.{digits}g}"  # keeps trailing zeros: 2.00, not 2
+
+
+def _times(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 10:
+        return f"{value:.2f}×"
+    return f"{value:.1f}×" if value < 100 else f"{value:,.0f}×"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.0f}%"
+
+
+def _size(n: int) -> str:
+    for div, unit in ((ONE_M, "M"), (1024, "k")):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def _met(flag: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "n/a"}[flag]
+
+
+def _gain(ours: float | None, ref: float | None, higher_better: bool) -> float | None:
+    """How many times better ours is: ours/ref for rates, ref/ours for latencies."""
+    if not ours or not ref:
+        return None
+    return ours / ref if higher_better else ref / ours
+
+
+def _result(merged: dict[str, Any], measure: str, system: str) -> dict[str, Any]:
+    doc = merged.get("measures", {}).get(measure) or {}
+    value = (doc.get("results") or {}).get(system)
+    return value if isinstance(value, dict) else {}
+
+
+def _err(res: dict[str, Any]) -> str | None:
+    if not res:
+        return "not run"
+    if "error" in res:
+        return "error"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# One builder per measure
+# ----------------------------------------------------------------------------------------
+def _rows_p1(merged: dict[str, Any]) -> list[Row]:
+    ours, ref = _result(merged, "p1_throughput", "tq_redis"), _result(merged, "p1_throughput", "reference")
+    memcpy = _result(merged, "p1_throughput", "memcpy").get("gbps")
+    doc = merged.get("measures", {}).get("p1_throughput") or {}
+    mib = (doc.get("params") or {}).get("bytes", 0) / 2**20
+    rows: list[Row] = []
+    for op, label in (("put_gbps", "put"), ("get_data_gbps", "get_data")):
+        o, r = ours.get(op), ref.get(op)
+        gain = _gain(o, r, True)
+        rows.append(
+            (
+                "P1",
+                f"{label} of {mib:.0f} MiB, 2 storage units (GB/s)",
+                _err(ours) or _num(o),
+                _err(ref) or _num(r),
+                _times(gain),
+                "≥ 3× the reference",
+                None if gain is None else gain >= 3,
+            )
+        )
+    fractions = [ours.get("put_fraction_of_memcpy"), ours.get("get_data_fraction_of_memcpy")]
+    ref_fractions = [ref.get("put_fraction_of_memcpy"), ref.get("get_data_fraction_of_memcpy")]
+    known = [f for f in fractions if f is not None]
+    rows.append(
+        (
+            "P1",
+            f"put / get_data as a share of memcpy ({_num(memcpy)} GB/s); same host, shared memory",
+            _err(ours) or " / ".join(_pct(f) for f in fractions),
+            _err(ref) or " / ".join(_pct(f) for f in ref_fractions),
+            "",
+            "≥ 50% of memcpy",
+            None if len(known) < 2 else min(known) >= 0.5,
+        )
+    )
+    return rows
+
+
+def _rows_p2(merged: dict[str, Any]) -> list[Row]:
+    ours, ref = _result(merged, "p2_get_meta", "tq_redis"), _result(merged, "p2_get_meta", "reference")
+
+    def curve(res: dict[str, Any]) -> list[tuple[int, float]]:
+        sizes = res.get("sizes") or {}
+        return sorted((int(k), v["median_ms"]) for k, v in sizes.items() if isinstance(v, dict) and "median_ms" in v)
+
+    oc, rc = curve(ours), curve(ref)
+
+    def show(points: list[tuple[int, float]], res: dict[str, Any]) -> str:
+        if _err(res):
+            return _err(res) or ""
+        if not points:
+            return "n/a"
+        (s0, m0), (s1, m1) = points[0], points[-1]
+        return f"{_num(m0)} → {_num(m1)} ms ({_size(s0)} → {_size(s1)})"
+
+    ours_1m = dict(oc).get(ONE_M)
+    ref_1m = dict(rc).get(ONE_M)
+    met: bool | None = None
+    if ours_1m is not None and oc:
+        # "flat": at 1M no slower than 2x the smallest partition measured
+        met = ours_1m <= 2.0 and ours_1m <= 2 * oc[0][1]
+    elif oc:
+        met = None  # 1M not measured (quick run, or skipped)
+    gain = _gain(ours_1m, ref_1m, False)
+    return [
+        (
+            "P2",
+            "get_meta(1024), median, smallest → largest partition",
+            show(oc, ours),
+            show(rc, ref),
+            f"{_times(gain)} at 1M" if gain else "n/a",
+            "flat (1M ≤ 2× 1k) and ≤ 2 ms at 1M",
+            met,
+        )
+    ]
+
+
+def _rows_p3(merged: dict[str, Any]) -> list[Row]:
+    ours, ref = _result(merged, "p3_concurrency", "tq_redis"), _result(merged, "p3_concurrency", "reference")
+    doc = merged.get("measures", {}).get("p3_concurrency") or {}
+    p = doc.get("params") or {}
+    o, r = ours.get("claims_per_s"), ref.get("claims_per_s")
+    gain = _gain(o, r, True)
+
+    def show(res: dict[str, Any], value: float | None) -> str:
+        if _err(res):
+            return _err(res) or ""
+        wall = res.get("wall_s")
+        return f"{_num(value)}/s ({_num(wall)} s, {res.get('duplicates')} dup)"
+
+    clean = ours.get("duplicates") == 0 and ours.get("complete") is True
+    return [
+        (
+            "P3",
+            f"{p.get('producers', '?')} producer + {p.get('consumers', '?')} consumer processes, "
+            f"{p.get('samples', '?')} samples: claims/s",
+            show(ours, o),
+            show(ref, r),
+            _times(gain),
+            "≥ 5× the reference, 0 duplicates",
+            None if gain is None else (gain >= 5 and clean),
+        )
+    ]
+
+
+def _rows_p4(merged: dict[str, Any]) -> list[Row]:
+    ours, ref = _result(merged, "p4_tiny", "tq_redis"), _result(merged, "p4_tiny", "reference")
+    rows: list[Row] = []
+    for op in ("put", "get_meta", "get_data"):
+        o = (ours.get(op) or {}).get("median_ms")
+        r = (ref.get(op) or {}).get("median_ms")
+        gain = _gain(o, r, False)
+        rows.append(
+            (
+                "P4",
+                f"one tiny sample: {op} (median ms)",
+                _err(ours) or _num(o),
+                _err(ref) or _num(r),
+                _times(gain),
+                "≤ ⅓ of the reference's latency",
+                None if gain is None else gain >= 3,
+            )
+        )
+    return rows
+
+
+def _rows_p5(merged: dict[str, Any]) -> list[Row]:
+    ours, ref = _result(merged, "p5_pipeline", "tq_redis"), _result(merged, "p5_pipeline", "reference")
+    doc = merged.get("measures", {}).get("p5_pipeline") or {}
+    p = doc.get("params") or {}
+    o, r = ours.get("steps_per_s"), ref.get("steps_per_s")
+    gain = _gain(o, r, True)
+
+    def show(res: dict[str, Any], value: float | None) -> str:
+        if _err(res):
+            return _err(res) or ""
+        once = "each sample trained once" if res.get("exactly_once") else "NOT exactly once"
+        return f"{_num(value)} ({_num(res.get('wall_s'))} s, {once})"
+
+    return [
+        (
+            "P5",
+            f"`demo`-shaped pipeline, {p.get('steps', '?')} steps × {p.get('batch', '?')} prompts × "
+            f"{p.get('n_samples', '?')} samples: steps/s",
+            show(ours, o),
+            show(ref, r),
+            _times(gain),
+            "≥ 1.5× the reference",
+            None if gain is None else (gain >= 1.5 and ours.get("exactly_once") is True),
+        )
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# The section
+# ----------------------------------------------------------------------------------------
+def build_section(merged: dict[str, Any], results_link: str = "benchmarks/results") -> str:
+    """The Markdown between the markers (without them)."""
+    machine = merged.get("machine") or {}
+    versions = merged.get("versions") or {}
+    measures = merged.get("measures") or {}
+    runs = merged.get("runs") or {}
+    dates = sorted(d for d in (doc.get("date") for doc in measures.values()) if d)
+    when = merged.get("started") or (dates[0] if dates else merged.get("date", "?"))
+    load = merged.get("loadavg_at_start") or machine.get("loadavg_1_5_15")
+    load_text = " / ".join(f"{x:.1f}" for x in load) if load else "n/a"
+    commit = merged.get("git_commit")
+    wall = merged.get("run_wall_s")
+    rows: list[Row] = []
+    for build in (_rows_p1, _rows_p2, _rows_p3, _rows_p4, _rows_p5):
+        rows.extend(build(merged))
+
+    lines = [
+        "<!-- generated by `python -m benchmarks.report` from benchmarks/results/all.json; edits are overwritten -->",
+        "",
+        f"Both systems measured in the same run of `.venv-bench/bin/python -m benchmarks` "
+        f'(tq-redis against `transferqueue=={versions.get("transferqueue") or "?"}`, "the reference"):',
+        "",
+        f"* **date** {when}" + (f"; the measures took {wall / 60:.1f} min" if wall else ""),
+        f"* **machine** {machine.get('cpu_count', '?')} cores ({machine.get('processor') or '?'}), "
+        f"{machine.get('platform', '?')}, Python {machine.get('python', '?')}; load average "
+        f"{load_text} (1 / 5 / 15 min) at the start; the machine is shared, so figures move with the load",
+        f"* **commit** `{commit[:12]}`" if commit else "* **commit** n/a (no git commit)",
+        f"* **versions** torch {versions.get('torch')}, tensordict {versions.get('tensordict')}, "
+        f"numpy {versions.get('numpy')}, ray {versions.get('ray')}",
+        "",
+        "| # | measure | tq-redis | reference | tq-redis vs reference | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for pid, label, ours, ref, gain, target, met in rows:
+        lines.append(f"| {pid} | {label} | {ours} | {ref} | {gain} | {target} | {_met(met)} |")
+    lines += [
+        "",
+        '"tq-redis vs reference" is how many times better tq-redis is: ours / reference for rates, '
+        "reference / ours for latencies. What each measure does: "
+        "[benchmarks/README.md](benchmarks/README.md).",
+    ]
+    loads = [
+        f"{m.split('_', 1)[0].upper()} {doc['loadavg_at_start'][0]:.1f}"
+        for m, doc in sorted(measures.items())
+        if doc.get("loadavg_at_start")
+    ]
+    if loads:
+        lines += [
+            "",
+            f"Load average (1 min) when each measure started: {', '.join(loads)} "
+            "(a decaying average: it still counts the previous measure's own processes).",
+        ]
+    notes = []
+    quick = [m for m, doc in measures.items() if doc.get("quick")]
+    if quick:
+        notes.append(f"run with `--quick` (smaller sizes): {', '.join(quick)}")
+    missing = [m for m in CHARTS if m not in measures]
+    if missing:
+        notes.append(f"no result: {', '.join(missing)}")
+    if runs:
+        stale = [f"{m} ({measures[m].get('date')})" for m in measures if m not in runs]
+        if stale:
+            notes.append(f"from an earlier run: {', '.join(stale)}")
+        failed = [f"{m} ({r.get('status')})" for m, r in runs.items() if r.get("status") != "ok"]
+        if failed:
+            notes.append(f"failed in this run: {', '.join(failed)}")
+    errors = [
+        f"{m} {system}: {res['error']}"
+        for m, doc in measures.items()
+        for system, res in (doc.get("results") or {}).items()
+        if isinstance(res, dict) and "error" in res
+    ]
+    if errors:
+        notes.append("errors: " + "; ".join(e.replace("|", "\\|") for e in errors))
+    if notes:
+        lines += ["", *(f"> {n}" for n in notes)]
+    charts = [f"[{m.split('_', 1)[0].upper()}]({results_link}/{m}.png)" for m in CHARTS if m in measures]
+    if charts:
+        lines += ["", "Charts: " + " · ".join(charts)]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, section: str) -> bool:
+    """Replace the text between the markers (adding heading and markers when missing).
+
+    Returns:
+        ``True`` if the file changed.
+    """
+    text = readme.read_text()
+    block = f"{START}\n{section}\n{END}"
+    if START in text and END in text:
+        pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+        new = pattern.sub(lambda _: block, text, count=1)
+    else:
+        insert = f"{HEADING}\n\n{block}\n\n"
+        if ANCHOR in text:
+            new = text.replace(ANCHOR, insert + ANCHOR, 1)
+        else:
+            new = text.rstrip("\n") + "\n\n" + insert.rstrip("\n") + "\n"
+    if new == text:
+        return False
+    readme.write_text(new)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Read ``all.json`` and rewrite the README section (or print it)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR / "all.json", help="merged results JSON")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README to rewrite")
+    parser.add_argument("--print", action="store_true", help="print the section; leave the README alone")
+    args = parser.parse_args(argv)
+    if not args.results.exists():
+        print(f"{args.results} not found: run python -m benchmarks first", file=sys.stderr)
+        return 1
+    merged = json.loads(args.results.read_text())
+    try:
+        link = args.results.resolve().parent.relative_to(args.readme.resolve().parent).as_posix()
+    except ValueError:
+        link = args.results.resolve().parent.as_posix()
+    section = build_section(merged, link)
+    if args.print:
+        print(section)
+        return 0
+    changed = update_readme(args.readme, section)
+    print(f"{'rewrote' if changed else 'unchanged:'} {args.readme} ({START} ... {END})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
