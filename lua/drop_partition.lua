@@ -14,7 +14,7 @@ local function drop_partition(KEYS, ARGV)
   local alive = redis.call('GET', prefix .. 'alive')
   local fields = redis.call('HKEYS', prefix .. 'fields')
   local doomed = {KEYS[1], prefix .. 'alive', prefix .. 'fields', prefix .. 'tasks', prefix .. 'tagnames',
-                  prefix .. 'groups', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events'}
+                  prefix .. 'groups', prefix .. 'groupidx', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events'}
   for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do

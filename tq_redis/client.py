@@ -70,11 +70,12 @@ class AsyncTransferQueueClient:
         *,
         timeout: float = 0.0,
         lease_s: float | None = None,
+        max_deliveries: int | None = None,
     ) -> BatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.get_meta`."""
         return await self._driver.run(
             ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
-                         timeout, lease_s)
+                         timeout, lease_s, max_deliveries=max_deliveries)
         )
 
     async def async_put(

@@ -23,6 +23,10 @@ key                                type    holds
 ``ns:{p}:tagnames``                SET     names of per-sample tags in use
 ``ns:{p}:tag:<name>``              HASH    sample id -> JSON value of tag ``name``
 ``ns:{p}:groups``                  HASH    first id of an insert -> group size (GRPO groups)
+``ns:{p}:groupidx``                ZSET    first id of every insert (sorted mirror of groups)
+``ns:{p}:rank:<task>:<dp>:<b>``    STRING  ids RankAwareSampler chose for a DP group's batch (TTL)
+``ns:{p}:bal:<task>:<b>``          STRING  SeqlenBalancedSampler's per-rank parts "ids;ids;..." (TTL)
+``ns:{p}:tmp:*``                   any     scratch keys of a script, deleted before it returns
 ``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
 ``ns:{p}:kvkeys``                  HASH    sample id -> user key (KV API, reverse of ``kv``)
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events

@@ -16,6 +16,7 @@ from tq_redis import metrics
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import TQError
 from tq_redis.keys import config_key
+from tq_redis.samplers import sampler_spec
 from tq_redis.sync import TransferQueueClient
 
 _lock = threading.Lock()
@@ -24,13 +25,6 @@ _state: dict[str, Any] = {}
 
 class NotInitialized(TQError, RuntimeError):
     """A module-level function was called before ``tq_redis.init()``."""
-
-
-def _sampler_name(sampler: Any) -> str:
-    if isinstance(sampler, str):
-        return sampler
-    cls = sampler if isinstance(sampler, type) else type(sampler)
-    return cls.__name__
 
 
 def init(conf: Any = None) -> dict[str, Any]:
@@ -70,7 +64,7 @@ def init(conf: Any = None) -> dict[str, Any]:
                 client.redis.hset(key, "storage", spec)
             else:
                 client.redis.hsetnx(key, "storage", spec)
-            client.redis.hset(key, "sampler", json.dumps(_sampler_name(cfg["sampler"])))
+            client.redis.hset(key, "sampler", json.dumps(sampler_spec(cfg["sampler"])))
             if cfg["metrics"].get("enabled"):
                 metrics.start_exporter(
                     int(cfg["metrics"].get("port") or 0), redis_url=cfg["redis"]["url"], namespace=cfg["namespace"]

@@ -22,7 +22,11 @@ Two ``sampling_config`` keys of ours combine with the built-ins (groups stay who
 ``max_tokens`` (token-budget dynamic batching: as many ready samples, up to ``batch_size``, as
 fit the budget by ``total_lengths`` -- the one case where a batch may be smaller) and
 ``min_policy_version`` (only samples tagged ``policy_version >= v``; with ``drop_stale=True``
-older ones are put aside for the task, in its poison set, so they stop counting).
+older ones are put aside for the task, in its poison set, so they stop counting -- kept ones
+are scanned past by every later claim, so drop them when they will never be wanted). A sample
+lacking the tag a key needs (``total_lengths``, ``policy_version``) is not handed out under it.
+With a lease, ``max_deliveries`` (in ``sampling_config`` or as a ``get_meta`` argument) puts a
+sample delivered that often aside in the same poison set instead of handing it out again.
 
 Any other :class:`BaseSampler` -- a user's subclass or an instance of one -- runs **in the
 client**: it gets the full ready list, chooses, and the client claims the choice with a script

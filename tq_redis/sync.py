@@ -60,6 +60,7 @@ class TransferQueueClient:
         *,
         timeout: float = 0.0,
         lease_s: float | None = None,
+        max_deliveries: int | None = None,
     ) -> BatchMeta:
         """Get the metadata of a batch.
 
@@ -72,7 +73,7 @@ class TransferQueueClient:
         """
         return self._driver.run(
             ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
-                         timeout, lease_s)
+                         timeout, lease_s, max_deliveries=max_deliveries)
         )
 
     def put(

@@ -73,6 +73,7 @@ local function ready_scanner(prefix, task, fields, on_fill)
   local cons_len = redis.call('STRLEN', cons)
   local byte, exhausted = 0, (limit == 0)
   local buf, head, tail = {}, 1, 0
+  local grow = 1 -- windows double while a claim keeps reading (filters may reject many ids)
 
   -- Leapfrog: the first byte >= b where every must-be-set bitmap has a set bit and the
   -- consumed bitmap a clear bit (byte granularity), or nil when there is none.
@@ -105,7 +106,8 @@ local function ready_scanner(prefix, task, fields, on_fill)
         exhausted = true
         return
       end
-      local nbytes = math.max(SCAN_MIN_BYTES, math.min(SCAN_MAX_BYTES, math.ceil(hint / 8) + 1))
+      local nbytes = math.min(SCAN_MAX_BYTES, grow * math.max(SCAN_MIN_BYTES, math.ceil(hint / 8) + 1))
+      grow = grow * 2
       local e = math.min(limit - 1, b + nbytes - 1)
       local strs = {}
       for i = 1, #ones do strs[i] = redis.call('GETRANGE', ones[i], b, e) end

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from tq_redis.backends.base import StorageClient, StoreContext, create_store
 
+from tests.conformance import servers as store_servers
 from tq_redis.embedded import EmbeddedServer, free_port
 
 S3_BUCKET = "tq-conformance"
@@ -160,6 +161,7 @@ class _Session:
             if setup.stop is not None:
                 setup.stop()
         self.setups.clear()
+        store_servers.stop_all()  # Mooncake and Yuanrong servers
         if self.ray_thread is not None:
             self.ray_ready.wait()
             if self.ray_error is None:
@@ -229,6 +231,24 @@ def _fsspec_s3(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
     return StoreSetup("fsspec-s3", "fsspec", options, session.redis_url, namespace, many=40)
 
 
+def _mooncake(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    _need("mooncake", ["mooncake.store"], "mooncake-transfer-engine-non-cuda")
+    try:
+        servers = store_servers.servers("mooncake")  # mooncake_master + a segment holder
+    except Exception as exc:
+        pytest.fail(f"the Mooncake servers did not start: {exc}", pytrace=False)
+    return StoreSetup("mooncake", "mooncake", dict(servers.options), session.redis_url, namespace)
+
+
+def _yuanrong(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
+    _need("yuanrong", ["yr.datasystem"], "openyuanrong-datasystem")
+    try:
+        servers = store_servers.servers("yuanrong")  # one worker with its metastore (dscli start)
+    except Exception as exc:
+        pytest.fail(f"the Yuanrong datasystem worker did not start: {exc}", pytrace=False)
+    return StoreSetup("yuanrong", "yuanrong", dict(servers.options), session.redis_url, namespace)
+
+
 def _ray(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
     _need("ray", ["ray"], "ray")
     session.wait_for_ray()
@@ -253,6 +273,8 @@ SETUPS: dict[str, Callable[[_Session, str, str], StoreSetup]] = {
     "dram": _dram,
     "fsspec-local": _fsspec_local,
     "fsspec-s3": _fsspec_s3,
+    "mooncake": _mooncake,
+    "yuanrong": _yuanrong,
     "ray": _ray,
     "ray-writer": _ray_writer_owned,
 }
@@ -262,6 +284,8 @@ STORE_BACKENDS = {
     "dram": "dram",
     "fsspec-local": "fsspec",
     "fsspec-s3": "fsspec",
+    "mooncake": "mooncake",
+    "yuanrong": "yuanrong",
     "ray": "ray",
     "ray-writer": "ray",
 }
@@ -284,6 +308,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _SESSION.start_moto()
     if any(str(i).startswith("ray") for i in ids):
         _SESSION.start_ray_in_background()
+    for name, module in (("mooncake", "mooncake.store"), ("yuanrong", "yr.datasystem")):
+        if name in ids and importlib.util.find_spec(module.partition(".")[0]) is not None:
+            store_servers.start_in_background(name)
 
 
 def _store_id(item: pytest.Item) -> str | None:
