@@ -85,3 +85,4 @@ def test_waiter_wakes_when_lease_lapses(real_client):
     again = real_client.get_meta(["x"], 2, "p", task_name="t", timeout=5)
     assert again.global_indexes == [0, 1]
     assert time.monotonic() - t0 < 2.0
+
