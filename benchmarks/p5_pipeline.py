@@ -53,6 +53,7 @@ from typing import Any
 
 from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
 from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
+from tq_redis.demo import _Burn, _generator  # the demo's seeded generator and simulated CPU work
 
 MEASURE = "p5_pipeline"
 STAGES: tuple[str, ...] = ("feeder", "rollout", "reward", "ref", "trainer")
@@ -99,35 +100,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Model and simulated work (same shape as tq_redis/demo.py, kept here so P5 does not move
-# when the demo changes)
+# Model and simulated work: the demo's seeded generator and bounded CPU work; a bigram policy
+# with the same shape as the demo's
 # ----------------------------------------------------------------------------------------
-def _generator(*key: int) -> Any:
-    import torch
-
-    seed = 0
-    for part in key:
-        seed = (seed * 1_000_003 + int(part) + 1) % (2**62)
-    return torch.Generator().manual_seed(seed)
-
-
-class _Burn:
-    """Bounded CPU work: ``run(k)`` does ``k`` small matmuls (about one decode step each)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.w = torch.randn(DIM, DIM, generator=_generator(7)) / DIM**0.5
-        self.h = torch.randn(4, DIM, generator=_generator(8))
-
-    def run(self, units: float) -> None:
-        import torch
-
-        h = self.h
-        for _ in range(int(units)):
-            h = torch.tanh(h @ self.w)
-
-
 class _BigramLM:
     """A tiny policy: next-token log-probs from the previous token only."""
 
