@@ -23,12 +23,13 @@ evicts them; a full cluster refuses the write with :class:`~tq_redis.errors.Stor
 
 **Transfers.** A put copies each value's segments once, straight into one staging buffer per
 batch (no per-value ``bytes`` join), registers that buffer with the transfer engine and stores
-every value with one ``batch_upsert_from`` (upsert: overwriting is atomic for readers; Mooncake's
-multi-buffer put cannot overwrite, so it is not used). A get asks the master for every value's size
-(``batch_get_replica_desc``), allocates one buffer, registers it, and reads all values into it with
-one ``batch_get_into``; it returns read-only views of that buffer (no further copy). Mooncake cannot
-store an empty value, so every value is stored with one marker byte after it, which the views
-leave out.
+every value with one ``batch_upsert_from`` (Mooncake's multi-buffer put would avoid that copy, but
+it silently keeps an existing value instead of overwriting it). A get asks the master for every
+value's size (``batch_get_replica_desc``), allocates one buffer, registers it, and reads all values
+into it with one ``batch_get_into``; it returns read-only views of that buffer (no further copy). A
+value being overwritten is unreadable until the write ends: a get waits for it (up to 10 s), so it
+returns the old value or the new one, never a torn one. Mooncake cannot store an empty value, so
+every value is stored with one marker byte after it, which the views leave out.
 
 **Errors.** An unreachable master raises :class:`~tq_redis.errors.StorageUnavailable` naming its
 address (checked with a TCP connect before the library's own minute-long retries); absent keys
@@ -170,6 +171,7 @@ def _as_bytes_view(segment: Buffer) -> memoryview:
 
 _CLIENTS: dict[tuple[Any, ...], Any] = {}  # (pid, cluster configuration) -> Mooncake client
 _CLIENTS_LOCK = threading.Lock()
+_AT_EXIT = False  # close_clients is registered with atexit
 
 
 def close_clients() -> None:
@@ -212,7 +214,7 @@ class MooncakeStore:
 
     def __init__(
         self,
-        master_server_address: str,
+        master_server_address: str = "",
         metadata_server: str = "P2PHANDSHAKE",
         protocol: str = "tcp",
         device_name: str = "",
@@ -259,12 +261,14 @@ class MooncakeStore:
             os.getpid(), self.master, self.metadata_server, self.protocol, self.device_name,
             self.local_hostname, self.global_segment_size, self.local_buffer_size,
         )  # fmt: skip
+        global _AT_EXIT
         with _CLIENTS_LOCK:
             native = _CLIENTS.get(key)
             if native is None:
                 native = _CLIENTS[key] = self._connect()
-                if len(_CLIENTS) == 1:
+                if not _AT_EXIT:
                     atexit.register(close_clients)
+                    _AT_EXIT = True
             return native
 
     def _connect(self) -> Any:

@@ -313,6 +313,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             store_servers.start_in_background(name)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the Mooncake / Yuanrong servers started at collection even if no case ran (e.g. a collection error)."""
+    store_servers.stop_all()
+
+
 def _store_id(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
     return callspec.params.get("store_setup") if callspec is not None else None
@@ -347,6 +352,12 @@ def store(store_setup: StoreSetup) -> Iterator[StorageClient]:
 def redis_url() -> str:
     """The session's Valkey (metadata plane of the end-to-end cases)."""
     return _SESSION.redis_url
+
+
+@pytest.fixture
+def setup_of(conformance_tmp: str) -> Callable[[str], StoreSetup]:
+    """The setup of a store named by id, for store-specific tests."""
+    return lambda store_id: _SESSION.setup(store_id, conformance_tmp)
 
 
 @pytest.fixture

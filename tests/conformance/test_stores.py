@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -310,3 +313,90 @@ def test_ray_values_outlive_their_writer(ray_setup: StoreSetup) -> None:
             store.get(writer_keys)
             time.sleep(0.1)
     assert writer_keys[0] in str(info.value)
+
+
+_WRITER = """
+import json, sys
+from tq_redis.backends.base import StoreContext, create_store
+spec = json.loads(sys.argv[1])
+store = create_store(spec["backend"], spec["options"], StoreContext(spec["url"], spec["namespace"]))
+store.put(spec["keys"], [[v.encode()] for v in spec["values"]])
+store.close()
+"""
+
+
+@pytest.mark.parametrize("store_id", ["mooncake", "yuanrong"])
+def test_values_outlive_their_writer_process(store_id: str, setup_of: Callable[[str], StoreSetup]) -> None:
+    """Another process writes and exits; its values stay in the store's servers for this one to read."""
+    setup = setup_of(store_id)
+    keys = _keys(setup, 3)
+    values = ["a", "bb" * 1000, ""]
+    spec = {"backend": setup.backend, "options": setup.options, "url": setup.url, "namespace": setup.namespace}
+    spec.update(keys=keys, values=values)
+    subprocess.run([sys.executable, "-c", _WRITER, json.dumps(spec)], check=True, timeout=120, capture_output=True)
+    store = setup.create()
+    try:
+        assert [_as_bytes(v) for v in store.get(keys)] == [v.encode() for v in values]
+        store.delete(keys)
+    finally:
+        store.close()
+
+
+def test_mooncake_and_yuanrong_check_their_options() -> None:
+    from tq_redis.backends.base import StoreContext
+    from tq_redis.backends.mooncake import MooncakeStore
+    from tq_redis.backends.yuanrong import YuanrongStore
+
+    ctx = StoreContext("redis://x", "ns")
+    with pytest.raises(ConfigError, match="master_server_address"):
+        MooncakeStore.from_config({}, ctx)
+    with pytest.raises(ConfigError, match="bogus"):
+        MooncakeStore.from_config({"master_server_address": "127.0.0.1:1", "bogus": 1}, ctx)
+    with pytest.raises(ConfigError, match="global_segment_size"):
+        MooncakeStore.from_config({"master_server_address": "127.0.0.1:1", "global_segment_size": "lots"}, ctx)
+    with pytest.raises(ConfigError, match="worker_address"):
+        YuanrongStore.from_config({}, ctx)
+    with pytest.raises(ConfigError, match="bogus"):
+        YuanrongStore.from_config({"worker_address": "127.0.0.1:1", "bogus": 1}, ctx)
+
+
+def test_mooncake_and_yuanrong_name_an_unreachable_server() -> None:
+    from tq_redis.backends.base import StoreContext, create_store
+
+    from tq_redis.embedded import free_port
+    from tq_redis.errors import StorageUnavailable
+
+    ctx = StoreContext("redis://x", "ns")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=f"master at {address}"):
+        create_store("mooncake", {"master_server_address": address}, ctx)
+    with pytest.raises(StorageUnavailable, match=f"worker at {address}"):
+        create_store("yuanrong", {"worker_address": address}, ctx)
+    assert time.monotonic() - started < 5  # told at once, not after the libraries' own retries
+
+
+@pytest.mark.parametrize(("backend", "package"), [("mooncake", "mooncake-transfer-engine"),
+                                                  ("yuanrong", "openyuanrong-datasystem")])  # fmt: skip
+def test_mooncake_and_yuanrong_name_their_package(backend: str, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tq_redis.backends import base
+
+    from tq_redis.errors import BackendNotInstalled
+
+    library = {"mooncake": "mooncake.store", "yuanrong": "yr.datasystem"}[backend]
+    monkeypatch.setitem(sys.modules, library, None)  # import fails as if not installed
+    monkeypatch.delitem(sys.modules, f"tq_redis.backends.{backend}", raising=False)
+    with pytest.raises(BackendNotInstalled, match=package):
+        base.store_class(backend)
+    monkeypatch.undo()  # the working modules are back
+
+
+def test_yuanrong_keys_are_escaped_injectively() -> None:
+    from tq_redis.backends.yuanrong import stored_key
+
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_!@#%^*()+=:;")
+    keys = ["tq:{p0}:d:7:obs", "tq:%7Bp0}:d:7:obs", "a#b", "a%23b", "é/ ~", "x" * 300, "x" * 299]
+    names = [stored_key(k) for k in keys]
+    assert len(set(names)) == len(keys)
+    assert all(set(n) <= allowed and len(n) <= 255 for n in names)
+    assert stored_key("tq:{p0}:d:7:obs") == "tq:%7Bp0%7D:d:7:obs"

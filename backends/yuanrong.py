@@ -1,0 +1,269 @@
+"""The ``yuanrong`` store: values kept in openYuanrong datasystem (``openyuanrong-datasystem``).
+
+A datasystem *worker* runs on every node (``dscli start -w --worker_address HOST:PORT ...``; one
+of them also runs the metastore service, or they share an etcd); clients talk to the worker of
+their own node, which keeps values in shared memory and fetches remote ones from the other
+workers. Options (the ``storage.options`` of the namespace's config)::
+
+    {"worker_address": "127.0.0.1:31501",   # required: this node's worker
+     "connect_timeout_ms": 5000,            # connecting to the worker
+     "req_timeout_ms": 0}                   # per request (0: the same as connect_timeout_ms)
+
+**Transfers.** A put asks the worker for one shared-memory buffer per value (``mcreate``), copies
+each value's segments straight into it (no per-value join, no socket) and publishes the batch
+with one ``mset_buffer``; a reader sees the old value or the new one, never a torn one. A get is
+one ``get_buffers`` call and returns read-only views of the worker's shared memory (no copy); a
+view stays valid after the key is overwritten or deleted.
+
+**Keys.** The datasystem allows only ``[A-Za-z0-9-_!@#%^*()+=:;]`` and 255 characters, so every
+other character (the braces of tq-redis keys, for one) is written as ``%XX`` per UTF-8 byte, ``%``
+and ``#`` included; a key still longer than 255 characters keeps a 180-character prefix and ends
+with ``#`` and its SHA-256 (``#`` occurs in no other stored key). **Values**: the datasystem refuses
+empty values, so every value is stored with one marker byte after it, which the views leave out.
+
+**Errors.** An unreachable worker raises :class:`~tq_redis.errors.StorageUnavailable` naming it;
+a full worker :class:`~tq_redis.errors.StorageFull`; absent keys :class:`~tq_redis.errors.DataMissing`
+naming them; a missing package :class:`~tq_redis.errors.BackendNotInstalled` naming
+``openyuanrong-datasystem``. Thread-safe; a store used after ``fork()`` connects anew in the child.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from tq_redis.backends.base import Buffer, Segments, StoreContext
+
+from tq_redis.errors import (
+    BackendNotInstalled,
+    ConfigError,
+    DataMissing,
+    InvalidArgument,
+    StorageError,
+    StorageFull,
+    StorageUnavailable,
+)
+
+try:
+    from yr.datasystem import KVClient
+except ImportError as _exc:  # pragma: no cover - exercised by the registry test without the package
+    raise BackendNotInstalled(
+        f"the yuanrong store needs the datasystem client ({_exc}); install it with: pip install openyuanrong-datasystem"
+    ) from _exc
+
+__all__ = ["YuanrongStore", "stored_key"]
+
+_MARK = 0xA5  # the byte stored after every value (the datasystem refuses empty values)
+_KEYS_PER_CALL = 1000  # mcreate / mset_buffer take fewer than 2000 keys
+_BYTES_PER_CALL = 256 << 20  # shared memory reserved by one mcreate (or one larger value)
+_MAX_KEY = 255
+_SHOWN = 10  # missing keys named in a DataMissing message
+_UNSAFE = re.compile(r"[^A-Za-z0-9\-_!@^*()+=:;]+")  # the allowed set, less % and # (ours)
+_STATUS = re.compile(r"code: \[([^\]]*)\]")
+_OPTIONS = frozenset({"worker_address", "connect_timeout_ms", "req_timeout_ms"})
+
+
+def _escape_run(match: re.Match[str]) -> str:
+    return "".join(f"%{b:02X}" for b in match.group().encode())
+
+
+def stored_key(key: str) -> str:
+    """The datasystem key ``key`` is stored under (see the module docstring)."""
+    if not key:
+        raise InvalidArgument("an empty string is not a valid storage key")
+    name = _UNSAFE.sub(_escape_run, key)
+    if len(name) > _MAX_KEY:
+        name = f"{name[:180]}#{hashlib.sha256(key.encode()).hexdigest()}"
+    return name
+
+
+def _as_bytes_view(segment: Buffer) -> memoryview:
+    view = memoryview(segment)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    try:
+        return view.cast("B")
+    except TypeError as exc:  # not C-contiguous
+        raise InvalidArgument(f"a value segment must be a contiguous buffer ({exc})") from None
+
+
+def _status(exc: BaseException) -> str:
+    match = _STATUS.search(str(exc))
+    return match.group(1) if match else ""
+
+
+class YuanrongStore:
+    """Stores values in an openYuanrong datasystem worker (see the module docstring).
+
+    Args:
+        worker_address: ``host:port`` of this node's datasystem worker.
+        connect_timeout_ms: how long connecting to the worker may take.
+        req_timeout_ms: how long one request may take (0: ``connect_timeout_ms``).
+    """
+
+    name = "yuanrong"
+
+    def __init__(self, worker_address: str = "", connect_timeout_ms: int = 5000, req_timeout_ms: int = 0) -> None:
+        host, sep, port = str(worker_address or "").rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(
+                "the yuanrong store needs a 'worker_address' option: 'host:port' of this node's datasystem "
+                f"worker (e.g. '127.0.0.1:31501'), not {worker_address!r}"
+            )
+        for name, value in (("connect_timeout_ms", connect_timeout_ms), ("req_timeout_ms", req_timeout_ms)):
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"yuanrong store option {name!r} must be a non-negative integer, not {value!r}")
+        self.address = str(worker_address)
+        self._host, self._port = host.strip("[]"), int(port)
+        self._connect_timeout_ms = connect_timeout_ms
+        self._req_timeout_ms = req_timeout_ms
+        self._closed = False
+        self._pid = os.getpid()
+        self._client = self._connect()
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> YuanrongStore:
+        """Build from the options in the module docstring (the context is not needed)."""
+        unknown = set(options) - _OPTIONS
+        if unknown:
+            raise ConfigError(f"unknown yuanrong store option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        return cls(**options)
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> Any:
+        try:
+            socket.create_connection((self._host, self._port), timeout=self._connect_timeout_ms / 1000 or 5).close()
+        except OSError as exc:
+            raise StorageUnavailable(
+                f"the Yuanrong datasystem worker at {self.address} is unreachable ({exc}); start one with "
+                f"dscli start -w --worker_address {self.address} ..."
+            ) from exc
+        try:
+            client = KVClient(
+                self._host, self._port, connect_timeout_ms=self._connect_timeout_ms, req_timeout_ms=self._req_timeout_ms
+            )
+            client.init()
+        except RuntimeError as exc:
+            raise StorageUnavailable(
+                f"cannot connect to the Yuanrong datasystem worker at {self.address}: {exc}"
+            ) from exc
+        return client
+
+    @property
+    def _kv(self) -> Any:
+        if self._closed:
+            raise StorageError("this yuanrong store is closed")
+        if self._pid != os.getpid():  # a forked child: the parent's connection is not usable here
+            self._client, self._pid = self._connect(), os.getpid()
+        return self._client
+
+    def _failure(self, what: str, exc: BaseException) -> StorageError:
+        status = _status(exc)
+        message = f"yuanrong store (worker {self.address}): cannot {what}: {exc}"
+        if status == "Out of memory":
+            return StorageFull(message + " -- give the worker more memory (--shared_memory_size_mb) or delete data")
+        if status.startswith("RPC") or "unavailable" in status.lower():
+            return StorageUnavailable(message)
+        return StorageError(message)
+
+    # ------------------------------------------------------------------ put
+
+    def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
+        """Store every value (overwriting), copying segments straight into the worker's shared memory."""
+        if len(keys) != len(values):
+            raise InvalidArgument(f"put got {len(keys)} keys but {len(values)} values")
+        if not keys:
+            return
+        last = {stored_key(key): i for i, key in enumerate(keys)}  # a key given twice keeps its last value
+        names = list(last)
+        views = [[_as_bytes_view(s) for s in values[i]] for i in last.values()]
+        sizes = [sum(v.nbytes for v in segs) + 1 for segs in views]
+        kv = self._kv
+        start = 0
+        while start < len(names):
+            end, total = start, 0
+            while end < len(names) and end - start < _KEYS_PER_CALL:
+                if end > start and total + sizes[end] > _BYTES_PER_CALL:
+                    break
+                total += sizes[end]
+                end += 1
+            try:
+                buffers = kv.mcreate(names[start:end], sizes[start:end])
+                for buffer, segs in zip(buffers, views[start:end]):
+                    dst = buffer.MutableData()
+                    offset = 0
+                    for seg in segs:
+                        n = seg.nbytes
+                        dst[offset : offset + n] = seg
+                        offset += n
+                    dst[offset] = _MARK
+                kv.mset_buffer(buffers)
+            except RuntimeError as exc:
+                raise self._failure(f"write {end - start} value(s)", exc) from exc
+            start = end
+
+    # ------------------------------------------------------------------ get
+
+    def get(self, keys: Sequence[str]) -> list[Buffer]:
+        """Views of every value in the worker's shared memory; raise ``DataMissing`` naming absent keys."""
+        if not keys:
+            return []
+        names = [stored_key(k) for k in keys]
+        unique = list(dict.fromkeys(names))
+        kv = self._kv
+        found: dict[str, memoryview] = {}
+        for start in range(0, len(unique), _KEYS_PER_CALL):
+            chunk = unique[start : start + _KEYS_PER_CALL]
+            try:
+                buffers = kv.get_buffers(chunk)
+            except RuntimeError as exc:
+                if _status(exc) == "Key not found":  # raised when none of the keys exists
+                    continue
+                raise self._failure(f"read {len(chunk)} value(s)", exc) from exc
+            for name, buffer in zip(chunk, buffers):
+                if buffer is not None:
+                    view = memoryview(buffer)
+                    if view.nbytes == 0 or view[-1] != _MARK:
+                        raise StorageError(
+                            f"yuanrong store: the value under {name!r} was not written by tq-redis (no end marker)"
+                        )
+                    found[name] = view[:-1]
+        missing = list(dict.fromkeys(k for k, n in zip(keys, names) if n not in found))
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:_SHOWN])
+            more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
+            raise DataMissing(
+                f"{len(missing)} value(s) missing from the yuanrong store (worker {self.address}): {shown}{more}"
+            )
+        return [found[n] for n in names]
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove the values of ``keys``; absent ones are ignored."""
+        if not keys:
+            return
+        unique = list(dict.fromkeys(stored_key(k) for k in keys))
+        kv = self._kv
+        for start in range(0, len(unique), _KEYS_PER_CALL):
+            chunk = unique[start : start + _KEYS_PER_CALL]
+            try:
+                failed = kv.delete(chunk)
+            except RuntimeError as exc:
+                raise self._failure(f"delete {len(chunk)} value(s)", exc) from exc
+            if failed:
+                shown = ", ".join(repr(k) for k in failed[:_SHOWN])
+                raise StorageError(f"yuanrong store (worker {self.address}): could not delete {shown}")
+
+    def close(self) -> None:
+        """Drop the connection to the worker; the values stay in the datasystem."""
+        self._closed = True
+        self._client = None
+
+    def __repr__(self) -> str:
+        return f"YuanrongStore({self.address!r})"
