@@ -23,7 +23,6 @@ from tq_redis.backends.base import StoreContext
 from tq_redis.driver import Cmd, FCall, Offload, Pipe, Wait
 from tq_redis.errors import (
     BatchSizeMismatch,
-    ConfigError,
     DataMissing,
     DataNotReady,
     EmptyBatch,
@@ -757,7 +756,3 @@ def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease
         not_held.extend(int(x) for x in reply[1:])
     return not_held
 
-
-def check_config(ctx: Context) -> None:
-    if not ctx.namespace:
-        raise ConfigError("namespace must be a non-empty string")
