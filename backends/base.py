@@ -52,6 +52,13 @@ class StorageClient(Protocol):
         """Release connections; the store's data is left in place."""
 
 
+def check_options(store: str, options: dict[str, Any], known: set[str] | frozenset[str]) -> None:
+    """Raise ``ConfigError`` naming any option ``store`` does not know, and the ones it does."""
+    unknown = set(options) - set(known)
+    if unknown:
+        raise ConfigError(f"unknown {store} store option(s) {sorted(unknown)}; known: {sorted(known)}")
+
+
 def join_segments(segments: Segments) -> bytes:
     """Concatenate a value's segments into one ``bytes`` (one copy)."""
     if len(segments) == 1 and isinstance(segments[0], bytes):

@@ -42,7 +42,7 @@ from urllib.parse import unquote
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from tq_redis.backends.base import Buffer, Segments, StoreContext, join_segments
+from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options, join_segments
 
 from tq_redis.errors import (
     BackendNotInstalled,
@@ -125,9 +125,7 @@ class FsspecStore:
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> FsspecStore:
         """Build from ``{"url": ..., "storage_options": {...}}`` (the context is not needed)."""
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown fsspec store option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        check_options("fsspec", options, _OPTIONS)
         storage_options = options.get("storage_options") or {}
         if not isinstance(storage_options, dict):
             raise ConfigError("the fsspec store's 'storage_options' must be a mapping")

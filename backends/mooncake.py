@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tq_redis.backends.base import Buffer, Segments, StoreContext
+from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options
 
 from tq_redis.errors import (
     BackendNotInstalled,
@@ -248,9 +248,7 @@ class MooncakeStore:
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> MooncakeStore:
         """Build from the options in the module docstring (the context is not needed)."""
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown mooncake store option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        check_options("mooncake", options, _OPTIONS)
         return cls(**options)
 
     # ------------------------------------------------------------------ connection

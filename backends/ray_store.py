@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from tq_redis.backends.base import Buffer, Segments, StoreContext
+from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options
 
 from tq_redis.errors import ConfigError, DataMissing, InvalidArgument, StorageError, StorageUnavailable
 
@@ -153,9 +153,7 @@ class RayStore:
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> RayStore:
         """Build from ``address``, ``actor_name``, ``ray_namespace`` and ``owner`` options (all optional)."""
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown ray store option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        check_options("ray", options, _OPTIONS)
         return cls(
             ctx.namespace,
             actor_name=options.get("actor_name"),

@@ -36,7 +36,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from tq_redis.backends.base import Buffer, Segments, StoreContext
+from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options
 
 from tq_redis.errors import (
     BackendNotInstalled,
@@ -128,9 +128,7 @@ class YuanrongStore:
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> YuanrongStore:
         """Build from the options in the module docstring (the context is not needed)."""
-        unknown = set(options) - _OPTIONS
-        if unknown:
-            raise ConfigError(f"unknown yuanrong store option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        check_options("yuanrong", options, _OPTIONS)
         return cls(**options)
 
     # ------------------------------------------------------------------ connection
