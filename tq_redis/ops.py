@@ -229,16 +229,16 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         ids = [metadata.global_indexes[i] for i in positions]
         checks.append(Cmd(("EXISTS", pk.meta)))
         checks.append(Cmd(("HMGET", pk.fields, *schemas)))
-        checks.append(Cmd(("BITFIELD", pk.alive, *[x for i in ids for x in ("GET", "u1", i)])))
+        checks.append(FCall("check_visible", (pk.meta,), (id_ranges(ids),)))
     replies = yield Pipe(tuple(checks))
-    for k, (pid, positions) in enumerate(groups.items()):
-        exists, registered, alive = replies[3 * k : 3 * k + 3]
+    for k, pid in enumerate(groups):
+        exists, registered, visible = replies[3 * k : 3 * k + 3]
         if not exists:
             raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
         for name, reg in zip(schemas, registered):
             if reg is not None and _text(reg) != schemas[name]:
                 _raise_conflict(name, reg, schemas[name])
-        gone = [metadata.global_indexes[i] for i, bit in zip(positions, alive) if not bit]
+        gone = [int(i) for i in visible[1:11]]
         if gone:
             raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
     if any(metadata.custom_meta):  # tags first: a consumer may claim the samples once their bits flip
