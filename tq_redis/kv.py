@@ -46,6 +46,8 @@ from tq_redis.errors import (
 )
 from tq_redis.keys import PartitionKeys, check_name, partitions_key
 from tq_redis.metadata import BatchMeta, KVBatchMeta
+from tq_redis.ops import _custom_meta as _tags_by_position
+from tq_redis.ops import _pairs, _text
 
 Op = ops.Op
 DataParser = Callable[[dict[str, Any]], Any]
@@ -67,10 +69,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _key_list(keys: Any, who: str) -> list[str]:
@@ -97,19 +95,6 @@ def _field_list(fields: Any, who: str) -> list[str] | None:
     if not isinstance(fields, Sequence) or isinstance(fields, bytes):
         raise InvalidArgument(f"{who}: select_fields must be a field name or a list of names, got {fields!r}")
     return [check_name("field name", f) for f in fields]
-
-
-def _pairs(flat: list) -> list[tuple[str, Any]]:
-    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
-
-
-def _tags_by_position(flat: list, n: int) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = [{} for _ in range(n)]
-    for name, values in _pairs(flat):
-        for i, raw in enumerate(values):
-            if raw is not None:
-                rows[i][name] = json.loads(raw)
-    return rows
 
 
 def _single_row(fields: Mapping[str, Any] | TensorDictBase) -> TensorDict:
