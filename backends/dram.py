@@ -23,7 +23,7 @@ Design, in short:
   node is SIGKILLed: the kernel frees a slab when the last process mapping it lets go.
 * **Socket path** (other hosts, ``shm=False``, nodes started ``--no-shm``): blocking sockets with
   kernel timeouts, so a batch moves in about one syscall per 1024 values; received values are
-  views of pooled buffers that return to the pool when the caller drops them (warm pages).
+  views of warm buffers from :mod:`tq_redis.buffers`, recycled once the caller drops them.
 * **Threads and processes**: thread-safe (connections are pooled per node, one thread at a time
   each); a store used after ``fork()`` opens its own connections in the child.
 * **Failures** are typed: an unreachable or silent node raises :class:`StorageUnavailable` naming
@@ -59,6 +59,7 @@ import numpy as np
 import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 
+from tq_redis import buffers
 from tq_redis.errors import (
     ConfigError,
     ConnectionFailed,
@@ -283,8 +284,7 @@ def _seed(node_id: str) -> int:
 
 def key_hashes(keys: Sequence[str]) -> np.ndarray:
     """Stable 64-bit hashes of keys (identical in every process, unlike ``hash``)."""
-    crc = zlib.crc32
-    raw = np.fromiter((crc(k.encode()) for k in keys), np.uint64, len(keys))
+    raw = np.fromiter(map(zlib.crc32, map(str.encode, keys)), np.uint64, len(keys))
     return _mix64(raw)
 
 
@@ -397,39 +397,6 @@ class _Unpin:
     def __call__(self) -> None:
         if next(self.count) == self.total:  # next() is atomic: safe from any thread's GC
             self.link.unpins.append(self.pin)
-
-
-class _BufferPool:
-    """Recycles receive buffers of the socket path: warm pages instead of fresh, faulting ones.
-
-    A buffer goes back to the pool when the last view handed out from it is garbage-collected.
-    Only ``append``/``pop`` touch the free lists, which are atomic, so finalisers may run anywhere.
-    """
-
-    MIN = 1 << 20
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.pooled = 0
-        self.free: dict[int, list[np.ndarray]] = {}
-
-    def take(self, n: int) -> np.ndarray:
-        if n < self.MIN or self.limit <= 0:
-            return np.empty(n, dtype=np.uint8)
-        size = 1 << (n - 1).bit_length()
-        try:
-            base = self.free.setdefault(size, []).pop()
-            self.pooled -= size
-        except IndexError:
-            base = np.empty(size, dtype=np.uint8)
-        view = base[:n]
-        weakref.finalize(view, self._give, base)
-        return view
-
-    def _give(self, base: np.ndarray) -> None:
-        if self.pooled + base.nbytes <= self.limit:
-            self.pooled += base.nbytes
-            self.free.setdefault(base.nbytes, []).append(base)
 
 
 class _Conn:
@@ -737,7 +704,6 @@ class DramStore:
         self._fetched = 0.0
         self._stale = True
         self._closed = False
-        self._pool = _BufferPool(256 << 20)
         self._pid = os.getpid()
 
     @classmethod
@@ -788,7 +754,6 @@ class DramStore:
         self._links = {}
         self._ring = None
         self._lock = threading.Lock()
-        self._pool = _BufferPool(self._pool.limit)
         self.client_id = uuid.uuid4().hex
         self._pid = os.getpid()
 
@@ -1053,7 +1018,7 @@ class DramStore:
             if "offs" in meta:
                 self._views(link, conn, meta, pos, out)
                 return
-            mv = memoryview(self._pool.take(plen))
+            mv = memoryview(buffers.take(plen))
             recv_into(conn.sock, mv)
             ends = np.cumsum(np.frombuffer(meta["sizes"], dtype="<i8")).tolist()
             for p, s, e in zip(pos.tolist(), [0, *ends[:-1]], ends):
@@ -1074,21 +1039,22 @@ class DramStore:
         """Values of a shared-memory GET reply: read-only views (or copies) into the mapped slabs."""
         sids = np.frombuffer(meta["slabs"], dtype="<i4")
         offs = np.frombuffer(meta["offs"], dtype="<i8")
-        ends = (offs + np.frombuffer(meta["lens"], dtype="<i8")).tolist()
+        ends = offs + np.frombuffer(meta["lens"], dtype="<i8")
         used = np.unique(sids).tolist()
         pin = meta.get("pin") or 0
         unpin = _Unpin(link, pin, len(used)) if pin else None
-        views: dict[int, memoryview] = {}
+        copy = not self.zero_copy_get
         for sid in used:
             # a fresh array per get: its finaliser fires once the last view of this get is gone
             arr = np.frombuffer(link.slab(conn, sid).readonly(), dtype=np.uint8)
-            views[sid] = memoryview(arr)
             if unpin is not None:
                 weakref.finalize(arr, unpin)
-        copy = not self.zero_copy_get
-        for p, sid, o, e in zip(pos.tolist(), sids.tolist(), offs.tolist(), ends):
-            v = views[sid][o:e]
-            out[p] = bytes(v) if copy else v
+            mine = slice(None) if len(used) == 1 else np.flatnonzero(sids == sid)
+            cut = map(slice, offs[mine].tolist(), ends[mine].tolist())
+            values = map(memoryview(arr).__getitem__, cut)
+            if copy:
+                values = map(bytes, values)
+            deque(map(out.__setitem__, pos[mine].tolist(), values), maxlen=0)
 
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys from their nodes; absent keys are ignored (idempotent)."""

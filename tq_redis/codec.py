@@ -29,10 +29,12 @@ sets, complex and big ints, torch dtypes and sizes. It never pickles unless the 
 from __future__ import annotations
 
 import math
-import mmap
+import operator
 import pickle
 import struct
+from collections import deque
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from tq_redis import buffers
 from tq_redis.errors import (
     BatchSizeMismatch,
     DTypeConflict,
@@ -194,6 +197,10 @@ def _as_bytes_view(value: Any) -> memoryview:
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
+
+
+_FORMAT = operator.attrgetter("format")
+_NDIM = operator.attrgetter("ndim")
 
 
 def _dtype_code(name: str, dtype: torch.dtype) -> int:
@@ -690,9 +697,10 @@ def encode_field(
     """Split one field of a batch into one stored value per sample.
 
     Returns ``(schema, per_sample)`` where ``schema`` is :func:`describe_field`'s dict and
-    ``per_sample[i]`` is a list of segments (a header ``bytes`` and usually a ``memoryview`` of
-    the batch's memory) whose concatenation is sample ``i``'s stored value. The memoryviews
-    borrow the batch's memory: keep the segments (or the source) alive until they are written.
+    ``per_sample[i]`` is a list of segments (a header ``bytes`` and usually a one-dimensional
+    byte ``memoryview`` of the batch's memory, so ``len`` is every segment's size in bytes) whose
+    concatenation is sample ``i``'s stored value. The memoryviews borrow the batch's memory: keep
+    the segments (or the source) alive until they are written.
 
     Raises:
         EmptyBatch: ``batch_size`` is 0.
@@ -827,18 +835,36 @@ def _dense_to_jagged(t: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(t.reshape(n * length, *t.shape[2:]), offsets)
 
 
-# Outputs this large are allocated as populated anonymous mappings: the kernel faults the pages
-# in one pass instead of one trap per 4 KiB page on first write, which dominated large decodes.
-_POPULATE_MIN_BYTES = 1 << 20
-
-
 def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, pre-faulted when large (it owns its mapping; freed with it)."""
+    """An uninitialised CPU tensor; large ones come from the warm buffer cache (see ``buffers``)."""
     nbytes = _prod(shape) * dtype.itemsize
-    if nbytes < _POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_POPULATE"):
+    if nbytes < buffers.MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).reshape(shape)
+    return torch.from_numpy(buffers.take(nbytes)).view(dtype).reshape(shape)
+
+
+def _bytes_views(values: Sequence[Buffer]) -> list[memoryview]:
+    """``values`` as one-dimensional byte memoryviews (a store's views usually already are)."""
+    if set(map(type, values)) == {memoryview} and set(map(_FORMAT, values)) == {"B"} \
+            and set(map(_NDIM, values)) == {1}:
+        return list(values)  # type: ignore[arg-type]
+    return [_as_bytes_view(v) for v in values]
+
+
+def _all_framed(mvs: list[memoryview], prefix: bytes, size: int) -> bool:
+    """Whether every value is ``size`` bytes long and starts with the header ``prefix``."""
+    if set(map(len, mvs)) != {size}:
+        return False
+    heads = map(operator.getitem, mvs, repeat(slice(0, len(prefix))))
+    return all(map(operator.eq, heads, repeat(prefix)))
+
+
+def _copy_rows(dest: memoryview, mvs: list[memoryview], hlen: int, nb: int) -> None:
+    """Copy each value's payload (after its ``hlen``-byte header) into row i of ``dest``; loops in C."""
+    starts = range(0, len(mvs) * nb, nb)
+    rows = map(slice, starts, range(nb, (len(mvs) + 1) * nb, nb))
+    payloads = map(operator.getitem, mvs, repeat(slice(hlen, None)))
+    deque(map(dest.__setitem__, rows, payloads), maxlen=0)
 
 
 def decode_field(
@@ -861,7 +887,7 @@ def decode_field(
     n = len(values)
     if n == 0:
         raise EmptyBatch(f"field {name!r}: no values to decode")
-    mvs = [_as_bytes_view(v) for v in values]
+    mvs = _bytes_views(values)
     h0 = _parse_header(mvs[0], name, 0)
 
     if h0.kind == _K_TENSOR or (h0.kind == _K_NDARRAY and not h0.extra.startswith(b"|O")):
@@ -874,7 +900,7 @@ def decode_field(
         else:
             np_dtype = _np_dtype(h0.extra, name)
             nb = _prod(h0.shape) * np_dtype.itemsize
-        if all(len(mv) == hlen + nb and mv[:hlen] == prefix for mv in mvs):
+        if _all_framed(mvs, prefix, hlen + nb):
             if h0.kind == _K_TENSOR:
                 out: Any = _empty_batch((n, *h0.shape), dtype)
                 dest = _byte_view(out)
@@ -882,8 +908,7 @@ def decode_field(
                 out = np.empty((n, *h0.shape), dtype=np_dtype)
                 dest = _np_byte_view(out)
             if nb:
-                for i, mv in enumerate(mvs):
-                    dest[i * nb:(i + 1) * nb] = mv[hlen:]
+                _copy_rows(dest, mvs, hlen, nb)
             if nested_output and isinstance(out, torch.Tensor) and out.ndim >= 2:
                 return _dense_to_jagged(out)
             return out

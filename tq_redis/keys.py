@@ -42,6 +42,8 @@ key                                type    holds
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tq_redis.errors import InvalidArgument
 
 _FORBIDDEN = set("{}\r\n ")
@@ -144,6 +146,12 @@ class PartitionKeys:
     def data(self, sample_id: int, field: str) -> str:
         """Data-plane key of one (sample, field) value; every store uses this name."""
         return f"{self.prefix}d:{sample_id}:{field}"
+
+    def data_keys(self, sample_ids: Iterable[int], field: str) -> list[str]:
+        """:meth:`data` for many samples of one field (one comprehension: batches are large)."""
+        head = f"{self.prefix}d:"
+        tail = f":{field}"
+        return [f"{head}{i}{tail}" for i in sample_ids]
 
 
 class ChannelKeys:

@@ -596,6 +596,9 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
         yield from _verify_visible(pk, ids, fields)
         if got is None:
             raise DataMissing(f"data of partition {pid!r} is missing from the store although marked produced")
+        if len(groups) == 1:  # one partition: the store's order is already the batch's
+            per_field = got
+            break
         for name in fields:
             column = per_field[name]
             for pos, value in zip(positions, got[name]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 from tq_redis import metrics
@@ -21,6 +22,11 @@ from tq_redis.keys import PartitionKeys
 
 def _nbytes(buffer: Buffer) -> int:
     return buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
+
+
+def _total_bytes(values: Iterable[Segments]) -> int:
+    """Bytes in a batch of encoded values (the codec's segments are ``bytes`` or byte memoryviews)."""
+    return sum(map(len, chain.from_iterable(values)))
 
 
 class KVStorageManager:
@@ -56,24 +62,26 @@ class KVStorageManager:
     @staticmethod
     def keys_for(pk: PartitionKeys, ids: Sequence[int], fields: Iterable[str]) -> list[str]:
         """Data keys of every (sample, field) pair, field-major."""
-        return [pk.data(i, f) for f in fields for i in ids]
+        keys: list[str] = []
+        for f in fields:
+            keys.extend(pk.data_keys(ids, f))
+        return keys
 
     def put(self, pk: PartitionKeys, ids: Sequence[int], encoded: dict[str, list[Segments]]) -> None:
         """Store each field's per-sample values (``encoded[field][j]`` belongs to ``ids[j]``)."""
         started = time.perf_counter()
-        keys: list[str] = []
+        keys = self.keys_for(pk, ids, encoded)
         values: list[Segments] = []
-        for field, per_sample in encoded.items():
-            keys.extend(pk.data(i, field) for i in ids)
+        for per_sample in encoded.values():
             values.extend(per_sample)
         self.store.put(keys, values)
-        self._record("put", started, len(keys), sum(_nbytes(seg) for value in values for seg in value))
+        self._record("put", started, len(keys), _total_bytes(values))
 
     def get(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[Buffer]]:
         """Fetch values of ``fields`` for ``ids``; returns field -> values aligned with ids."""
         started = time.perf_counter()
         raw = self.store.get(self.keys_for(pk, ids, fields))
-        self._record("get", started, len(raw), sum(_nbytes(v) for v in raw))
+        self._record("get", started, len(raw), sum(map(_nbytes, raw)))
         n = len(ids)
         return {f: raw[k * n : (k + 1) * n] for k, f in enumerate(fields)}
 
