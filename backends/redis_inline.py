@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from tq_redis.backends.base import Buffer, Segments, StoreContext, join_segments
 
 from tq_redis.errors import DataMissing, StorageUnavailable
@@ -25,7 +27,13 @@ class RedisInlineStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._redis = redis.Redis.from_url(url)
+        # Reconnect with backoff across a Redis restart, as the metadata plane does (tq_redis.driver):
+        # bytes put next to the metadata must stay reachable whenever the metadata is.
+        self._redis = redis.Redis.from_url(
+            url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> RedisInlineStore:

@@ -89,6 +89,15 @@ def _connection_failed(url: str, exc: BaseException) -> ConnectionFailed:
     )
 
 
+def _as_redis_failure(url: str, effect: Any, exc: BaseException) -> BaseException:
+    """A connection error of a Redis effect as ``ConnectionFailed``; store I/O errors pass unchanged.
+
+    Store errors such as ``StorageUnavailable`` derive from ``ConnectionError`` (an ``OSError``) too;
+    they name the store or node that failed and must not be reported as Redis being unreachable.
+    """
+    return exc if isinstance(effect, Offload) else _connection_failed(url, exc)
+
+
 def _wait_ms(wait: Wait) -> int:
     return max(1, int(wait.timeout_s * 1000))
 
@@ -146,7 +155,7 @@ class SyncDriver:
             try:
                 value, error = self._execute(effect), None
             except _CONNECTION_ERRORS as exc:
-                value, error = None, _connection_failed(self.url, exc)
+                value, error = None, _as_redis_failure(self.url, effect, exc)
             except Exception as exc:  # handed to the operation, which decides
                 value, error = None, exc
 
@@ -231,7 +240,7 @@ class AsyncDriver:
             try:
                 value, error = await self._execute(effect), None
             except _CONNECTION_ERRORS as exc:
-                value, error = None, _connection_failed(self.url, exc)
+                value, error = None, _as_redis_failure(self.url, effect, exc)
             except Exception as exc:
                 value, error = None, exc
 

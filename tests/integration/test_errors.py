@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from tq_redis.backends.dram_server import spawn_node
 
-from tq_redis import TransferQueueClient, errors
+from tests.conftest import make_client
+from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
 from tq_redis.keys import PartitionKeys
 
 
@@ -160,6 +165,26 @@ def test_redis_unreachable_names_the_url():
     with pytest.raises(errors.ConnectionFailed, match=url.split("/0")[0]):
         client.get_meta(["x"], 1, "p", task_name="t")
     assert isinstance(errors.ConnectionFailed("x"), ConnectionError)
+
+
+def test_a_dead_storage_node_is_reported_as_the_node_not_as_redis(valkey, namespace):
+    """Store errors are ``ConnectionError``s too; the drivers must not relabel them "cannot reach Redis"."""
+    node = spawn_node(valkey.url, namespace, capacity="64MiB", node_id="lone")
+    client = make_client(valkey.url, namespace, backend="dram")
+    aclient = AsyncTransferQueueClient(valkey.url, namespace)
+    try:
+        meta = client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id="p")
+        node.stop(sig=signal.SIGKILL)
+        with pytest.raises(errors.StorageUnavailable, match="'lone'"):
+            client.get_data(meta)
+        with pytest.raises(errors.StorageUnavailable, match="'lone'"):
+            client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id="p")
+        with pytest.raises(errors.StorageUnavailable, match="'lone'"):
+            asyncio.run(aclient.async_get_data(meta))
+    finally:
+        client.close()
+        aclient.close()
+        node.stop()
 
 
 def test_errors_are_catchable_as_builtins():

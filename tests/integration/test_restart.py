@@ -50,3 +50,38 @@ def test_metadata_survives_crash_and_client_reconnects(tmp_path, namespace, flav
     finally:
         client.close()
         server.stop(remove_data=False)
+
+
+@pytest.mark.parametrize("flavour", ["valkey", "redis7"])
+def test_bytes_in_redis_stay_reachable_across_a_restart(tmp_path, namespace, flavour):
+    """The ``redis`` store reconnects with backoff too: a read issued while the server is down waits."""
+    binary = None
+    if flavour == "redis7":
+        binary = _redis7_binary()
+        if binary is None:
+            pytest.skip("redis-server not installed")
+    server = EmbeddedServer(data_dir=tmp_path, appendonly=True, appendfsync="always", binary=binary).start()
+    client = make_client(server.url, namespace)
+    try:
+        meta = client.put(TensorDict({"x": torch.arange(8)}, batch_size=[8]), partition_id="p")
+        assert torch.equal(client.get_data(meta)["x"], torch.arange(8))  # the store's connection is pooled
+        server.kill()
+        result: dict = {}
+
+        def read_while_down():
+            try:
+                result["x"] = client.get_data(meta)["x"]
+            except Exception as exc:  # surfaced below
+                result["error"] = exc
+
+        thread = threading.Thread(target=read_while_down)
+        thread.start()
+        restarted = EmbeddedServer(port=server.port, data_dir=tmp_path, appendonly=True, appendfsync="always",
+                                   binary=binary).start()
+        thread.join(30)
+        assert "error" not in result, result.get("error")
+        assert torch.equal(result["x"], torch.arange(8))
+        restarted.stop(remove_data=False)
+    finally:
+        client.close()
+        server.stop(remove_data=False)

@@ -1,0 +1,123 @@
+"""Helpers shared by the soak tests: storage nodes, leak checks, polling with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from tq_redis.backends.dram import DramStore
+from tq_redis.backends.dram_server import NodeProcess, spawn_node
+
+from tq_redis.keys import config_key, storage_nodes_key
+
+#: node options for leak checks: slabs are released as soon as they are empty (no warm cache)
+LEAN_NODE_ARGS = ("--keep-warm", "0", "--slab-size", "4MiB")
+
+
+def poll(condition: Callable[[], bool], timeout: float, poll_s: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.02) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` once ``timeout`` seconds have passed."""
+    if not poll(condition, timeout, poll_s):
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def use_store(url: str, namespace: str, backend: str, options: dict[str, Any] | None = None) -> None:
+    """Record the namespace's store, as ``init`` does, so every attaching process uses it."""
+    spec = {"backend": backend, "options": options or {}}
+    with redis.Redis.from_url(url) as r:
+        r.hset(config_key(namespace), "storage", json.dumps(spec))
+
+
+def spawn_lean_nodes(url: str, namespace: str, n: int, capacity: str) -> list[NodeProcess]:
+    """Start ``n`` storage nodes that keep no empty slabs, so leaked memory shows as slabs/memfds."""
+    nodes: list[NodeProcess] = []
+    try:
+        for _ in range(n):
+            nodes.append(spawn_node(url, namespace, capacity=capacity, extra_args=LEAN_NODE_ARGS))
+    except BaseException:
+        stop_nodes(nodes)
+        raise
+    return nodes
+
+
+def stop_nodes(nodes: Sequence[NodeProcess]) -> None:
+    """Stop node processes cleanly (SIGKILL after a timeout)."""
+    for node in nodes:
+        node.stop()
+
+
+def node_stats(url: str, namespace: str) -> dict[str, dict[str, Any]]:
+    """Per live node of the namespace: used bytes, keys, slabs, pins (asked of the nodes themselves)."""
+    with DramStore(url, namespace, timeout_s=5.0) as store:
+        return store.stats()
+
+
+def await_nodes_empty(url: str, namespace: str, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Wait until every live node of the namespace holds no bytes, keys or pins; returns their stats."""
+    last: dict[str, dict[str, Any]] = {}
+
+    def empty() -> bool:
+        last.update(node_stats(url, namespace))
+        return all(s["used"] == 0 and s["keys"] == 0 and s["pins"] == 0 for s in last.values())
+
+    try:
+        wait_until(empty, timeout, "the storage nodes to hold no bytes, keys or pins")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; they report {last}") from None
+    return dict(last)
+
+
+def memfds(pid: int) -> set[str]:
+    """Names of the slab memfds a storage-node process holds open."""
+    found = set()
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if "tq-dram-slab" in target:
+            found.add(target)
+    return found
+
+
+def shm_entries() -> set[str]:
+    """Entries of /dev/shm that could belong to tq-redis (other programs' entries are ignored)."""
+    return {n for n in os.listdir("/dev/shm") if "tq" in n or "dram" in n}
+
+
+def namespace_keys(url: str, namespace: str) -> set[str]:
+    """Every Redis key of the namespace."""
+    with redis.Redis.from_url(url) as r:
+        return {k.decode() for k in r.scan_iter(match=f"{namespace}:*", count=1000)}
+
+
+def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[str]:
+    """Keys of the namespace that must not outlive a clear of ``partitions``.
+
+    Allowed to remain: the namespace config and the storage-node registry, each partition's id
+    counter (ids are never reused) and its event stream while it still has an expiry (it is kept a
+    minute so that waiting readers see the partition go).
+    """
+    allowed = {config_key(namespace), storage_nodes_key(namespace)}
+    allowed |= {f"{namespace}:{{{p}}}:seq" for p in partitions}
+    events = {f"{namespace}:{{{p}}}:events" for p in partitions}
+    with redis.Redis.from_url(url) as r:
+        return {
+            key
+            for key in namespace_keys(url, namespace) - allowed
+            if not (key in events and r.pttl(key) > 0)
+        }
