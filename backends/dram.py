@@ -1073,15 +1073,17 @@ class DramStore:
                 per_node.setdefault(node, []).extend(keys[i] for i in idx.tolist())
         primary = set(np.unique(rank[:, 0]).tolist())
         links, conns = [], []
+        down: StorageUnavailable | None = None  # an unreachable node that is some key's home
         try:
             for node in per_node:
                 try:
                     conns.append(ring.links[node].acquire())
                     links.append(ring.links[node])
-                except StorageUnavailable:
+                except StorageUnavailable as exc:
+                    # The reachable nodes still get their deletes; a runner-up only holds keys
+                    # placed during a ring change, so missing one is not an error.
                     if node in primary:
-                        raise
-                    # a runner-up only holds keys placed during a ring change: best effort
+                        down = down or exc
             reqs = [
                 (lk, c, OP_DEL, {"keys": per_node[ring.links.index(lk)]}, ()) for lk, c in zip(links, conns)
             ]
@@ -1092,6 +1094,8 @@ class DramStore:
                 )
                 if failed_primary or not isinstance(err, StorageUnavailable):
                     raise err
+            if down is not None:
+                raise down
         finally:
             self._free(links, conns)
 

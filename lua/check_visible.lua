@@ -14,11 +14,7 @@
 ]]
 local function check_visible(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
-  local ranges = {}
-  for a, b in string.gmatch(ARGV[1], '(%d+)%-?(%d*)') do
-    local first = tonumber(a)
-    ranges[#ranges + 1] = {first, b ~= '' and tonumber(b) or first}
-  end
+  local ranges = parse_ranges(ARGV[1])
   local function missing(key)
     local out = {}
     for i = 1, #ranges do

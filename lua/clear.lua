@@ -1,17 +1,20 @@
 --[[
   clear: remove samples from the partition. Their bits go first, so no later claim, status or
-  get_data check sees them; the client then deletes their bytes from the stores. Idempotent.
+  get_data check sees them; the ids move to the partition's trash, the client deletes their bytes
+  from the stores and then empties the trash (trash_done). Idempotent.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<p>}:meta
     ARGV[1..]                    sample ids
   Output:
-    {cleared_ids, fields}        ids that were alive (their data must be deleted) and the
-                                 partition's registered field names; {{}, {}} if it is unknown
+    {cleared_ids, fields, older} ids that were alive (their data must be deleted), the
+                                 partition's registered field names, and how many ids were in
+                                 the trash before (bytes an earlier delete left behind)
 ]]
 local function clear(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}} end
+  local older = redis.call('BITCOUNT', prefix .. 'trash')
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}, older} end
   local ids = {}
   for i = 1, #ARGV do ids[i] = tonumber(ARGV[i]) end
   local bits = get_bits(prefix .. 'alive', ids)
@@ -20,9 +23,11 @@ local function clear(KEYS, ARGV)
     if bits[i] == 1 then alive[#alive + 1] = ids[i] end
   end
   local fields = redis.call('HKEYS', prefix .. 'fields')
-  if #alive == 0 then return {{}, fields} end
+  if #alive == 0 then return {{}, fields, older} end
 
   set_bits(prefix .. 'alive', alive, 0)
+  set_bits(prefix .. 'trash', alive, 1)
+  if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
   for i = 1, #fields do set_bits(prefix .. 'prod:' .. fields[i], alive, 0) end
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do
@@ -42,5 +47,5 @@ local function clear(KEYS, ARGV)
   end
   redis.call('HINCRBY', KEYS[1], 'samples', -#alive)
   emit(prefix, 'cleared', 'count', #alive)
-  return {alive, fields}
+  return {alive, fields, older}
 end

@@ -1,18 +1,25 @@
 --[[
   drop_partition: delete every metadata key of a partition except its id counter (so ids stay
-  unique if the partition id is used again). Idempotent.
+  unique if the partition id is used again) and its trash: the alive samples move to the trash,
+  which the client empties (trash_done) once their bytes are deleted. Idempotent.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<p>}:meta
   Output:
-    {alive_bitmap, fields}       the alive bitmap as it was (the client deletes those samples'
-                                 bytes) and the registered field names; {false, {}} if unknown
+    {alive_bitmap, fields, older}  the alive bitmap as it was (the client deletes those samples'
+                                 bytes), the registered field names ({false, {}} if unknown), and
+                                 how many ids were in the trash before (an earlier delete's leftovers)
 ]]
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}} end
+  local older = redis.call('BITCOUNT', prefix .. 'trash')
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older} end
   local alive = redis.call('GET', prefix .. 'alive')
   local fields = redis.call('HKEYS', prefix .. 'fields')
+  if alive and redis.call('BITCOUNT', prefix .. 'alive') > 0 then
+    redis.call('BITOP', 'OR', prefix .. 'trash', prefix .. 'trash', prefix .. 'alive')
+    if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
+  end
   local doomed = {KEYS[1], prefix .. 'alive', prefix .. 'fields', prefix .. 'tasks', prefix .. 'tagnames',
                   prefix .. 'groups', prefix .. 'groupidx', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events'}
   for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
@@ -30,5 +37,5 @@ local function drop_partition(KEYS, ARGV)
   -- Waiting consumers block on the stream: leave one event so they re-check and see it gone.
   emit(prefix, 'dropped')
   redis.call('PEXPIRE', prefix .. 'events', 60000)
-  return {alive or false, fields}
+  return {alive or false, fields, older}
 end

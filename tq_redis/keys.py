@@ -30,6 +30,8 @@ key                                type    holds
 ``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
 ``ns:{p}:kvkeys``                  HASH    sample id -> user key (KV API, reverse of ``kv``)
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
+``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
+``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
 ``ns:chan:{c}:meta``               HASH    channel ``c``: maxsize, created_ms, ``w:<key>`` summed weights
 ``ns:chan:{c}:seq``                STRING  next data-plane id of a tensor item put in the channel
@@ -124,6 +126,16 @@ class PartitionKeys:
     @property
     def events(self) -> str:
         return self.prefix + "events"
+
+    @property
+    def trash(self) -> str:
+        """Bitmap of samples whose bytes are still to be deleted from the stores."""
+        return self.prefix + "trash"
+
+    @property
+    def trash_fields(self) -> str:
+        """Set of the field names the trashed samples may hold bytes for."""
+        return self.prefix + "trashfields"
 
     def prod(self, field: str) -> str:
         return self.prefix + "prod:" + field

@@ -35,7 +35,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tq_redis import codec, ops
-from tq_redis.driver import Cmd, FCall, Offload, Pipe
+from tq_redis.driver import Cmd, FCall, Pipe
 from tq_redis.errors import (
     BatchSizeMismatch,
     DataNotReady,
@@ -344,7 +344,7 @@ def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -
     if not pairs:
         return
     ids = [i for _, i in pairs]
-    (cleared, fields), _ = yield Pipe(
+    (cleared, fields, _older), _ = yield Pipe(
         (
             FCall("clear", (pk.meta,), tuple(ids)),
             FCall("kv_unmap", (pk.meta,), tuple(x for k, i in pairs for x in (k, i))),
@@ -352,7 +352,7 @@ def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -
     )
     if cleared:
         store = yield from ops.storage(ctx)
-        yield Offload(store.delete, (pk, [int(i) for i in cleared], [_text(f) for f in fields]))
+        yield from ops.delete_bytes(store, pk, [int(i) for i in cleared], [_text(f) for f in fields])
 
 
 # ------------------------------------------------------------------ get, list, clear

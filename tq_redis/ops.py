@@ -191,8 +191,9 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     first = int(reply[1])
     ids = list(range(first, first + n))
     store = yield from storage(ctx)
-    yield Offload(store.put, (pk, ids, values))
     try:
+        # A put that fails may still have written part of the batch (on the nodes that took it).
+        yield Offload(store.put, (pk, ids, values))
         reply, _ = yield Pipe(
             (
                 FCall("insert", (pk.meta,), (first, n, _now_ms(), len(schemas), *flat)),
@@ -202,8 +203,12 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
         _check_not_sealed(reply, partition_id)
         if reply[0] == 0:
             _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
-    except Exception:
-        yield Offload(store.delete, (pk, ids, list(schemas)))  # leave no orphaned bytes
+    except Exception as exc:
+        # Leave no orphaned bytes; if even that fails they wait in the trash for the next clear.
+        try:
+            yield from discard_bytes(store, pk, ids, list(schemas))
+        except Exception as cleanup:
+            exc.add_note(f"its bytes could not be deleted yet ({cleanup}); clearing the partition retries")
         raise
     return BatchMeta.from_columns(
         ids, partition_id, _batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
@@ -664,25 +669,61 @@ def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
 
 
 def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
-    """Remove samples (bits first, then bytes). Idempotent."""
+    """Remove samples (bits first, then bytes). Idempotent.
+
+    If a store is unreachable the bytes stay in the partition's trash (in Redis) and the error is
+    raised; clearing the same samples again, or the partition, deletes them.
+    """
     store = yield from storage(ctx)
     for pid, positions in _group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        cleared, fields = yield FCall("clear", (pk.meta,), tuple(ids))
+        cleared, fields, older = yield FCall("clear", (pk.meta,), tuple(ids))
         if cleared:
-            yield Offload(store.delete, (pk, [int(i) for i in cleared], [_text(f) for f in fields]))
+            yield from delete_bytes(store, pk, [int(i) for i in cleared], [_text(f) for f in fields])
+        elif older:  # a repeated clear: finish what an earlier one could not
+            yield from empty_trash(store, pk)
 
 
 def clear_partition(ctx: Context, partition_id: str) -> Op:
-    """Remove a partition and its data. Idempotent; its sample ids are never reused."""
+    """Remove a partition and its data. Idempotent; its sample ids are never reused.
+
+    Bytes an earlier clear could not delete (a store was unreachable) are deleted too.
+    """
     pk = ctx.keys(partition_id)
     store = yield from storage(ctx)
-    alive_raw, fields = yield FCall("drop_partition", (pk.meta,), ())
+    alive_raw, fields, older = yield FCall("drop_partition", (pk.meta,), ())
     yield Cmd(("ZREM", partitions_key(ctx.namespace), partition_id))
+    if older:
+        yield from empty_trash(store, pk)
+        return
     ids = np.flatnonzero(_unpack_bits(alive_raw)).tolist() if alive_raw else []
     if ids:
-        yield Offload(store.delete, (pk, ids, [_text(f) for f in fields]))
+        yield from delete_bytes(store, pk, ids, [_text(f) for f in fields])
+
+
+def delete_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """Delete the bytes of samples already in the partition's trash, then take them out of it."""
+    yield Offload(store.delete, (pk, ids, fields))
+    yield FCall("trash_done", (pk.meta,), (id_ranges(ids),))
+
+
+def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
+    """Delete every sample's bytes waiting in the partition's trash."""
+    raw, fields = yield Pipe((Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields))))
+    ids = np.flatnonzero(_unpack_bits(raw)).tolist() if raw else []
+    if ids:
+        yield from delete_bytes(store, pk, ids, sorted(_text(f) for f in fields))
+
+
+def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """Delete bytes written for samples that will never become visible (a put that failed).
+
+    They go into the trash first, so if the delete fails too they are retried by a later clear.
+    Raises whatever the trash or the delete raised; callers re-raise their original error instead.
+    """
+    yield FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields))
+    yield from delete_bytes(store, pk, ids, fields)
 
 
 def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = None) -> Op:

@@ -52,9 +52,11 @@ local function get_bits(key, ids)
   return out
 end
 
--- Set the bits [first, first + count) of `key` to 1: whole bytes with SETRANGE, edges bit by bit.
-local function set_bit_range(key, first, count)
+-- Set the bits [first, first + count) of `key` to `value` (default 1): whole bytes with SETRANGE,
+-- edges bit by bit.
+local function set_bit_range(key, first, count, value)
   if count <= 0 then return end
+  value = value or 1
   local last = first + count - 1
   local edge = {}
   local head_end = math.min(last, math.ceil(first / 8) * 8 - 1)
@@ -62,12 +64,24 @@ local function set_bit_range(key, first, count)
   local byte_from = math.ceil(first / 8)
   local byte_to = math.floor((last + 1) / 8) - 1
   if byte_to >= byte_from then
-    redis.call('SETRANGE', key, byte_from, string.rep('\255', byte_to - byte_from + 1))
+    if value == 1 or redis.call('STRLEN', key) > byte_from then  -- zeros past the end are implied
+      redis.call('SETRANGE', key, byte_from, string.rep(value == 1 and '\255' or '\0', byte_to - byte_from + 1))
+    end
     for i = math.max(head_end + 1, (byte_to + 1) * 8), last do edge[#edge + 1] = i end
   else
     for i = head_end + 1, last do edge[#edge + 1] = i end
   end
-  if #edge > 0 then set_bits(key, edge, 1) end
+  if #edge > 0 then set_bits(key, edge, value) end
+end
+
+-- Parse ids written as comma-separated ranges ("0-1023,2048,4000-4010") into {{first, last}...}.
+local function parse_ranges(text)
+  local ranges = {}
+  for a, b in string.gmatch(text, '(%d+)%-?(%d*)') do
+    local first = tonumber(a)
+    ranges[#ranges + 1] = {first, b ~= '' and tonumber(b) or first}
+  end
+  return ranges
 end
 
 -- Offsets of the first `want` set bits of `key` (fewer if the bitmap has fewer).

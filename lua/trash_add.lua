@@ -1,0 +1,22 @@
+--[[
+  trash_add: record samples whose bytes must be deleted from the stores (a put that failed after
+  writing some of them, or a delete that did not finish). The client deletes them and then calls
+  trash_done; whatever is left is retried by the next clear of the partition, so no bytes are lost
+  to a crash or an unreachable storage node.
+
+  Input:
+    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    ARGV[1]  ids as comma-separated ranges, e.g. "0-1023,2048"
+    ARGV[2..]                    field names whose values the ids may have
+  Output:
+    number of ids now in the partition's trash
+]]
+local function trash_add(KEYS, ARGV)
+  local prefix = partition_prefix(KEYS[1])
+  local ranges = parse_ranges(ARGV[1])
+  for i = 1, #ranges do
+    set_bit_range(prefix .. 'trash', ranges[i][1], ranges[i][2] - ranges[i][1] + 1, 1)
+  end
+  if #ARGV > 1 then redis.call('SADD', prefix .. 'trashfields', unpack(ARGV, 2)) end
+  return redis.call('BITCOUNT', prefix .. 'trash')
+end
