@@ -70,14 +70,29 @@ def storage_nodes(r: redis.Redis, ns: str) -> list[dict[str, Any]]:
     return nodes
 
 
+def pending_deletes(r: redis.Redis, ns: str) -> dict[str, int]:
+    """Partition -> samples whose bytes still await deletion (a clear's delete failed or is in flight).
+
+    Found with SCAN, so partitions already dropped from the partition list show up too.
+    """
+    out: dict[str, int] = {}
+    head, tail = f"{ns}:{{", "}:trash"
+    for key in r.scan_iter(match=f"{ns}:{{*}}:trash", count=1000):
+        name = _text(key)
+        if name.startswith(head) and name.endswith(tail):
+            out[name[len(head) : -len(tail)]] = int(r.bitcount(key))
+    return dict(sorted(out.items()))
+
+
 def snapshot(r: redis.Redis, ns: str) -> dict[str, Any]:
-    """The whole namespace: partitions (oldest first) and storage nodes."""
+    """The whole namespace: partitions (oldest first), storage nodes and pending deletes."""
     partitions = [_text(p) for p in r.zrange(partitions_key(ns), 0, -1)]
     return {
         "namespace": ns,
         "time": round(time.time(), 3),
         "partitions": [partition_status(r, ns, p) for p in partitions],
         "storage_nodes": storage_nodes(r, ns),
+        "pending_deletes": pending_deletes(r, ns),
     }
 
 
@@ -110,5 +125,10 @@ def render(snap: dict[str, Any]) -> str:
         lines.append(
             f"  {n['id']} {n.get('address', '?')}: {_size(used)} / {_size(cap)} used"
             + (f", heartbeat {age:.1f}s ago" if age is not None else "")
+        )
+    for partition, count in snap.get("pending_deletes", {}).items():
+        lines.append(
+            f"partition {partition!r}: the bytes of {count} cleared sample(s) are not deleted yet "
+            f"(a store was unreachable); clear_partition({partition!r}) deletes them"
         )
     return "\n".join(lines)

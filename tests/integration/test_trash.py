@@ -128,3 +128,19 @@ def test_a_failed_put_whose_cleanup_fails_too_is_retried_by_the_next_clear(flaky
     client.clear_partition("p")
     assert _data_keys(client, pk) == []
     assert not client.redis.exists(pk.trash, pk.trash_fields)
+
+
+def test_status_shows_bytes_awaiting_deletion(flaky_client):
+    from tq_redis import status
+
+    client, pk = flaky_client
+    client.put(_batch(), partition_id="p")
+    store = _store(client)
+    store.delete = _Flaky(store.delete)
+    with pytest.raises(StorageUnavailable):
+        client.clear_partition("p")
+    snap = status.snapshot(client.redis, pk.ns)
+    assert snap["pending_deletes"] == {"p": 8}
+    assert "the bytes of 8 cleared sample(s) are not deleted yet" in status.render(snap)
+    client.clear_partition("p")
+    assert status.snapshot(client.redis, pk.ns)["pending_deletes"] == {}
