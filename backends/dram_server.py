@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hmac
 import itertools
 import json
@@ -147,10 +148,10 @@ class _Slab:
 class _Extent:
     """A contiguous allocation holding the values of one put batch (or one value)."""
 
-    __slots__ = ("slab", "off", "size", "refs", "pins", "reserved")
+    __slots__ = ("id", "slab", "off", "size", "refs", "pins", "reserved")
 
-    def __init__(self, slab: _Slab, off: int, size: int) -> None:
-        self.slab, self.off, self.size = slab, off, size
+    def __init__(self, eid: int, slab: _Slab, off: int, size: int) -> None:
+        self.id, self.slab, self.off, self.size = eid, slab, off, size
         self.refs = 0  # keys stored in it
         self.pins = 0  # readers that may still see it
         self.reserved = True  # written but not committed
@@ -184,7 +185,11 @@ class StorageNode:
         self.slab_size = _round_up(min(slab_size or auto, self.slab_limit), PAGE)
         self.keep_warm = keep_warm
         self.lock = threading.Lock()
-        self.entries: dict[str, tuple[_Extent, int, int, int]] = {}  # key -> (extent, slab, off, len)
+        # key -> (extent id, slab id, offset, length): ints only, so the garbage collector stops
+        # tracking these tuples and a node holding millions of keys has no long GC pauses.
+        self.entries: dict[str, tuple[int, int, int, int]] = {}
+        self.extents: dict[int, _Extent] = {}
+        self._extent_ids = itertools.count(1)
         self.slabs: dict[int, _Slab] = {}
         self.slab_bytes = 0
         self.used = 0
@@ -200,14 +205,17 @@ class StorageNode:
         for slab in self.slabs.values():
             off = slab.take(size)
             if off is not None:
-                self.used += size
-                return _Extent(slab, off, size)
+                return self._extent(slab, off, size)
         slab = self._new_slab(size)
         if slab is None:
             return None
-        off = slab.take(size)
+        return self._extent(slab, slab.take(size), size)  # type: ignore[arg-type]
+
+    def _extent(self, slab: _Slab, off: int, size: int) -> _Extent:
         self.used += size
-        return _Extent(slab, off, size)  # type: ignore[arg-type]
+        ext = _Extent(next(self._extent_ids), slab, off, size)
+        self.extents[ext.id] = ext
+        return ext
 
     def _new_slab(self, size: int) -> _Slab | None:
         dedicated = size > self.slab_size
@@ -243,6 +251,7 @@ class StorageNode:
         slab = ext.slab
         slab.give(ext.off, ext.size)
         self.used -= ext.size
+        del self.extents[ext.id]
         if slab.used == 0 and slab.id in self.slabs:
             warm = sum(s.size for s in self.slabs.values() if s.used == 0 and not s.dedicated)
             if slab.dedicated or warm > self.keep_warm:
@@ -288,7 +297,7 @@ class StorageNode:
             txn.items.extend(
                 zip(
                     keys[start : start + count],
-                    zip(repeat(ext), repeat(ext.slab.id), (offs + ext.off).tolist(),
+                    zip(repeat(ext.id), repeat(ext.slab.id), (offs + ext.off).tolist(),
                         sizes[start : start + count].tolist()),
                 )
             )  # fmt: skip
@@ -296,7 +305,7 @@ class StorageNode:
 
     def value_views(self, txn: _Txn) -> list[memoryview]:
         """Writable views of every reserved value, in key order."""
-        return [ent[0].slab.view[ent[2] : ent[2] + ent[3]] for _k, ent in txn.items]
+        return [self.slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for _k, ent in txn.items]
 
     def commit(self, txn: _Txn) -> None:
         with self.lock:
@@ -305,7 +314,7 @@ class StorageNode:
                 ext.refs += count
             entries = self.entries
             for k in entries.keys() & set(txn.keys):  # overwrites release the old values
-                old = entries[k][0]
+                old = self.extents[entries[k][0]]
                 old.refs -= 1
                 self._release(old)
             entries.update(txn.items)
@@ -326,7 +335,7 @@ class StorageNode:
             ents = list(map(self.entries.get, keys))
             missing = [i for i, e in enumerate(ents) if e is None] if None in ents else []
             present = [e for e in ents if e is not None] if missing else ents
-            exts = list({e[0] for e in present})
+            exts = [self.extents[i] for i in {e[0] for e in present}]
             for x in exts:
                 x.pins += 1
             pin = 0
@@ -362,8 +371,9 @@ class StorageNode:
                 ent = pop(k, None)
                 if ent is not None:
                     n += 1
-                    ent[0].refs -= 1
-                    self._release(ent[0])
+                    ext = self.extents[ent[0]]
+                    ext.refs -= 1
+                    self._release(ext)
         return n
 
     def client_connected(self, client: str) -> None:
@@ -410,6 +420,7 @@ class StorageNode:
             for slab in list(self.slabs.values()):
                 self._drop_slab(slab)
             self.entries.clear()
+            self.extents.clear()
 
 
 class _Session:
@@ -586,7 +597,8 @@ class _Session:
                 node.unpin_extents(exts)
             return self._reply_with_slabs(reply, list(dict.fromkeys(sids)))
         try:
-            views = [ent[0].slab.view[ent[2] : ent[2] + ent[3]] for ent in present]
+            slabs = node.slabs  # the extents are pinned: their slabs stay
+            views = [slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for ent in present]
             reply = {"sizes": np.array(lens, dtype="<i8").tobytes(), "missing": missing}
             send_frame(self.sock, ST_OK, reply, views, int(sum(lens)))
         finally:
@@ -769,6 +781,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Everything allocated so far (modules, the server) lives as long as the process: keep it out of
+    # the garbage collector's full passes, which otherwise stall requests for tens of milliseconds.
+    gc.collect()
+    gc.freeze()
     threading.Thread(target=server.heartbeat_loop, name="dram-heartbeat", daemon=True).start()
     threading.Thread(target=server.accept_loop, name="dram-accept", daemon=True).start()
     if args.parent_fd is not None:

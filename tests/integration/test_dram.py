@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -511,6 +512,19 @@ def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
     assert redis.Redis.from_url(dram_redis).hlen(storage_nodes_key("dram-orphan")) == 0
 
 
+def test_the_key_index_is_invisible_to_the_garbage_collector():
+    """A node's per-key entries hold only ints, so full GC passes do not grow with the key count."""
+    node = StorageNode("gc", 64 << 20)
+    keys = [f"k{i}" for i in range(5000)]
+    txn = node.reserve(keys, np.full(len(keys), 100, dtype=np.int64))
+    node.commit(txn)
+    gc.collect()
+    assert len(node.entries) == 5000
+    assert not any(map(gc.is_tracked, node.entries.values()))
+    node.delete(keys)
+    assert node.used == 0 and not node.extents
+
+
 def test_allocator_falls_back_per_value_and_returns_every_byte():
     """In-process: fragmentation, the per-value fallback, coalescing and slab release."""
     node = StorageNode("alloc", 4 << 20, slab_size=1 << 20, keep_warm=0)
@@ -533,9 +547,9 @@ def test_allocator_falls_back_per_value_and_returns_every_byte():
     assert err.value.code == ST_FULL and "--capacity" in str(err.value)
     present, missing, _pin, exts = node.lookup(["f2", "b3", "nope"], None)
     assert missing == [2]
-    for (ext, _sid, off, ln), key in zip(present, ["f2", "b3"]):
-        assert bytes(ext.slab.view[off : off + 8]) == (key.encode() * 8)[:8] and ln in (500 << 10, 512 << 10)
+    for (_eid, sid, off, ln), key in zip(present, ["f2", "b3"]):
+        assert bytes(node.slabs[sid].view[off : off + 8]) == (key.encode() * 8)[:8] and ln in (500 << 10, 512 << 10)
     node.unpin_extents(exts)
     node.delete([f"b{b}" for b in range(8)] + [f"f{i}" for i in range(4)])
-    assert node.used == 0 and node.stats()["slabs"] == 0 and node.slab_bytes == 0
+    assert node.used == 0 and node.stats()["slabs"] == 0 and node.slab_bytes == 0 and not node.extents
     node.close()
