@@ -307,15 +307,59 @@ _NBYTES = operator.attrgetter("nbytes")
 _CONTIGUOUS = operator.attrgetter("c_contiguous")
 
 
+_FORMAT = operator.attrgetter("format")
+_NDIM = operator.attrgetter("ndim")
+
+
+def _plain_sizes(segments: list) -> np.ndarray | None:
+    """Sizes of segments that are all ``bytes`` or contiguous one-dimensional byte memoryviews.
+
+    That is what the codec produces; anything else returns None (normalise it first).
+    """
+    kinds = set(map(type, segments))
+    if not kinds <= {bytes, memoryview}:
+        return None
+    if kinds == {memoryview}:
+        views = segments
+    elif set(map(type, segments[1::2])) == {memoryview} and set(map(type, segments[::2])) == {bytes}:
+        views = segments[1::2]  # the codec's usual [header, payload] pairs
+    else:
+        views = [x for x in segments if type(x) is memoryview]
+    if views and (
+        set(map(_FORMAT, views)) != {"B"} or set(map(_NDIM, views)) != {1} or not all(map(_CONTIGUOUS, views))
+    ):
+        return None
+    return np.fromiter(map(len, segments), np.int64, len(segments))
+
+
 class _Values:
     """A put batch's values as one flat list of byte segments plus numpy bookkeeping."""
 
     __slots__ = ("flat", "seg_len", "first", "nseg", "sizes", "seg_off")
 
     def __init__(self, values: Sequence[Segments]) -> None:
-        vals = [(v,) if isinstance(v, (bytes, bytearray, memoryview)) else v for v in values]
-        # per-segment work stays in C (map/fromiter): this runs for every segment of every put
-        flat = list(map(memoryview, itertools.chain.from_iterable(vals)))
+        # per-segment work stays in C (map/fromiter/set): this runs for every segment of every put
+        if set(map(type, values)) <= {list, tuple}:
+            vals = values
+        else:
+            vals = [(v,) if isinstance(v, (bytes, bytearray, memoryview)) else v for v in values]
+        flat = list(itertools.chain.from_iterable(vals))
+        nbytes = _plain_sizes(flat)
+        if nbytes is None:
+            flat, nbytes = self._normalised(flat)
+        self.flat: list[Buffer] = flat
+        self.seg_len = nbytes
+        self.nseg = np.fromiter(map(len, vals), np.int64, len(vals))
+        ends = np.cumsum(self.nseg)
+        self.first = ends - self.nseg
+        cum = np.concatenate(([0], np.cumsum(nbytes)))
+        self.sizes = cum[ends] - cum[self.first]
+        self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
+
+    @staticmethod
+    def _normalised(segments: list) -> tuple[list[Buffer], np.ndarray]:
+        """Any buffers as contiguous byte views, and their sizes (raises if one is not contiguous)."""
+        flat = list(map(memoryview, segments))
         nbytes = np.fromiter(map(_NBYTES, flat), np.int64, len(flat))
         try:
             lens = np.fromiter(map(len, flat), np.int64, len(flat))
@@ -327,14 +371,7 @@ class _Values:
             raise InvalidArgument(
                 "a value segment is not C-contiguous; pass contiguous buffers (e.g. tensor.contiguous())"
             )
-        self.flat: list[Buffer] = flat
-        self.seg_len = nbytes
-        self.nseg = np.fromiter(map(len, vals), np.int64, len(vals))
-        ends = np.cumsum(self.nseg)
-        self.first = ends - self.nseg
-        cum = np.concatenate(([0], np.cumsum(nbytes)))
-        self.sizes = cum[ends] - cum[self.first]
-        self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
+        return flat, nbytes
 
     def segments_of(self, vidx: np.ndarray) -> np.ndarray:
         """Indexes (into ``flat``) of the segments of values ``vidx``, in that order."""
