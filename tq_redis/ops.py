@@ -205,10 +205,9 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
             _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
     except Exception as exc:
         # Leave no orphaned bytes; if even that fails they wait in the trash for the next clear.
-        try:
-            yield from discard_bytes(store, pk, ids, list(schemas))
-        except Exception as cleanup:
-            exc.add_note(f"its bytes could not be deleted yet ({cleanup}); clearing the partition retries")
+        note = yield from discard_bytes(store, pk, ids, list(schemas))
+        if note:
+            exc.add_note(note)
         raise
     return BatchMeta.from_columns(
         ids, partition_id, _batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
@@ -719,11 +718,22 @@ def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
 def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
     """Delete bytes written for samples that will never become visible (a put that failed).
 
-    They go into the trash first, so if the delete fails too they are retried by a later clear.
-    Raises whatever the trash or the delete raised; callers re-raise their original error instead.
+    They go into the trash first, so if the delete fails they are retried by a later clear. Runs
+    while the caller handles the put's error, which is the one to raise: returns None when the
+    bytes are gone, else a note for that error saying what is left and why.
     """
-    yield FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields))
-    yield from delete_bytes(store, pk, ids, fields)
+    try:
+        yield FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields))
+    except Exception as exc:
+        return f"the bytes this put wrote may remain in the store: they could not be recorded for deletion ({exc})"
+    try:
+        yield from delete_bytes(store, pk, ids, fields)
+    except Exception as exc:
+        return (
+            f"the bytes this put wrote are not deleted yet ({exc}); the next clear of partition "
+            f"{pk.partition!r} deletes them"
+        )
+    return None
 
 
 def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = None) -> Op:

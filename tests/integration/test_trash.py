@@ -121,7 +121,7 @@ def test_a_failed_put_whose_cleanup_fails_too_is_retried_by_the_next_clear(flaky
     store.delete = _Flaky(store.delete)
     with pytest.raises(StorageUnavailable) as info:
         client.put(_batch(), partition_id="p")
-    assert any("clearing the partition retries" in note for note in getattr(info.value, "__notes__", []))
+    assert any("the next clear of partition 'p' deletes them" in note for note in getattr(info.value, "__notes__", []))
     assert _trash(client, pk) == (8, {"x", "y"})
     assert len(_data_keys(client, pk)) == 4 + 16
 
