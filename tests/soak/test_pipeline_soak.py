@@ -19,12 +19,11 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
-from tests.procs import mp_context
+from tests.procs import memfds, mp_context, shm_entries
 from tests.soak.helpers import (
     await_nodes_empty,
+    kill_all,
     leftover_keys,
-    memfds,
-    shm_entries,
     spawn_lean_nodes,
     stop_nodes,
     wait_until,
@@ -195,10 +194,7 @@ def test_pipeline_over_dram_nodes_delivers_each_sample_once_and_clears_to_zero(r
         assert [int(s) for s in seqs] == [PER_PARTITION] * PARTITIONS  # ids stay reserved
         client.close()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_all(procs)
         stop_nodes(nodes)
     assert [n.proc.returncode for n in nodes] == [0, 0, 0]  # a clean exit on SIGTERM
     assert shm_entries() - shm_before == set()

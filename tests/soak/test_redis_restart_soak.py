@@ -12,19 +12,16 @@ mode is at most once), so at most one batch per consumer and restart may go unde
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from tests.conftest import _redis7_binary, make_client
+from tests.conftest import aof_server, make_client
 from tests.procs import mp_context
-from tests.soak.helpers import wait_until
-from tq_redis.embedded import EmbeddedServer
+from tests.soak.helpers import kill_all, wait_until
 
 pytestmark = pytest.mark.soak
 
@@ -80,21 +77,9 @@ def _consumer(url: str, ns: str, producers_done, out) -> None:
     client.close()
 
 
-def _server(flavour: str, data_dir: Path, port: int | None = None) -> EmbeddedServer:
-    """A server with AOF fsynced on every write, in ``data_dir`` (restarts reuse it and ``port``)."""
-    binary = None
-    if flavour == "redis7":
-        binary = _redis7_binary()
-        if binary is None:
-            if os.environ.get("TQ_REQUIRE_REDIS7") == "1":
-                pytest.fail("redis-server (Debian Redis 7.0) is required here but not installed")
-            pytest.skip("redis-server not installed (apt-get install redis-server); CI runs these cases")
-    return EmbeddedServer(port=port, data_dir=data_dir, appendonly=True, appendfsync="always", binary=binary).start()
-
-
 @pytest.mark.parametrize("flavour", ["valkey", "redis7"])
 def test_clients_ride_through_repeated_redis_crashes_without_losing_or_repeating(flavour, namespace, tmp_path):
-    server = _server(flavour, tmp_path)
+    server = aof_server(flavour, tmp_path)
     ctx = mp_context()
     procs: list[Any] = []
     try:
@@ -118,7 +103,7 @@ def test_clients_ride_through_repeated_redis_crashes_without_losing_or_repeating
             target = (i + 1) * TOTAL // (RESTARTS + 1)
             wait_until(lambda t=target: progressed(t), TIMEOUT_S, f"{target} samples put before crash {i}")
             server.kill()
-            server = _server(flavour, tmp_path, port=server.port)
+            server = aof_server(flavour, tmp_path, port=server.port)
         for p in producers:
             p.join(TIMEOUT_S)
             assert p.exitcode == 0
@@ -147,8 +132,5 @@ def test_clients_ride_through_repeated_redis_crashes_without_losing_or_repeating
         assert len(undelivered) <= RESTARTS * CONSUMERS * CLAIM_BATCH, f"{len(undelivered)} samples never delivered"
         client.close()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        kill_all(procs)
         server.stop(remove_data=False)

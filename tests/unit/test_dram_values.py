@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tq_redis.backends.dram import _Values
+
 from tq_redis.errors import InvalidArgument
 
 
