@@ -12,8 +12,9 @@ faults), the way PyTorch's CUDA caching allocator recycles device memory.
   faults 2 MiB at a time where the kernel allows it.
 * Idle bytes are bounded (``TQ_BUFFER_CACHE``, default 1 GiB; ``0`` turns caching off).
   :func:`trim` releases every idle buffer now.
-* Only ``list.append``/``list.pop`` touch the free lists (atomic in CPython), so a buffer may be
-  returned from any thread or from inside the garbage collector without a lock.
+* A buffer is returned by a finaliser, which may run in any thread or inside the garbage
+  collector: it only appends to an existing free list, under a re-entrant lock of its own, so
+  it can never deadlock with, or resize the table under, a ``take`` in progress.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -70,8 +72,19 @@ class BufferCache:
 
     def __init__(self, limit: int) -> None:
         self.limit = int(limit)
-        self.idle = 0  # approximate under concurrency; only bounds how much is kept
+        # One free list per size class. Classes are only added by take() under the lock; the
+        # finaliser that returns a buffer only appends to an existing list, so it never changes
+        # the dict while another thread (or the collector, mid-take) iterates over the classes.
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._sizes: tuple[int, ...] = ()  # the classes, sorted; replaced whole, read lock-free
+        self._lock = threading.Lock()
+        # Re-entrant: the collector may run another buffer's finaliser inside this one.
+        self._give_lock = threading.RLock()
+
+    @property
+    def idle(self) -> int:
+        """Bytes of the buffers waiting in the cache (each free list holds one size class)."""
+        return sum(size * len(self._free[size]) for size in self._sizes)
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable, uninitialised, page-aligned ``uint8`` array of ``nbytes`` bytes.
@@ -85,17 +98,22 @@ class BufferCache:
         region = self._reuse(size) if self.limit > 0 else None
         if region is None:
             region = _fresh(size)
+            with self._lock:
+                if size not in self._free:
+                    self._free[size] = []
+                    self._sizes = tuple(sorted((*self._sizes, size)))
         arr = np.frombuffer(region, dtype=np.uint8, count=nbytes)
         weakref.finalize(arr, self._give, region)
         return arr
 
     def _reuse(self, size: int) -> mmap.mmap | None:
-        for have in sorted(s for s, lst in self._free.items() if lst and size <= s <= size * SLACK):
+        for have in self._sizes:
+            if have < size or have > size * SLACK:
+                continue
             try:
                 region = self._free[have].pop()
-            except IndexError:  # taken by another thread meanwhile
+            except IndexError:  # none idle (or taken by another thread meanwhile)
                 continue
-            self.idle -= len(region)
             return region
         return None
 
@@ -103,20 +121,20 @@ class BufferCache:
         size = len(region)
         # Runs while the dying array still exports the region: it cannot be closed here. A
         # region not kept is unmapped when this last reference to it goes.
-        if self.idle + size <= self.limit:
-            self.idle += size
-            self._free.setdefault(size, []).append(region)
+        with self._give_lock:  # check and append as one step, or two returns could pass the limit
+            if self.idle + size <= self.limit:
+                self._free[size].append(region)
 
     def trim(self) -> int:
         """Release every idle buffer to the operating system; returns the bytes released."""
         released = 0
-        for lst in list(self._free.values()):
+        for size in self._sizes:
+            lst = self._free[size]
             while True:
                 try:
                     region = lst.pop()
                 except IndexError:
                     break
-                self.idle -= len(region)
                 released += len(region)
                 with contextlib.suppress(BufferError):  # its last array is still being freed
                     region.close()

@@ -124,3 +124,32 @@ def test_process_wide_cache_helpers() -> None:
     a = buffers.take(BIG)
     del a
     assert buffers.trim() >= BIG
+
+
+def test_threads_never_share_a_live_buffer() -> None:
+    """Many threads take, fill, check and drop buffers of a few sizes: no buffer is handed to two
+    owners at once (each sees only its own pattern) and returning buffers from finalisers while
+    other threads take never breaks the cache."""
+    import threading
+
+    cache = BufferCache(64 * MIN_BYTES)
+    errors: list[str] = []
+
+    def worker(tag: int) -> None:
+        for round_ in range(60):
+            size = (1 + (tag + round_) % 3) * MIN_BYTES + 7
+            a = cache.take(size)
+            a[:] = tag
+            b = cache.take(size)  # a second live buffer must be a different one
+            b[:] = 255 - tag
+            if _addr(a) == _addr(b) or a.min() != tag or a.max() != tag:
+                errors.append(f"thread {tag} round {round_}: buffer shared or overwritten")
+            del a, b
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert 0 < cache.idle <= 64 * MIN_BYTES
