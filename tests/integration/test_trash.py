@@ -46,6 +46,12 @@ def _data_keys(client, pk: PartitionKeys) -> list[bytes]:
     return sorted(client.redis.scan_iter(match=f"{pk.prefix}d:*", count=1000))
 
 
+def _assert_all_deleted(client, pk: PartitionKeys) -> None:
+    """No bytes left in the store and no trash keys left in Redis."""
+    assert _data_keys(client, pk) == []
+    assert not client.redis.exists(pk.trash, pk.trash_fields)
+
+
 def _trash(client, pk: PartitionKeys) -> tuple[int, set[str]]:
     count = client.redis.bitcount(pk.trash)
     fields = {f.decode() for f in client.redis.smembers(pk.trash_fields)}
@@ -64,16 +70,14 @@ def test_a_normal_clear_leaves_no_trash(flaky_client):
     meta = client.put(_batch(), partition_id="p")
     client.clear_samples(meta.select_samples([0, 1, 2]))
     client.clear_partition("p")
-    assert _data_keys(client, pk) == []
-    assert not client.redis.exists(pk.trash, pk.trash_fields)
+    _assert_all_deleted(client, pk)
 
 
 def test_clear_partition_retries_a_delete_that_failed(flaky_client):
     client, pk = flaky_client
     client.put(_batch(), partition_id="p")
     store = _store(client)
-    real_delete = store.delete
-    store.delete = _Flaky(real_delete)
+    store.delete = _Flaky(store.delete)
     with pytest.raises(StorageUnavailable, match="flaky"):
         client.clear_partition("p")
     assert "p" not in client.get_partition_list()  # the metadata is gone at once
@@ -81,8 +85,7 @@ def test_clear_partition_retries_a_delete_that_failed(flaky_client):
     assert _trash(client, pk) == (8, {"x", "y"})  # ...and they are remembered
 
     client.clear_partition("p")  # the store is back: this clear finishes the job
-    assert _data_keys(client, pk) == []
-    assert not client.redis.exists(pk.trash, pk.trash_fields)
+    _assert_all_deleted(client, pk)
 
 
 def test_repeating_clear_samples_retries_a_delete_that_failed(flaky_client):
@@ -109,8 +112,7 @@ def test_a_put_that_fails_after_writing_deletes_what_it_wrote(flaky_client):
     store.put = _Flaky(store.put, after=True)  # bytes land, then the put reports a failure
     with pytest.raises(StorageUnavailable):
         client.put(_batch(), partition_id="p")
-    assert _data_keys(client, pk) == []
-    assert not client.redis.exists(pk.trash, pk.trash_fields)
+    _assert_all_deleted(client, pk)
 
 
 def test_a_failed_put_whose_cleanup_fails_too_is_retried_by_the_next_clear(flaky_client):
@@ -126,8 +128,7 @@ def test_a_failed_put_whose_cleanup_fails_too_is_retried_by_the_next_clear(flaky
     assert len(_data_keys(client, pk)) == 4 + 16
 
     client.clear_partition("p")
-    assert _data_keys(client, pk) == []
-    assert not client.redis.exists(pk.trash, pk.trash_fields)
+    _assert_all_deleted(client, pk)
 
 
 def test_status_shows_bytes_awaiting_deletion(flaky_client):
