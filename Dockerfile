@@ -7,12 +7,16 @@ WORKDIR /app
 # CPU torch first (the default index would pull a multi-GB CUDA build); swap the index for GPU images.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY tq_redis ./tq_redis
 COPY lua ./lua
 COPY backends ./backends
 COPY examples ./examples
-RUN pip install .
+# gcc only for the build: it compiles tq_redis._copy, the native batch copies of the data plane
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install . \
+    && python -c "import tq_redis.fastcopy as f; assert f.NATIVE, 'tq_redis._copy did not build'" \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 ENTRYPOINT []
 CMD ["tq-redis", "--help"]

@@ -59,7 +59,7 @@ import numpy as np
 import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 
-from tq_redis import buffers
+from tq_redis import buffers, fastcopy
 from tq_redis.errors import (
     ConfigError,
     ConnectionFailed,
@@ -383,12 +383,10 @@ class _Values:
         return list(map(self.flat.__getitem__, self.segments_of(vidx).tolist()))
 
     def copy_into(self, dst: memoryview, vidx: np.ndarray, offsets: np.ndarray) -> None:
-        """Write values ``vidx`` at byte ``offsets`` of ``dst``: one memcpy per segment, looped in C."""
+        """Write values ``vidx`` at byte ``offsets`` of ``dst``, every segment in one batched copy."""
         seg = self.segments_of(vidx)
         starts = np.repeat(offsets, self.nseg[vidx]) + self.seg_off[seg]
-        ends = starts + self.seg_len[seg]
-        parts = map(self.flat.__getitem__, seg.tolist())
-        deque(map(dst.__setitem__, map(slice, starts.tolist(), ends.tolist()), parts), maxlen=0)
+        fastcopy.scatter(dst, starts, list(map(self.flat.__getitem__, seg.tolist())))
 
 
 class _Slab:

@@ -32,7 +32,6 @@ import math
 import operator
 import pickle
 import struct
-from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import buffers
+from tq_redis import buffers, fastcopy
 from tq_redis.errors import (
     BatchSizeMismatch,
     DTypeConflict,
@@ -859,14 +858,6 @@ def _all_framed(mvs: list[memoryview], prefix: bytes, size: int) -> bool:
     return all(map(operator.eq, heads, repeat(prefix)))
 
 
-def _copy_rows(dest: memoryview, mvs: list[memoryview], hlen: int, nb: int) -> None:
-    """Copy each value's payload (after its ``hlen``-byte header) into row i of ``dest``; loops in C."""
-    starts = range(0, len(mvs) * nb, nb)
-    rows = map(slice, starts, range(nb, (len(mvs) + 1) * nb, nb))
-    payloads = map(operator.getitem, mvs, repeat(slice(hlen, None)))
-    deque(map(dest.__setitem__, rows, payloads), maxlen=0)
-
-
 def decode_field(
     name: str, values: Sequence[Buffer], *, allow_pickle: bool = False, nested_output: bool = False
 ) -> Any:
@@ -908,7 +899,7 @@ def decode_field(
                 out = np.empty((n, *h0.shape), dtype=np_dtype)
                 dest = _np_byte_view(out)
             if nb:
-                _copy_rows(dest, mvs, hlen, nb)
+                fastcopy.gather_rows(dest, mvs, hlen, nb)
             if nested_output and isinstance(out, torch.Tensor) and out.ndim >= 2:
                 return _dense_to_jagged(out)
             return out

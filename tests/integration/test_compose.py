@@ -99,7 +99,7 @@ def test_dockerfile_copies_what_the_package_needs():
     copied = {line.split()[1] for line in lines if line.startswith("COPY ")} | {
         part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]
     }
-    for needed in ("tq_redis", "lua", "backends", "pyproject.toml", "examples"):
+    for needed in ("tq_redis", "lua", "backends", "pyproject.toml", "setup.py", "examples"):
         assert needed in copied, f"Dockerfile does not copy {needed}"
         assert (ROOT / needed).exists()
     assert any("torch==2.13.0" in line for line in lines)

@@ -87,6 +87,16 @@ def store_factory(dram_redis):
         st.close()
 
 
+@pytest.fixture(params=["native", "python"], ids=["native-copy", "python-copy"])
+def copies(request, monkeypatch):
+    """Shared-memory copies through the native module, and through the Python fallback."""
+    from tq_redis import fastcopy
+
+    if request.param == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    return request.param
+
+
 def _value(rng: np.random.Generator, i: int) -> tuple[list, bytes]:
     """A value as 1-3 segments of mixed buffer types, and its expected concatenation."""
     n = int(rng.integers(0, 3 * 8192))
@@ -108,7 +118,7 @@ def _value(rng: np.random.Generator, i: int) -> tuple[list, bytes]:
 
 
 @pytest.mark.parametrize("shm", PATHS)
-def test_round_trip_many_keys_over_three_processes(cluster, store_factory, shm):
+def test_round_trip_many_keys_over_three_processes(cluster, store_factory, shm, copies):
     st = store_factory(shm=shm)
     rng = np.random.default_rng(7)
     keys = [f"rt:{shm}:{i}" for i in range(3000)]
@@ -131,7 +141,7 @@ def test_round_trip_many_keys_over_three_processes(cluster, store_factory, shm):
 
 
 @pytest.mark.parametrize("shm", PATHS)
-def test_large_values_32mib(cluster, store_factory, shm):
+def test_large_values_32mib(cluster, store_factory, shm, copies):
     st = store_factory(shm=shm)
     a = np.arange(4 << 20, dtype=np.int64)  # 32 MiB
     b = a[::-1].copy()

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from tq_redis import codec
+from tq_redis import codec, fastcopy
 from tq_redis.errors import (
     BatchSizeMismatch,
     DTypeConflict,
@@ -144,6 +144,19 @@ def test_dense_roundtrip_every_dtype_bit_exact(dtype: torch.dtype) -> None:
     assert schema == {"kind": "tensor", "dtype": str(dtype).removeprefix("torch."), "shape": [3, 2]}
     assert out.dtype == dtype and out.shape == x.shape and not out.is_nested
     assert tensor_bytes(out) == tensor_bytes(x)
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_large_dense_batch_decodes_bit_exact_through_either_copy(impl: str, monkeypatch) -> None:
+    # 24 MiB: large enough for streaming stores and several copy threads in the native module
+    if impl == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    x = torch.randint(-(1 << 62), 1 << 62, (768, 4096), dtype=torch.int64, generator=torch.Generator().manual_seed(5))
+    a = x.numpy().astype(np.float32)
+    for name, value in (("x", x), ("a", a)):
+        _, per_sample = codec.encode_field(name, value, 768)
+        out = codec.decode_field(name, [stored(s) for s in per_sample])
+        assert tensor_bytes(torch.as_tensor(out)) == tensor_bytes(torch.as_tensor(value))
 
 
 def test_bf16_bool_complex_values() -> None:

@@ -1,0 +1,10 @@
+"""Build hook for the optional native copy module; all other metadata is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        # optional: without a C compiler the install still succeeds and tq_redis.fastcopy uses Python loops
+        Extension("tq_redis._copy", ["tq_redis/_copy.c"], optional=True, extra_compile_args=["-O2"]),
+    ]
+)
