@@ -50,7 +50,6 @@ import time
 import uuid
 import weakref
 import zlib
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +57,7 @@ import msgpack
 import numpy as np
 import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
+from tq_redis.backends.batches import RowBlock, ValueChain, ValueTable
 
 from tq_redis import buffers, fastcopy
 from tq_redis.errors import (
@@ -333,11 +333,48 @@ def _plain_sizes(segments: list) -> np.ndarray | None:
 
 
 class _Values:
-    """A put batch's values as one flat list of byte segments plus numpy bookkeeping."""
+    """A put batch as a segment table, plus per-value numpy bookkeeping.
 
-    __slots__ = ("flat", "seg_len", "first", "nseg", "sizes", "seg_off")
+    Segment ``j`` is ``seg_len[j]`` bytes of ``bufs[seg_buf[j]]`` from byte ``seg_src[j]``; value
+    ``v`` is segments ``first[v] .. first[v] + nseg[v]``. A :class:`RowBlock` (the codec's dense
+    fields) becomes two buffers and arithmetic, with no per-row Python objects at all.
+    """
+
+    __slots__ = ("bufs", "seg_buf", "seg_src", "seg_len", "first", "nseg", "sizes", "seg_off", "_views")
 
     def __init__(self, values: Sequence[Segments]) -> None:
+        parts = values.parts if isinstance(values, ValueChain) else (values,)
+        self.bufs: list[Buffer] = []
+        cols: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        for part in parts:
+            if isinstance(part, RowBlock):
+                cols.append(self._block(part))
+            elif len(part):
+                cols.append(self._listed(part))
+        if cols:
+            self.seg_buf, self.seg_src, self.seg_len, self.nseg = map(np.concatenate, zip(*cols))
+        else:
+            self.seg_buf, self.seg_src, self.seg_len, self.nseg = (np.empty(0, np.int64) for _ in range(4))
+        ends = np.cumsum(self.nseg)
+        self.first = ends - self.nseg
+        cum = np.concatenate(([0], np.cumsum(self.seg_len)))
+        self.sizes = cum[ends] - cum[self.first]
+        self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
+        self._views: list[memoryview] | None = None
+
+    def _block(self, block: RowBlock) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        k, n = len(self.bufs), block.n
+        self.bufs += [block.header, block.base]
+        seg_src = np.zeros(2 * n, np.int64)
+        seg_src[1::2] = (block.start + np.arange(n, dtype=np.int64)) * block.row
+        return (
+            np.tile(np.array([k, k + 1], np.int64), n),
+            seg_src,
+            np.tile(np.array([len(block.header), block.row], np.int64), n),
+            np.full(n, 2, np.int64),
+        )
+
+    def _listed(self, values: Sequence[Segments]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         # per-segment work stays in C (map/fromiter/set): this runs for every segment of every put
         if set(map(type, values)) <= {list, tuple}:
             vals = values
@@ -347,14 +384,10 @@ class _Values:
         nbytes = _plain_sizes(flat)
         if nbytes is None:
             flat, nbytes = self._normalised(flat)
-        self.flat: list[Buffer] = flat
-        self.seg_len = nbytes
-        self.nseg = np.fromiter(map(len, vals), np.int64, len(vals))
-        ends = np.cumsum(self.nseg)
-        self.first = ends - self.nseg
-        cum = np.concatenate(([0], np.cumsum(nbytes)))
-        self.sizes = cum[ends] - cum[self.first]
-        self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
+        k = len(self.bufs)
+        self.bufs += flat
+        nseg = np.fromiter(map(len, vals), np.int64, len(vals))
+        return np.arange(k, k + len(flat), dtype=np.int64), np.zeros(len(flat), np.int64), nbytes, nseg
 
     @staticmethod
     def _normalised(segments: list) -> tuple[list[Buffer], np.ndarray]:
@@ -374,19 +407,56 @@ class _Values:
         return flat, nbytes
 
     def segments_of(self, vidx: np.ndarray) -> np.ndarray:
-        """Indexes (into ``flat``) of the segments of values ``vidx``, in that order."""
+        """Indexes (into the segment table) of the segments of values ``vidx``, in that order."""
         ns = self.nseg[vidx]
         ends = np.cumsum(ns)
         return np.repeat(self.first[vidx] - (ends - ns), ns) + np.arange(int(ends[-1]) if len(ends) else 0)
 
     def payload(self, vidx: np.ndarray) -> list[Buffer]:
-        return list(map(self.flat.__getitem__, self.segments_of(vidx).tolist()))
+        """The segments of values ``vidx`` as buffers, in order (for a socket's scatter/gather send)."""
+        if self._views is None:
+            self._views = [memoryview(b) for b in self.bufs]
+        seg = self.segments_of(vidx)
+        src = self.seg_src[seg]
+        cuts = map(slice, src.tolist(), (src + self.seg_len[seg]).tolist())
+        return list(map(memoryview.__getitem__, map(self._views.__getitem__, self.seg_buf[seg].tolist()), cuts))
 
     def copy_into(self, dst: memoryview, vidx: np.ndarray, offsets: np.ndarray) -> None:
-        """Write values ``vidx`` at byte ``offsets`` of ``dst``, every segment in one batched copy."""
+        """Write values ``vidx`` at byte ``offsets`` of ``dst``, the whole batch in one copy call."""
         seg = self.segments_of(vidx)
-        starts = np.repeat(offsets, self.nseg[vidx]) + self.seg_off[seg]
-        fastcopy.scatter(dst, starts, list(map(self.flat.__getitem__, seg.tolist())))
+        dst_off = np.repeat(offsets, self.nseg[vidx]) + self.seg_off[seg]
+        fastcopy.copy_table(dst, dst_off, self.bufs, self.seg_buf[seg], self.seg_src[seg], self.seg_len[seg])
+
+
+class _Gathered:
+    """A get's values as they arrive from the nodes: source buffers and, per key, where its value is."""
+
+    __slots__ = ("sources", "index", "offsets", "lengths")
+
+    def __init__(self, n: int) -> None:
+        self.sources: list[memoryview] = []
+        self.index = np.full(n, -1, np.int64)
+        self.offsets = np.zeros(n, np.int64)
+        self.lengths = np.zeros(n, np.int64)
+
+    def add(self, source: memoryview, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        self.index[positions] = len(self.sources)
+        self.offsets[positions] = offsets
+        self.lengths[positions] = lengths
+        self.sources.append(source)
+
+    def table(self) -> ValueTable:
+        return ValueTable(self.sources, self.index, self.offsets, self.lengths)
+
+
+def _private_copy(table: ValueTable) -> ValueTable:
+    """The values copied into one buffer of this process (releasing any pins on node memory)."""
+    ends = np.cumsum(table.lengths)
+    starts = ends - table.lengths
+    total = int(ends[-1]) if len(ends) else 0
+    own = memoryview(buffers.take(total))
+    fastcopy.copy_table(own, starts, table.sources, table.index, table.offsets, table.lengths)
+    return ValueTable([own], np.zeros(len(table), np.int64), starts, table.lengths)
 
 
 class _Slab:
@@ -996,19 +1066,22 @@ class DramStore:
             offs, _ = layout(gsizes[start : start + count])
             vals.copy_into(link.slab(conn, sid).rw_view, idx[start : start + count], offs + base)
 
-    def get(self, keys: Sequence[str]) -> list[Buffer]:
+    def get(self, keys: Sequence[str]) -> Sequence[Buffer]:
         """Return every key's value, in order; ``DataMissing`` names the keys no node holds.
 
-        On the same-host path the values are read-only views of the node's memory, pinned there
-        until every view is released (or this store is closed), unless ``zero_copy_get=False``.
+        The values come back as a :class:`ValueTable`: a sequence of memoryviews that are slices
+        of a few large buffers. On the same-host path those are read-only views of the node's
+        memory, pinned there until every view (and the table) is released or this store is
+        closed; with ``zero_copy_get=False`` they are slices of one private, writable copy.
         """
         keys = list(keys)
         if not keys:
             return []
-        return self._with_retry(lambda ring: self._get(ring, keys))
+        table = self._with_retry(lambda ring: self._get(ring, keys))
+        return table if self.zero_copy_get else _private_copy(table)
 
-    def _get(self, ring: _Ring, keys: list[str]) -> list[Buffer]:
-        out: list[Buffer | None] = [None] * len(keys)
+    def _get(self, ring: _Ring, keys: list[str]) -> ValueTable:
+        out = _Gathered(len(keys))
         owner = ring.owners(keys)
         missing = self._get_from(ring, keys, np.arange(len(keys)), owner, out)
         if len(missing) and len(ring.links) > 1:
@@ -1034,9 +1107,9 @@ class DramStore:
                 f"{', '.join(map(repr, names))}{more}. They were deleted, or the storage node that "
                 f"held them restarted and lost its memory."
             )
-        return out  # type: ignore[return-value]
+        return out.table()
 
-    def _get_from(self, ring: _Ring, keys, positions: np.ndarray, owner: np.ndarray, out) -> np.ndarray:
+    def _get_from(self, ring: _Ring, keys, positions: np.ndarray, owner: np.ndarray, out: _Gathered) -> np.ndarray:
         """Fetch ``keys[positions]`` from their ``owner`` nodes into ``out``; return the still missing."""
         groups = _groups(owner, len(ring.links))
         links = [ring.links[n] for n, _ in groups]
@@ -1055,9 +1128,8 @@ class DramStore:
                 return
             mv = memoryview(buffers.take(plen))
             recv_into(conn.sock, mv)
-            ends = np.cumsum(np.frombuffer(meta["sizes"], dtype="<i8")).tolist()
-            for p, s, e in zip(pos.tolist(), [0, *ends[:-1]], ends):
-                out[p] = mv[s:e]
+            lens = np.frombuffer(meta["sizes"], dtype="<i8")
+            out.add(mv, pos, np.cumsum(lens) - lens, lens)
 
         conns = self._hold(links)
         try:
@@ -1070,26 +1142,21 @@ class DramStore:
             self._free(links, conns)
         return np.concatenate(missing) if missing else np.empty(0, dtype=np.intp)
 
-    def _views(self, link: _Link, conn: _Conn, meta: dict[str, Any], pos: np.ndarray, out: list) -> None:
-        """Values of a shared-memory GET reply: read-only views (or copies) into the mapped slabs."""
+    def _views(self, link: _Link, conn: _Conn, meta: dict[str, Any], pos: np.ndarray, out: _Gathered) -> None:
+        """Values of a shared-memory GET reply: read-only views into the mapped slabs."""
         sids = np.frombuffer(meta["slabs"], dtype="<i4")
         offs = np.frombuffer(meta["offs"], dtype="<i8")
-        ends = offs + np.frombuffer(meta["lens"], dtype="<i8")
+        lens = np.frombuffer(meta["lens"], dtype="<i8")
         used = np.unique(sids).tolist()
         pin = meta.get("pin") or 0
         unpin = _Unpin(link, pin, len(used)) if pin else None
-        copy = not self.zero_copy_get
         for sid in used:
             # a fresh array per get: its finaliser fires once the last view of this get is gone
             arr = np.frombuffer(link.slab(conn, sid).readonly(), dtype=np.uint8)
             if unpin is not None:
                 weakref.finalize(arr, unpin)
-            mine = slice(None) if len(used) == 1 else np.flatnonzero(sids == sid)
-            cut = map(slice, offs[mine].tolist(), ends[mine].tolist())
-            values = map(memoryview(arr).__getitem__, cut)
-            if copy:
-                values = map(bytes, values)
-            deque(map(out.__setitem__, pos[mine].tolist(), values), maxlen=0)
+            mine = slice(None) if len(used) == 1 else sids == sid
+            out.add(memoryview(arr), pos[mine], offs[mine], lens[mine])
 
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys from their nodes; absent keys are ignored (idempotent)."""

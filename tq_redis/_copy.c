@@ -204,109 +204,85 @@ static int run_unlocked(const piece_t *pieces, Py_ssize_t n)
     return 0;
 }
 
-PyDoc_STRVAR(scatter_doc,
-"scatter(dst, offsets, parts)\n--\n\n"
-"Copy each buffer ``parts[i]`` into the writable buffer ``dst`` at byte ``offsets[i]``.\n\n"
-"``offsets`` is a buffer of native int64 (e.g. a numpy array). Raises ValueError when a part\n"
-"would land outside ``dst`` or the lengths differ; nothing is copied then.");
-
-static PyObject *scatter(PyObject *self, PyObject *args)
+/* A numpy-style int64 array argument: its data and element count. */
+static int int64_array(PyObject *obj, Py_buffer *view, const char *what)
 {
-    PyObject *dst_obj, *off_obj, *parts_obj;
-    if (!PyArg_ParseTuple(args, "OOO:scatter", &dst_obj, &off_obj, &parts_obj))
-        return NULL;
-    Py_buffer dst, offs;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(off_obj, &offs, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+        PyErr_Format(PyExc_TypeError, "copy_table: %s must be an int64 array, got format %s", what,
+                     view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
     }
-    PyObject *seq = PySequence_Fast(parts_obj, "scatter: parts must be a sequence of buffers");
-    held_t held = {NULL, 0};
-    piece_t *pieces = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = 0;
-    if (seq == NULL || hold_sources(seq, &held, &n) < 0)
-        goto done;
-    if (offs.len != n * (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_Format(PyExc_ValueError, "scatter: %zd parts but %zd bytes of int64 offsets", n, offs.len);
-        goto done;
-    }
-    pieces = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(piece_t));
-    if (pieces == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    const int64_t *off = (const int64_t *)offs.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = held.views[i].len;
-        if (off[i] < 0 || off[i] > dst.len - len) {
-            PyErr_Format(PyExc_ValueError,
-                         "scatter: part %zd (%zd bytes at offset %lld) does not fit a %zd-byte destination",
-                         i, len, (long long)off[i], dst.len);
-            goto done;
-        }
-        pieces[i].dst = (char *)dst.buf + off[i];
-        pieces[i].src = (const char *)held.views[i].buf;
-        pieces[i].len = len;
-    }
-    if (run_unlocked(pieces, n) == 0)
-        result = Py_NewRef(Py_None);
-done:
-    PyMem_Free(pieces);
-    release_all(&held);
-    Py_XDECREF(seq);
-    PyBuffer_Release(&offs);
-    PyBuffer_Release(&dst);
-    return result;
+    return 0;
 }
 
-PyDoc_STRVAR(gather_rows_doc,
-"gather_rows(dst, parts, skip, row)\n--\n\n"
-"Copy bytes ``[skip, skip + row)`` of each buffer ``parts[i]`` to ``dst[i * row:(i + 1) * row]``.\n\n"
-"Raises ValueError when a part is shorter than ``skip + row`` or ``dst`` is too small; nothing\n"
-"is copied then.");
+PyDoc_STRVAR(copy_table_doc,
+"copy_table(dst, dst_offsets, sources, index, src_offsets, lengths)\n--\n\n"
+"For every i, copy ``lengths[i]`` bytes from ``sources[index[i]]`` at ``src_offsets[i]`` to\n"
+"the writable buffer ``dst`` at ``dst_offsets[i]``. The four tables are int64 arrays of one\n"
+"length. Raises ValueError, before copying anything, when an entry falls outside its buffers.");
 
-static PyObject *gather_rows(PyObject *self, PyObject *args)
+static PyObject *copy_table(PyObject *self, PyObject *args)
 {
-    PyObject *dst_obj, *parts_obj;
-    Py_ssize_t skip, row;
-    if (!PyArg_ParseTuple(args, "OOnn:gather_rows", &dst_obj, &parts_obj, &skip, &row))
+    PyObject *dst_obj, *doff_obj, *src_obj, *idx_obj, *soff_obj, *len_obj;
+    if (!PyArg_ParseTuple(args, "OOOOOO:copy_table", &dst_obj, &doff_obj, &src_obj, &idx_obj, &soff_obj, &len_obj))
         return NULL;
-    if (skip < 0 || row < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather_rows: skip and row must be >= 0");
-        return NULL;
-    }
-    Py_buffer dst;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(parts_obj, "gather_rows: parts must be a sequence of buffers");
+    Py_buffer dst, tables[4];
+    PyObject *table_objs[4] = {doff_obj, idx_obj, soff_obj, len_obj};
+    const char *table_names[4] = {"dst_offsets", "index", "src_offsets", "lengths"};
+    int have = 0;
+    PyObject *seq = NULL, *result = NULL;
     held_t held = {NULL, 0};
     piece_t *pieces = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = 0;
-    if (seq == NULL || hold_sources(seq, &held, &n) < 0)
-        goto done;
-    if (row && n > dst.len / row) {
-        PyErr_Format(PyExc_ValueError, "gather_rows: %zd rows of %zd bytes do not fit a %zd-byte destination",
-                     n, row, dst.len);
-        goto done;
+    Py_ssize_t nsrc = 0, n = 0;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    for (; have < 4; have++)
+        if (int64_array(table_objs[have], &tables[have], table_names[have]) < 0)
+            goto done;
+    n = tables[0].len / 8;
+    for (int t = 1; t < 4; t++) {
+        if (tables[t].len / 8 != n) {
+            PyErr_Format(PyExc_ValueError, "copy_table: %s has %zd entries but dst_offsets has %zd",
+                         table_names[t], tables[t].len / 8, n);
+            goto done;
+        }
     }
+    seq = PySequence_Fast(src_obj, "copy_table: sources must be a sequence of buffers");
+    if (seq == NULL || hold_sources(seq, &held, &nsrc) < 0)
+        goto done;
     pieces = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(piece_t));
     if (pieces == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    const int64_t *doff = tables[0].buf, *idx = tables[1].buf, *soff = tables[2].buf, *len = tables[3].buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (held.views[i].len - skip < row) {
-            PyErr_Format(PyExc_ValueError, "gather_rows: part %zd has %zd bytes, fewer than %zd + %zd",
-                         i, held.views[i].len, skip, row);
+        if (idx[i] < 0 || idx[i] >= nsrc) {
+            PyErr_Format(PyExc_ValueError, "copy_table: entry %zd names source %lld of %zd", i, (long long)idx[i], nsrc);
             goto done;
         }
-        pieces[i].dst = (char *)dst.buf + i * row;
-        pieces[i].src = (const char *)held.views[i].buf + skip;
-        pieces[i].len = row;
+        const Py_buffer *src = &held.views[idx[i]];
+        if (len[i] < 0 || soff[i] < 0 || soff[i] > src->len - len[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_table: entry %zd reads %lld bytes at offset %lld of a %zd-byte source",
+                         i, (long long)len[i], (long long)soff[i], src->len);
+            goto done;
+        }
+        if (doff[i] < 0 || doff[i] > dst.len - len[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_table: entry %zd (%lld bytes at offset %lld) does not fit a %zd-byte destination",
+                         i, (long long)len[i], (long long)doff[i], dst.len);
+            goto done;
+        }
+        pieces[i].dst = (char *)dst.buf + doff[i];
+        pieces[i].src = (const char *)src->buf + soff[i];
+        pieces[i].len = (Py_ssize_t)len[i];
     }
     if (run_unlocked(pieces, n) == 0)
         result = Py_NewRef(Py_None);
@@ -314,6 +290,8 @@ done:
     PyMem_Free(pieces);
     release_all(&held);
     Py_XDECREF(seq);
+    for (int t = 0; t < have; t++)
+        PyBuffer_Release(&tables[t]);
     PyBuffer_Release(&dst);
     return result;
 }
@@ -342,8 +320,7 @@ static PyObject *configure(PyObject *self, PyObject *args, PyObject *kwargs)
 }
 
 static PyMethodDef methods[] = {
-    {"scatter", scatter, METH_VARARGS, scatter_doc},
-    {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
+    {"copy_table", copy_table, METH_VARARGS, copy_table_doc},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS, configure_doc},
     {NULL, NULL, 0, NULL},
 };

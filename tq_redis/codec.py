@@ -42,6 +42,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tq_redis import buffers, fastcopy
+from tq_redis.backends.batches import RowBlock, ValueTable
 from tq_redis.errors import (
     BatchSizeMismatch,
     DTypeConflict,
@@ -617,12 +618,11 @@ def to_batchmeta_schema(schema: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _encode_dense(name: str, t: torch.Tensor, n: int) -> list[Segments]:
+def _encode_dense(name: str, t: torch.Tensor, n: int) -> RowBlock:
     t = _plain_tensor(t)
     hdr = _header(_K_TENSOR, _dtype_code(name, t.dtype), t.shape[1:])
     nb = _prod(t.shape[1:]) * t.element_size()
-    mv = _byte_view(t)
-    return [[hdr, mv[i * nb:(i + 1) * nb]] for i in range(n)]
+    return RowBlock(hdr, _byte_view(t), nb, n)
 
 
 def _encode_jagged(name: str, nt: torch.Tensor, n: int) -> list[Segments]:
@@ -652,7 +652,7 @@ def _encode_strided(name: str, nt: torch.Tensor) -> list[Segments]:
     return [[_header(_K_STRIDED, code, c.shape), _byte_view(c)] for c in parts]
 
 
-def _encode_ndarray(name: str, a: np.ndarray, n: int, allow_pickle: bool) -> list[Segments]:
+def _encode_ndarray(name: str, a: np.ndarray, n: int, allow_pickle: bool) -> Sequence[Segments]:
     a = np.ascontiguousarray(a)
     shape = a.shape[1:]
     hdr = _header(_K_NDARRAY, _NO_DTYPE, shape, a.dtype.str.encode())
@@ -669,8 +669,7 @@ def _encode_ndarray(name: str, a: np.ndarray, n: int, allow_pickle: bool) -> lis
                 raise _unsupported(f"field {name!r}, sample {i}", "object array element", f" ({e})") from e
         return out
     nb = _prod(shape) * a.dtype.itemsize
-    mv = _np_byte_view(a)
-    return [[hdr, mv[i * nb:(i + 1) * nb]] for i in range(n)]
+    return RowBlock(hdr, _np_byte_view(a), nb, n)
 
 
 _OBJ_HDR = _header(_K_OBJECT, _NO_DTYPE, ())
@@ -692,14 +691,16 @@ def _encode_objects(name: str, values: Any, allow_pickle: bool) -> list[Segments
 
 def encode_field(
     name: str, value: Any, batch_size: int, *, allow_pickle: bool = False
-) -> tuple[dict, list[Segments]]:
+) -> tuple[dict, Sequence[Segments]]:
     """Split one field of a batch into one stored value per sample.
 
     Returns ``(schema, per_sample)`` where ``schema`` is :func:`describe_field`'s dict and
     ``per_sample[i]`` is a list of segments (a header ``bytes`` and usually a one-dimensional
     byte ``memoryview`` of the batch's memory, so ``len`` is every segment's size in bytes) whose
-    concatenation is sample ``i``'s stored value. The memoryviews borrow the batch's memory: keep
-    the segments (or the source) alive until they are written.
+    concatenation is sample ``i``'s stored value. Dense fields come back as a
+    :class:`~tq_redis.backends.batches.RowBlock` (such a sequence that stores can also copy as a
+    whole). The memoryviews borrow the batch's memory: keep the segments (or the source) alive
+    until they are written.
 
     Raises:
         EmptyBatch: ``batch_size`` is 0.
@@ -858,6 +859,21 @@ def _all_framed(mvs: list[memoryview], prefix: bytes, size: int) -> bool:
     return all(map(operator.eq, heads, repeat(prefix)))
 
 
+def _table_framed(table: ValueTable, prefix: bytes, size: int) -> bool:
+    """:func:`_all_framed` for a :class:`ValueTable`, checked with array arithmetic per source."""
+    if not bool((table.lengths == size).all()):
+        return False
+    want = np.frombuffer(prefix, dtype=np.uint8)
+    span = np.arange(len(prefix), dtype=np.int64)
+    for k, source in enumerate(table.sources):
+        mine = table.index == k
+        if len(prefix) and mine.any():
+            heads = np.frombuffer(source, dtype=np.uint8)[table.offsets[mine][:, None] + span]
+            if not bool((heads == want).all()):
+                return False
+    return True
+
+
 def decode_field(
     name: str, values: Sequence[Buffer], *, allow_pickle: bool = False, nested_output: bool = False
 ) -> Any:
@@ -878,32 +894,39 @@ def decode_field(
     n = len(values)
     if n == 0:
         raise EmptyBatch(f"field {name!r}: no values to decode")
-    mvs = _bytes_views(values)
-    h0 = _parse_header(mvs[0], name, 0)
+    table = values if isinstance(values, ValueTable) else None
+    mvs = [] if table is not None else _bytes_views(values)
+    h0 = _parse_header(table[0] if table is not None else mvs[0], name, 0)
 
     if h0.kind == _K_TENSOR or (h0.kind == _K_NDARRAY and not h0.extra.startswith(b"|O")):
         # Fast path: every value has the first one's header, so copy payloads into one batch.
         hlen = h0.offset
-        prefix = mvs[0][:hlen].tobytes()
+        prefix = (table[0] if table is not None else mvs[0])[:hlen].tobytes()
         if h0.kind == _K_TENSOR:
             dtype = _dtype_from_code(h0.code, name)
             nb = _prod(h0.shape) * dtype.itemsize
         else:
             np_dtype = _np_dtype(h0.extra, name)
             nb = _prod(h0.shape) * np_dtype.itemsize
-        if _all_framed(mvs, prefix, hlen + nb):
+        framed = _table_framed(table, prefix, hlen + nb) if table is not None else _all_framed(mvs, prefix, hlen + nb)
+        if framed:
             if h0.kind == _K_TENSOR:
                 out: Any = _empty_batch((n, *h0.shape), dtype)
                 dest = _byte_view(out)
             else:
                 out = np.empty((n, *h0.shape), dtype=np_dtype)
                 dest = _np_byte_view(out)
-            if nb:
+            if nb and table is not None:
+                rows = np.arange(n, dtype=np.int64) * nb
+                fastcopy.copy_table(dest, rows, table.sources, table.index, table.offsets + hlen, np.full(n, nb))
+            elif nb:
                 fastcopy.gather_rows(dest, mvs, hlen, nb)
             if nested_output and isinstance(out, torch.Tensor) and out.ndim >= 2:
                 return _dense_to_jagged(out)
             return out
 
+    if table is not None:
+        mvs = list(table)
     headers = [h0] + [_parse_header(mv, name, i) for i, mv in enumerate(mvs[1:], 1)]
     kinds = {h.kind for h in headers}
     if kinds == {_K_JAGGED} and len({h.code for h in headers}) == 1 \

@@ -23,14 +23,13 @@ import operator
 import os
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from tq_redis.errors import ConfigError
 
-__all__ = ["NATIVE", "configure", "gather_rows", "scatter"]
+__all__ = ["NATIVE", "configure", "copy_table", "gather_rows"]
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
@@ -90,31 +89,55 @@ def _writable(dst: Buffer) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _check_contiguous(parts: Sequence[Buffer]) -> None:
-    if not all(p.c_contiguous for p in parts if type(p) is memoryview):
-        raise BufferError("a part is not C-contiguous")
+def _byte_view(buf: Buffer) -> memoryview:
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise BufferError("a source buffer is not C-contiguous")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def scatter(dst: Buffer, offsets: np.ndarray, parts: Sequence[Buffer]) -> None:
-    """Copy each ``parts[i]`` into the writable buffer ``dst`` at byte ``offsets[i]``.
+def _int64(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
 
-    ``parts`` are C-contiguous buffers whose ``len`` is their byte length (``bytes`` or byte
-    memoryviews). Raises ``ValueError`` before copying anything when a part would not fit, and
-    ``BufferError`` when ``dst`` is read-only or a part is not contiguous.
+
+def copy_table(
+    dst: Buffer,
+    dst_offsets: np.ndarray,
+    sources: Sequence[Buffer],
+    index: np.ndarray,
+    src_offsets: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
+    """For every entry i, copy ``lengths[i]`` bytes of ``sources[index[i]]`` from ``src_offsets[i]``
+    into the writable buffer ``dst`` at ``dst_offsets[i]``.
+
+    The four tables are integer arrays of one length; ``sources`` are C-contiguous buffers. Raises
+    ``ValueError`` before copying anything when an entry falls outside its buffers, and
+    ``BufferError`` when ``dst`` is read-only or a source is not contiguous.
     """
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    tables = [_int64(dst_offsets), _int64(index), _int64(src_offsets), _int64(lengths)]
     if _native is not None:
-        _native.scatter(dst, offsets, parts)
+        _native.copy_table(dst, tables[0], sources, *tables[1:])
         return
-    mv = _writable(dst)
-    _check_contiguous(parts)
-    lens = np.fromiter(map(len, parts), np.int64, len(parts))
-    if len(offsets) != len(parts):
-        raise ValueError(f"scatter: {len(parts)} parts but {len(offsets)} offsets")
-    ends = offsets + lens
-    if len(parts) and (int(offsets.min()) < 0 or int(ends.max()) > mv.nbytes):
-        raise ValueError(f"scatter: a part does not fit a {mv.nbytes}-byte destination")
-    deque(map(mv.__setitem__, map(slice, offsets.tolist(), ends.tolist()), parts), maxlen=0)
+    doff, idx, soff, lens = tables
+    out = _writable(dst)
+    srcs = [_byte_view(s) for s in sources]
+    n = len(doff)
+    if any(len(t) != n for t in tables):
+        raise ValueError(f"copy_table: the tables have different lengths {[len(t) for t in tables]}")
+    if n == 0:
+        return
+    if int(idx.min()) < 0 or int(idx.max()) >= len(srcs):
+        raise ValueError(f"copy_table: an entry names a source outside the {len(srcs)} given")
+    src_len = np.fromiter(map(len, srcs), np.int64, len(srcs))[idx]
+    if int(lens.min()) < 0 or int(soff.min()) < 0 or bool((soff + lens > src_len).any()):
+        raise ValueError("copy_table: an entry reads past the end of its source")
+    if int(doff.min()) < 0 or int((doff + lens).max()) > out.nbytes:
+        raise ValueError(f"copy_table: an entry does not fit a {out.nbytes}-byte destination")
+    pieces = map(
+        operator.getitem, map(srcs.__getitem__, idx.tolist()), map(slice, soff.tolist(), (soff + lens).tolist())
+    )
+    deque(map(out.__setitem__, map(slice, doff.tolist(), (doff + lens).tolist()), pieces), maxlen=0)
 
 
 def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> None:
@@ -123,20 +146,7 @@ def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> No
     Raises ``ValueError`` before copying anything when a part is shorter than ``skip + row`` or
     ``dst`` cannot hold every row.
     """
-    if _native is not None:
-        _native.gather_rows(dst, parts, skip, row)
-        return
     if skip < 0 or row < 0:
         raise ValueError("gather_rows: skip and row must be >= 0")
-    mv = _writable(dst)
-    _check_contiguous(parts)
     n = len(parts)
-    if n * row > mv.nbytes:
-        raise ValueError(f"gather_rows: {n} rows of {row} bytes do not fit a {mv.nbytes}-byte destination")
-    if n and min(map(len, parts)) < skip + row:
-        raise ValueError(f"gather_rows: a part has fewer than {skip} + {row} bytes")
-    if not row:
-        return
-    rows = map(slice, range(0, n * row, row), range(row, (n + 1) * row, row))
-    pieces = map(operator.getitem, parts, repeat(slice(skip, skip + row)))
-    deque(map(mv.__setitem__, rows, pieces), maxlen=0)
+    copy_table(dst, np.arange(n, dtype=np.int64) * row, parts, np.arange(n), np.full(n, skip), np.full(n, row))

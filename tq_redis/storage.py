@@ -12,21 +12,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from typing import Any
 
 from tq_redis import metrics
 from tq_redis.backends.base import Buffer, Segments, StorageClient, StoreContext, create_store
+from tq_redis.backends.batches import ValueChain, total_bytes
 from tq_redis.keys import PartitionKeys
-
-
-def _nbytes(buffer: Buffer) -> int:
-    return buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
-
-
-def _total_bytes(values: Iterable[Segments]) -> int:
-    """Bytes in a batch of encoded values (the codec's segments are ``bytes`` or byte memoryviews)."""
-    return sum(map(len, chain.from_iterable(values)))
 
 
 class KVStorageManager:
@@ -67,21 +58,19 @@ class KVStorageManager:
             keys.extend(pk.data_keys(ids, f))
         return keys
 
-    def put(self, pk: PartitionKeys, ids: Sequence[int], encoded: dict[str, list[Segments]]) -> None:
+    def put(self, pk: PartitionKeys, ids: Sequence[int], encoded: dict[str, Sequence[Segments]]) -> None:
         """Store each field's per-sample values (``encoded[field][j]`` belongs to ``ids[j]``)."""
         started = time.perf_counter()
         keys = self.keys_for(pk, ids, encoded)
-        values: list[Segments] = []
-        for per_sample in encoded.values():
-            values.extend(per_sample)
+        values = ValueChain(list(encoded.values()))  # keeps the codec's row blocks visible to the store
         self.store.put(keys, values)
-        self._record("put", started, len(keys), _total_bytes(values))
+        self._record("put", started, len(keys), total_bytes(values))
 
-    def get(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> dict[str, list[Buffer]]:
+    def get(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> dict[str, Sequence[Buffer]]:
         """Fetch values of ``fields`` for ``ids``; returns field -> values aligned with ids."""
         started = time.perf_counter()
         raw = self.store.get(self.keys_for(pk, ids, fields))
-        self._record("get", started, len(raw), sum(map(_nbytes, raw)))
+        self._record("get", started, len(raw), total_bytes(raw))
         n = len(ids)
         return {f: raw[k * n : (k + 1) * n] for k, f in enumerate(fields)}
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tq_redis.backends.batches import RowBlock, ValueChain
 from tq_redis.backends.dram import _Values
 
+from tq_redis import fastcopy
 from tq_redis.errors import InvalidArgument
 
 
@@ -40,3 +42,27 @@ def test_a_non_contiguous_segment_is_refused_with_a_fix() -> None:
     strided = memoryview(np.arange(8, dtype=np.uint8)[::2])
     with pytest.raises(InvalidArgument, match="contiguous"):
         _Values([[b"h", strided]])
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_row_blocks_and_lists_in_one_chain_copy_and_send_exactly(impl, monkeypatch) -> None:
+    """A put of a dense field (a RowBlock) next to an object field (a list) and a sliced block."""
+    if impl == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    rows = np.arange(40, dtype=np.int64).reshape(5, 8)
+    block = RowBlock(b"HEAD", memoryview(rows.reshape(-1).view(np.uint8)), 64, 5)
+    listed = [[b"o", b"bj0"], [b"obj1"], [memoryview(b"")]]
+    chain = ValueChain([block, listed, block[2:4]])
+    vals = _Values(chain)
+    expected = [b"HEAD" + r.tobytes() for r in rows] + [b"obj0", b"obj1", b""]
+    expected += [b"HEAD" + rows[2].tobytes(), b"HEAD" + rows[3].tobytes()]
+    assert vals.sizes.tolist() == list(map(len, expected))
+    assert [_bytes_of(vals, i) for i in range(len(expected))] == expected
+    # several values into one destination at once, as a node's reserved extent receives them
+    pick = np.array([9, 0, 6, 4])
+    offsets = np.concatenate(([0], np.cumsum(vals.sizes[pick])[:-1]))
+    out = bytearray(int(vals.sizes[pick].sum()))
+    vals.copy_into(memoryview(out), pick, offsets)
+    assert bytes(out) == b"".join(expected[i] for i in pick.tolist())
+    # the TCP path sends the same values as segment buffers
+    assert b"".join(map(bytes, vals.payload(pick))) == bytes(out)

@@ -45,6 +45,13 @@ def test_a_bad_thread_count_is_a_config_error():
     assert "ConfigError" in out.stderr and "TQ_COPY_THREADS='many'" in out.stderr
 
 
+def scatter(dst, offsets, parts) -> None:
+    """Each part to its own offset: copy_table with one source per entry."""
+    n = len(parts)
+    lens = np.fromiter((memoryview(p).nbytes for p in parts), np.int64, n)
+    fastcopy.copy_table(dst, np.asarray(offsets), parts, np.arange(n), np.zeros(n, np.int64), lens)
+
+
 def _parts(rng: np.random.Generator, sizes: list[int]) -> list:
     """Buffers of every kind the data plane passes: bytes, bytearray, byte memoryviews."""
     out = []
@@ -79,7 +86,7 @@ def test_scatter_places_every_part(impl, sizes):
         offsets.append(pos)
         pos += n + int(rng.integers(0, 97))
     dst = bytearray(pos + 13)
-    fastcopy.scatter(dst, np.array(offsets, dtype=np.int64), parts)
+    scatter(dst, np.array(offsets, dtype=np.int64), parts)
     assert bytes(dst) == _expected_scatter(len(dst), offsets, parts)
 
 
@@ -91,7 +98,7 @@ def test_scatter_into_a_shared_mapping_with_several_threads(impl):
         parts = _parts(rng, [40000] * 400)
         offsets = np.arange(400, dtype=np.int64)[::-1] * 40064  # reverse order, 64-byte aligned
         with mmap.mmap(-1, 400 * 40064, flags=mmap.MAP_SHARED) as region:
-            fastcopy.scatter(region, offsets, parts)
+            scatter(region, offsets, parts)
             assert bytes(region) == _expected_scatter(len(region), offsets.tolist(), parts)
     finally:
         if saved is not None:
@@ -103,19 +110,56 @@ def test_scatter_into_a_shared_mapping_with_several_threads(impl):
     [
         pytest.param([0, 95], "does not fit", id="past-the-end"),
         pytest.param([-1, 10], "does not fit", id="negative"),
-        pytest.param([0], "offsets", id="too-few-offsets"),
     ],
 )
 def test_scatter_refuses_a_part_that_does_not_fit_and_copies_nothing(impl, offsets, message):
     dst = bytearray(100)
     with pytest.raises(ValueError, match=message):
-        fastcopy.scatter(dst, np.array(offsets, dtype=np.int64), [b"x" * 10, b"y" * 10])
+        scatter(dst, np.array(offsets, dtype=np.int64), [b"x" * 10, b"y" * 10])
     assert dst == bytearray(100)
+
+
+@pytest.mark.parametrize("rows", [5, 700])
+def test_copy_table_reads_many_entries_from_few_sources(impl, rows):
+    """The decoder's case: rows of values that sit at scattered offsets of two large buffers."""
+    rng = np.random.default_rng(rows)
+    a = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    b = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    sources = [memoryview(a), b.tobytes()]
+    index = rng.integers(0, 2, rows)
+    row = 4000
+    limit = np.where(index == 0, len(a), len(b)) - row
+    src_off = (rng.random(rows) * limit).astype(np.int64)
+    out = np.zeros(rows * row, np.uint8)
+    fastcopy.copy_table(out, np.arange(rows) * row, sources, index, src_off, np.full(rows, row))
+    want = b"".join(bytes(sources[i])[o : o + row] for i, o in zip(index.tolist(), src_off.tolist()))
+    assert out.tobytes() == want
+
+
+@pytest.mark.parametrize(
+    "index, src_off, length, message",
+    [
+        pytest.param(2, 0, 4, "source", id="no-such-source"),
+        pytest.param(-1, 0, 4, "source", id="negative-source"),
+        pytest.param(0, 8, 4, "source", id="reads-past-the-end"),
+        pytest.param(0, 0, -1, "source", id="negative-length"),
+    ],
+)
+def test_copy_table_refuses_entries_outside_their_source(impl, index, src_off, length, message):
+    dst = bytearray(32)
+    with pytest.raises(ValueError, match=message):
+        fastcopy.copy_table(dst, [0, 16], [b"0123456789", b"abcdef"], [1, index], [0, src_off], [4, length])
+    assert dst == bytearray(32)
+
+
+def test_copy_table_wants_tables_of_one_length(impl):
+    with pytest.raises(ValueError):
+        fastcopy.copy_table(bytearray(8), [0, 4], [b"abcd"], [0], [0], [4])
 
 
 def test_scatter_refuses_a_read_only_destination(impl):
     with pytest.raises(BufferError):
-        fastcopy.scatter(b"\0" * 10, np.zeros(1, dtype=np.int64), [b"abc"])
+        scatter(b"\0" * 10, np.zeros(1, dtype=np.int64), [b"abc"])
 
 
 @pytest.mark.parametrize("rows, row, skip", [(7, 24, 8), (600, 32768, 40), (3, 0, 5)])
@@ -140,8 +184,8 @@ def test_gather_rows_into_a_numpy_array(impl):
 @pytest.mark.parametrize(
     "parts, skip, row, size, message",
     [
-        pytest.param([b"abcdef", b"abc"], 1, 4, 100, "fewer than", id="short-part"),
-        pytest.param([b"abcdef", b"abcdef"], 0, 6, 11, "do not fit", id="small-destination"),
+        pytest.param([b"abcdef", b"abc"], 1, 4, 100, "source", id="short-part"),
+        pytest.param([b"abcdef", b"abcdef"], 0, 6, 11, "does not fit", id="small-destination"),
         pytest.param([b"abcdef"], -1, 2, 10, ">= 0", id="negative-skip"),
     ],
 )
@@ -156,7 +200,7 @@ def test_a_non_contiguous_part_is_refused(impl):
     strided = memoryview(np.arange(20, dtype=np.uint8)[::2])
     dst = bytearray(64)
     with pytest.raises(BufferError):
-        fastcopy.scatter(dst, np.zeros(1, dtype=np.int64), [strided])
+        scatter(dst, np.zeros(1, dtype=np.int64), [strided])
     with pytest.raises(BufferError):
         fastcopy.gather_rows(dst, [strided], 0, 4)
     assert dst == bytearray(64)
