@@ -140,7 +140,18 @@ def machine_info() -> dict[str, Any]:
         "processor": _cpu_model(),
         "python": platform.python_version(),
         "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "tq_redis_copies": _copy_mode(),
     }
+
+
+def _copy_mode() -> str:
+    """How tq-redis copies batches in this environment (the native module, or Python loops)."""
+    try:
+        from tq_redis import fastcopy
+    except ImportError:
+        return "n/a"
+    settings = fastcopy.configure()
+    return f"native, up to {settings['threads']} threads" if settings else "Python loops (native module not built)"
 
 
 def _cpu_model() -> str:

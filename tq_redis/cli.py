@@ -85,8 +85,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
+def _version_line() -> str:
+    """The package version, and whether this install copies batches with the native module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tq_redis import fastcopy
+
+    try:
+        ver = version("tq-redis")
+    except PackageNotFoundError:
+        ver = "(not installed)"
+    settings = fastcopy.configure()
+    copies = (
+        f"native batch copies on, up to {settings['threads']} thread(s)"
+        if settings
+        else "native batch copies off (Python loops; see TQ_NATIVE_COPY, or install a C compiler and reinstall)"
+    )
+    return f"tq-redis {ver}: {copies}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tq-redis", description="tq-redis: controller-less RL data gateway")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="embedded Valkey + N DRAM storage nodes in the foreground")

@@ -1,4 +1,4 @@
-"""The ``tq-redis`` command: ``up`` in the foreground, ``status`` (text and --json)."""
+"""The ``tq-redis`` command: ``up`` in the foreground, ``status`` (text and --json), ``--version``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ def test_status_needs_a_url():
     env = {k: v for k, v in os.environ.items() if k != "TQ_REDIS_URL"}
     out = subprocess.run(CLI + ["status"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2 and "TQ_REDIS_URL" in out.stderr
+
+
+def test_version_says_whether_batches_are_copied_natively():
+    on = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60, check=True)
+    assert on.stdout.startswith("tq-redis ") and "native batch copies on" in on.stdout
+    env = {**os.environ, "TQ_NATIVE_COPY": "0", "COLUMNS": "200"}
+    off = subprocess.run(CLI + ["--version"], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert "native batch copies off" in off.stdout and "TQ_NATIVE_COPY" in off.stdout
 
 
 def test_up_serves_until_interrupted():
