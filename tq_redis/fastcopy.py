@@ -11,10 +11,10 @@ a whole batch in one call to the optional native module :mod:`tq_redis._copy`, w
   twice instead of three times.
 
 Without the native module (no C compiler at install time, or ``TQ_NATIVE_COPY=0``) the same
-functions loop in Python, with identical results and errors.
+functions loop in Python, with identical results and the same error types.
 
 Settings (environment, read at import): ``TQ_COPY_THREADS`` threads per batch (default: up to 4
-of the CPUs this process may use), ``TQ_NATIVE_COPY=0`` to force the Python loops.
+of the CPUs this process may use; at most 16), ``TQ_NATIVE_COPY=0`` to force the Python loops.
 """
 
 from __future__ import annotations
