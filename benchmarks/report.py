@@ -228,7 +228,9 @@ def _rows_p5(merged: dict[str, Any]) -> list[Row]:
         if _err(res):
             return _err(res) or ""
         once = "each sample trained once" if res.get("exactly_once") else "NOT exactly once"
-        return f"{_num(value)} ({_num(res.get('wall_s'))} s, {once})"
+        rounds = res.get("rounds_steps_per_s") or []
+        spread = f"median of {len(rounds)}: {' / '.join(map(_num, rounds))}; " if len(rounds) > 1 else ""
+        return f"{_num(value)} ({spread}{_num(res.get('wall_s'))} s, {once})"
 
     return [
         (
