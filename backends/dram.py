@@ -1040,6 +1040,15 @@ class DramStore:
         txns = [
             (link, conn, r["txn"]) for (link, conn, *_), r in zip(reqs, replies) if r and r.get("txn")
         ]
+        spilling = [k for k, r in enumerate(replies) if err is None and r and r.get("inline")]
+        if spilling:
+            # a full node that spills to its tier takes these values inline on the socket instead
+            again = [(reqs[k][0], reqs[k][1], OP_PUT, {**reqs[k][3], "commit": not two_phase},
+                      vals.payload(plans[k][0])) for k in spilling]  # fmt: skip
+            more, err = self._exchange(again, self._check)
+            txns += [(lk, c, r["txn"]) for (lk, c, *_), r in zip(again, more) if r and r.get("txn")]
+            for k in spilling:
+                plans[k] = (plans[k][0], plans[k][1], False)
         if err is not None:
             self._end(txns, OP_ABORT)  # the reservations that were granted hold nothing visible
             raise err
@@ -1124,7 +1133,7 @@ class DramStore:
                 missing.append(pos[miss])
                 pos = np.delete(pos, miss)
             if "offs" in meta:
-                self._views(link, conn, meta, pos, out)
+                self._views(link, conn, meta, plen, pos, out)
                 return
             mv = memoryview(buffers.take(plen))
             recv_into(conn.sock, mv)
@@ -1142,11 +1151,23 @@ class DramStore:
             self._free(links, conns)
         return np.concatenate(missing) if missing else np.empty(0, dtype=np.intp)
 
-    def _views(self, link: _Link, conn: _Conn, meta: dict[str, Any], pos: np.ndarray, out: _Gathered) -> None:
-        """Values of a shared-memory GET reply: read-only views into the mapped slabs."""
+    def _views(
+        self, link: _Link, conn: _Conn, meta: dict[str, Any], plen: int, pos: np.ndarray, out: _Gathered
+    ) -> None:
+        """Values of a shared-memory GET reply: read-only views into the mapped slabs.
+
+        Values the node spilled to its tier (slab -1) come in the reply's payload instead.
+        """
         sids = np.frombuffer(meta["slabs"], dtype="<i4")
         offs = np.frombuffer(meta["offs"], dtype="<i8")
         lens = np.frombuffer(meta["lens"], dtype="<i8")
+        if plen:
+            inline = memoryview(buffers.take(plen))
+            recv_into(conn.sock, inline)
+            spilled = sids < 0
+            out.add(inline, pos[spilled], offs[spilled], lens[spilled])
+            kept = ~spilled
+            sids, offs, lens, pos = sids[kept], offs[kept], lens[kept], pos[kept]
         used = np.unique(sids).tolist()
         pin = meta.get("pin") or 0
         unpin = _Unpin(link, pin, len(used)) if pin else None

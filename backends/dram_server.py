@@ -27,6 +27,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import select
 import selectors
 import signal
@@ -70,6 +71,7 @@ from tq_redis.backends.dram import (
     recv_meta,
     send_frame,
 )
+from tq_redis.backends.dram_spill import SpillTier
 
 from tq_redis.errors import StorageUnavailable
 from tq_redis.keys import storage_nodes_key
@@ -164,6 +166,7 @@ class _Txn:
     keys: list[str]
     chunks: list[tuple[_Extent, int, int]]  # (extent, first value index, value count)
     items: list[tuple[str, tuple]] = field(default_factory=list)
+    spilled: bool = False  # the values go to the spill tier (entries (0, -1, file id, length))
 
 
 class StorageNode:
@@ -176,6 +179,7 @@ class StorageNode:
         *,
         slab_size: int | None = None,
         keep_warm: int = 128 << 20,
+        spill: str | None = None,
     ) -> None:
         self.node_id = node_id
         self.instance = uuid.uuid4().hex
@@ -184,9 +188,12 @@ class StorageNode:
         auto = min(max(64 << 20, capacity // 64), 1 << 30)
         self.slab_size = _round_up(min(slab_size or auto, self.slab_limit), PAGE)
         self.keep_warm = keep_warm
+        owner = re.sub(r"[^A-Za-z0-9._-]", "_", node_id) + "-" + self.instance[:12]
+        self.spill = SpillTier(spill, owner) if spill else None
         self.lock = threading.Lock()
         # key -> (extent id, slab id, offset, length): ints only, so the garbage collector stops
         # tracking these tuples and a node holding millions of keys has no long GC pauses.
+        # A spilled value is (0, -1, file id, length).
         self.entries: dict[str, tuple[int, int, int, int]] = {}
         self.extents: dict[int, _Extent] = {}
         self._extent_ids = itertools.count(1)
@@ -283,6 +290,8 @@ class StorageNode:
                     chunks.append((ext, 0, len(keys)))
                 else:
                     chunks = self._alloc_each(aligned)
+            if not chunks and self.spill is not None:
+                return self._spill_txn(keys, sizes)
             if not chunks:
                 raise _Refused(
                     ST_FULL,
@@ -303,23 +312,55 @@ class StorageNode:
             )  # fmt: skip
         return txn
 
+    def _spill_txn(self, keys: list[str], sizes: np.ndarray) -> _Txn:
+        ids = self.spill.new_ids(len(keys))  # type: ignore[union-attr]
+        return _Txn(keys, [], list(zip(keys, zip(repeat(0), repeat(-1), ids, sizes.tolist()))), spilled=True)
+
+    def spill_write(self, txn: _Txn, values: list[memoryview]) -> None:
+        """Write a spilled put's values to the tier; raises ``_Refused(ST_FULL)`` if it refuses."""
+        spill = self.spill
+        assert spill is not None
+        try:
+            for (_key, ent), value in zip(txn.items, values):
+                spill.write(ent[2], value)
+        except OSError as exc:
+            self.abort(txn)
+            raise _Refused(
+                ST_FULL,
+                f"DRAM storage node {self.node_id!r} is full and its spill tier {spill.url!r} refused "
+                f"the overflow ({exc}). Free space there, add storage nodes, or clear consumed partitions.",
+            ) from None
+
     def value_views(self, txn: _Txn) -> list[memoryview]:
         """Writable views of every reserved value, in key order."""
         return [self.slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for _k, ent in txn.items]
 
     def commit(self, txn: _Txn) -> None:
+        gone: list[tuple[int, int]] = []
         with self.lock:
             for ext, _start, count in txn.chunks:
                 ext.reserved = False
                 ext.refs += count
             entries = self.entries
             for k in entries.keys() & set(txn.keys):  # overwrites release the old values
-                old = self.extents[entries[k][0]]
-                old.refs -= 1
-                self._release(old)
+                self._forget(entries[k], gone)
             entries.update(txn.items)
+        if gone:
+            self.spill.remove(gone)  # type: ignore[union-attr]
+
+    def _forget(self, ent: tuple[int, int, int, int], spilled: list[tuple[int, int]]) -> None:
+        """Drop one stored value's claim on its memory (lock held); spilled files are collected."""
+        if ent[0] == 0:
+            spilled.append((ent[2], ent[3]))
+            return
+        ext = self.extents[ent[0]]
+        ext.refs -= 1
+        self._release(ext)
 
     def abort(self, txn: _Txn) -> None:
+        if txn.spilled:
+            self.spill.remove([(ent[2], ent[3]) for _k, ent in txn.items])  # type: ignore[union-attr]
+            return
         with self.lock:
             for ext, _start, _count in txn.chunks:
                 ext.reserved = False
@@ -335,7 +376,7 @@ class StorageNode:
             ents = list(map(self.entries.get, keys))
             missing = [i for i, e in enumerate(ents) if e is None] if None in ents else []
             present = [e for e in ents if e is not None] if missing else ents
-            exts = [self.extents[i] for i in {e[0] for e in present}]
+            exts = [self.extents[i] for i in {e[0] for e in present} - {0}]  # 0: spilled, unpinned
             for x in exts:
                 x.pins += 1
             pin = 0
@@ -365,16 +406,35 @@ class StorageNode:
 
     def delete(self, keys: list[str]) -> int:
         n = 0
+        gone: list[tuple[int, int]] = []
         with self.lock:
             pop = self.entries.pop
             for k in keys:
                 ent = pop(k, None)
                 if ent is not None:
                     n += 1
-                    ext = self.extents[ent[0]]
-                    ext.refs -= 1
-                    self._release(ext)
+                    self._forget(ent, gone)
+        if gone:
+            self.spill.remove(gone)  # type: ignore[union-attr]
         return n
+
+    def read_spilled(self, entries: Sequence[tuple[int, int, int, int]]) -> list[bytes]:
+        """The bytes of spilled values; a file that vanished is reported, not papered over."""
+        out = []
+        for ent in entries:
+            try:
+                data = self.spill.read(ent[2])  # type: ignore[union-attr]
+            except OSError as exc:
+                raise _Refused(
+                    ST_INTERNAL, f"DRAM storage node {self.node_id!r} lost a spilled value ({exc})"
+                ) from None
+            if len(data) != ent[3]:
+                raise _Refused(
+                    ST_INTERNAL,
+                    f"DRAM storage node {self.node_id!r}: a spilled value has {len(data)} bytes, not {ent[3]}",
+                )
+            out.append(data)
+        return out
 
     def client_connected(self, client: str) -> None:
         with self.lock:
@@ -413,6 +473,9 @@ class StorageNode:
                 "pins": len(self.pins),
                 "clients": len(self.client_conns),
                 "pinned_extents": sum(1 for _o, ex in self.pins.values() for _ in ex),
+                "spill": self.spill.url if self.spill else None,
+                "spilled_keys": self.spill.files if self.spill else 0,
+                "spilled_bytes": self.spill.bytes if self.spill else 0,
             }
 
     def close(self) -> None:
@@ -421,6 +484,8 @@ class StorageNode:
                 self._drop_slab(slab)
             self.entries.clear()
             self.extents.clear()
+        if self.spill is not None:
+            self.spill.close()
 
 
 class _Session:
@@ -543,11 +608,18 @@ class _Session:
         except _Refused:
             drain(self.sock, plen)
             raise
-        try:
-            recv_into_buffers(self.sock, self.node.value_views(txn))
-        except BaseException:
-            self.node.abort(txn)
-            raise
+        if txn.spilled:
+            buf = memoryview(bytearray(plen))
+            offs = np.concatenate(([0], np.cumsum(sizes))).tolist()
+            views = list(map(buf.__getitem__, map(slice, offs[:-1], offs[1:])))
+            recv_into_buffers(self.sock, views)
+            self.node.spill_write(txn, views)
+        else:
+            try:
+                recv_into_buffers(self.sock, self.node.value_views(txn))
+            except BaseException:
+                self.node.abort(txn)
+                raise
         if meta.get("commit", True):
             self.node.commit(txn)
             return send_frame(self.sock, ST_OK)
@@ -560,19 +632,26 @@ class _Session:
             raise _Refused(ST_BAD, "ALLOC needs a shared-memory connection")
         keys, sizes = self._batch(meta)
         txn = self.node.reserve(keys, sizes)
+        if txn.spilled:  # no room in memory: the client sends these values inline (OP_PUT)
+            return send_frame(self.sock, ST_OK, {"inline": True})
         t = next(self.node._txn_ids)
         self.txns[t] = txn
         chunks = [[ext.slab.id, ext.off, start, count] for ext, start, count in txn.chunks]
         self._reply_with_slabs({"txn": t, "chunks": chunks}, [c[0] for c in chunks])
 
-    def _reply_with_slabs(self, meta: dict[str, Any], sids: list[int], force: bool = False) -> None:
+    def _reply_with_slabs(
+        self, meta: dict[str, Any], sids: list[int], force: bool = False, payload: Sequence[Any] = ()
+    ) -> None:
         """Reply, passing the fds of referenced slabs this connection has not been sent yet."""
-        want = [s for s in dict.fromkeys(sids) if force or s not in self.sent_slabs]
+        want = [s for s in dict.fromkeys(sids) if s >= 0 and (force or s not in self.sent_slabs)]
         fds, fd_slabs = self.node.slab_fds(want)
         self.sent_slabs.update(s for s, _size in fd_slabs)
         meta["fd_slabs"] = fd_slabs
         meta["live"] = self.node.live_slabs()
-        send_frame(self.sock, ST_OK, meta, fds=fds)
+        if payload:
+            send_frame(self.sock, ST_OK, meta, payload, sum(map(len, payload)), fds=fds)
+        else:
+            send_frame(self.sock, ST_OK, meta, fds=fds)
 
     def _get(self, meta: dict[str, Any]) -> None:
         keys = meta.get("keys")
@@ -585,20 +664,36 @@ class _Session:
             _e, sids, offs, lens = zip(*present)
         else:
             sids = offs = lens = ()
+        spilled = [i for i, sid in enumerate(sids) if sid < 0] if -1 in sids else []
+        try:
+            inline = node.read_spilled([present[i] for i in spilled])
+        except _Refused:
+            if pin:
+                node.unpin([pin])
+            else:
+                node.unpin_extents(exts)
+            raise
         if shm:
+            offs = np.array(offs, dtype="<i8")
+            if spilled:  # spilled values travel in the payload: slab -1, offset into the payload
+                ends = np.cumsum([len(b) for b in inline])
+                offs[spilled] = ends - np.array([len(b) for b in inline])
             reply = {
                 "slabs": np.array(sids, dtype="<i4").tobytes(),
-                "offs": np.array(offs, dtype="<i8").tobytes(),
+                "offs": offs.tobytes(),
                 "lens": np.array(lens, dtype="<i8").tobytes(),
                 "missing": missing,
                 "pin": pin,
             }
             if pin == 0 and exts:
                 node.unpin_extents(exts)
-            return self._reply_with_slabs(reply, list(dict.fromkeys(sids)))
+            return self._reply_with_slabs(reply, list(dict.fromkeys(sids)), payload=inline)
         try:
             slabs = node.slabs  # the extents are pinned: their slabs stay
-            views = [slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for ent in present]
+            spilled_data = iter(inline)
+            views = [
+                next(spilled_data) if ent[1] < 0 else slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for ent in present
+            ]
             reply = {"sizes": np.array(lens, dtype="<i8").tobytes(), "missing": missing}
             send_frame(self.sock, ST_OK, reply, views, int(sum(lens)))
         finally:
@@ -631,6 +726,7 @@ class _Server:
             parse_size(args.capacity),
             slab_size=parse_size(args.slab_size) if args.slab_size else None,
             keep_warm=parse_size(args.keep_warm) if args.keep_warm not in ("0", 0) else 0,
+            spill=args.spill,
         )
         self.uds: socket.socket | None = None
         self.uds_name: str | None = None
@@ -658,6 +754,7 @@ class _Server:
             "used": st["used"],
             "keys": st["keys"],
             "slab_bytes": st["slab_bytes"],
+            "spilled_bytes": st["spilled_bytes"],
             "heartbeat": now,
             "started": self.started,
             "auth": self.token is not None,
@@ -749,6 +846,13 @@ def _parser() -> argparse.ArgumentParser:
         help="offer same-host clients shared memory over a unix socket (default: on)",
     )
     p.add_argument("--slab-size", default=None, help="memory slab size (default: capacity/64, 64MiB-1GiB)")
+    p.add_argument(
+        "--spill",
+        default=None,
+        metavar="URL",
+        help="fsspec URL (a directory, s3://bucket/prefix, ...) for values beyond --capacity; "
+        "without it a full node refuses puts with StorageFull",
+    )
     p.add_argument("--keep-warm", default="128MiB", help="empty slab bytes kept for reuse (default 128MiB)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period in seconds")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -1005,11 +1109,13 @@ def start_local_nodes(
     host: str = "127.0.0.1",
     shm: bool = True,
     timeout: float = 30.0,
+    spill: str | None = None,
 ) -> LocalNodes:
     """Spawn ``n`` storage-node processes on ``host`` (ephemeral ports) and wait until all registered.
 
     The nodes also stop by themselves if this process dies. Call ``.stop()`` (or use the handle as a
-    context manager) to shut them down.
+    context manager) to shut them down. ``spill`` is an fsspec URL for values beyond ``capacity``
+    (each node uses its own directory under it; see :mod:`tq_redis.backends.dram_spill`).
     """
     launched: list[tuple[NodeProcess, int]] = []
     waited = 0
@@ -1018,7 +1124,7 @@ def start_local_nodes(
             launched.append(
                 _launch(
                     redis_url, namespace, listen=f"{host}:0", capacity=capacity, token=token,
-                    node_id=None, shm=shm, extra_args=(), log_level="WARNING",
+                    node_id=None, shm=shm, extra_args=("--spill", spill) if spill else (), log_level="WARNING",
                 )
             )  # fmt: skip
         deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         if args.units > 0:
             nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
-                                      token=args.token)
+                                      token=args.token, spill=args.spill)
         r = redis.Redis.from_url(server.url)
         r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
                                                                    "options": {}}))
@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
     up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
+    up.add_argument("--spill", default=None, metavar="URL",
+                    help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
     up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
     up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
     up.add_argument("--token", default=os.environ.get("TQ_STORAGE_TOKEN"), help="storage-node auth token")

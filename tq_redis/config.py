@@ -4,7 +4,8 @@ Our own shape (every key optional)::
 
     redis:     {url: null}               # null and no TQ_REDIS_URL -> start an embedded Valkey
     namespace: tq                        # two jobs on one Redis use two namespaces
-    storage:   {backend: dram, units: 2, unit_capacity: 4GiB, options: {}}
+    storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {}}
+                                         # spill: fsspec URL the embedded nodes overflow to
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
     compat:    {nested_output: false}    # true: get_data returns nested tensors always
     codec:     {allow_pickle: false}     # true: pickle what the safe encoding cannot hold
@@ -26,7 +27,7 @@ from tq_redis.errors import ConfigError
 DEFAULTS: dict[str, Any] = {
     "redis": {"url": None},
     "namespace": "tq",
-    "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "options": {}},
+    "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {}},
     "sampler": "SequentialSampler",
     "compat": {"nested_output": False},
     "codec": {"allow_pickle": False},

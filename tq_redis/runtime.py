@@ -51,7 +51,7 @@ def init(conf: Any = None) -> dict[str, Any]:
 
                     nodes = start_local_nodes(
                         cfg["redis"]["url"], cfg["namespace"], n=int(storage["units"]),
-                        capacity=str(storage["unit_capacity"]),
+                        capacity=str(storage["unit_capacity"]), spill=storage.get("spill") or None,
                     )
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],

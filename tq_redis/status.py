@@ -122,8 +122,10 @@ def render(snap: dict[str, Any]) -> str:
     for n in nodes:
         used, cap = n.get("used", 0), n.get("capacity", 0)
         age = n.get("heartbeat_age_s")
+        spilled = n.get("spilled_bytes") or 0
         lines.append(
             f"  {n['id']} {n.get('address', '?')}: {_size(used)} / {_size(cap)} used"
+            + (f", {_size(spilled)} spilled" if spilled else "")
             + (f", heartbeat {age:.1f}s ago" if age is not None else "")
         )
     for partition, count in snap.get("pending_deletes", {}).items():

@@ -407,6 +407,81 @@ def test_storage_full_leaves_nothing_half_written(small_nodes, store_factory, sh
     assert all(s["used"] == 0 for s in st.stats().values())
 
 
+@pytest.fixture(scope="module")
+def spilling_nodes(dram_redis, tmp_path_factory):
+    """Two 4 MiB nodes that overflow to a directory (namespace ``dram-spill``)."""
+    spill = tmp_path_factory.mktemp("spill")
+    nodes = start_local_nodes(dram_redis, "dram-spill", n=2, capacity="4MiB", spill=str(spill))
+    yield nodes, spill
+    nodes.stop()
+    assert list(spill.iterdir()) == []  # each node removes its directory when it exits
+
+
+def _files(root) -> int:
+    return sum(len(files) for _dir, _sub, files in os.walk(root))
+
+
+@pytest.mark.parametrize("shm", PATHS)
+def test_a_full_node_spills_the_overflow_and_serves_it(spilling_nodes, store_factory, shm):
+    _nodes, spill = spilling_nodes
+    st = store_factory("dram-spill", shm=shm)
+    rng = np.random.default_rng(11)
+    small = [rng.integers(0, 256, 1000, dtype=np.uint8).tobytes() for _ in range(20)]
+    big = [rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes() for _ in range(40)]  # 12 MB > 2 x 4 MiB
+    small_keys, big_keys = [f"{shm}:s{i}" for i in range(20)], [f"{shm}:b{i}" for i in range(40)]
+    st.put(small_keys, [[v] for v in small])
+    st.put(big_keys, [[v[:7], v[7:]] for v in big])
+    stats = st.stats().values()
+    spilled = sum(s["spilled_keys"] for s in stats)
+    assert spilled >= 20 and _files(spill) == spilled  # the batch did not fit in memory
+    assert sum(s["spilled_bytes"] for s in stats) == 300_000 * spilled
+    assert sum(s["keys"] for s in stats) == 60 and all(s["used"] <= s["capacity"] for s in stats)
+    # one get returns values from memory and from the spill tier, in order
+    keys = [k for pair in zip(small_keys, big_keys) for k in pair] + big_keys[20:]
+    want = [v for pair in zip(small, big) for v in pair] + big[20:]
+    got = st.get(keys)
+    assert [bytes(g) for g in got] == want
+    del got
+    # overwriting a spilled value replaces its file; deleting removes every file
+    st.put([big_keys[0]], [[b"short now"]])
+    assert bytes(st.get([big_keys[0]])[0]) == b"short now"
+    assert _files(spill) < spilled
+    st.delete(small_keys + big_keys)
+    assert _files(spill) == 0
+    assert all(s["spilled_bytes"] == 0 and s["used"] == 0 for s in st.stats().values())
+
+
+def test_a_spill_tier_that_refuses_writes_is_a_clear_storage_full(dram_redis, store_factory, tmp_path):
+    node = spawn_node(dram_redis, "dram-spill-gone", capacity="1MiB", extra_args=("--spill", str(tmp_path)))
+    try:
+        st = store_factory("dram-spill-gone")
+        (own,) = list(tmp_path.iterdir())
+        os.rmdir(own)
+        own.write_bytes(b"")  # a file where the node's directory was: every spill write fails
+        with pytest.raises(StorageFull, match=r"spill tier .* refused"):
+            st.put(["a", "b"], [[b"x" * 800_000], [b"y" * 800_000]])
+        with pytest.raises(DataMissing):
+            st.get(["a"])
+        own.unlink()
+    finally:
+        node.stop()
+
+
+def test_a_restarted_node_removes_what_its_killed_run_spilled(dram_redis, store_factory, tmp_path):
+    args = ("--spill", str(tmp_path), "--node-id", "spiller")
+    first = spawn_node(dram_redis, "dram-spill-kill", capacity="1MiB", extra_args=args)
+    st = store_factory("dram-spill-kill")
+    st.put(["k"], [[b"z" * 2_000_000]])
+    assert _files(tmp_path) == 1
+    first.stop(sig=signal.SIGKILL)  # no chance to clean up
+    second = spawn_node(dram_redis, "dram-spill-kill", capacity="1MiB", extra_args=args)
+    try:
+        (left,) = list(tmp_path.iterdir())
+        assert left.name.endswith(second.info["instance"][:12]) and _files(tmp_path) == 0
+    finally:
+        second.stop()
+
+
 def _mapped_slabs() -> int:
     """How many slab mappings this process has."""
     with open("/proc/self/maps") as f:

@@ -51,3 +51,20 @@ def test_embedded_default_and_attach_from_another_process(backend, monkeypatch):
     with pytest.raises(NotInitialized):
         tq.get_client()
     tq.close()  # idempotent
+
+
+def test_embedded_nodes_spill_beyond_their_capacity(monkeypatch, tmp_path):
+    monkeypatch.delenv("TQ_REDIS_URL", raising=False)
+    storage = {"backend": "dram", "units": 1, "unit_capacity": "1MiB", "spill": str(tmp_path)}
+    tq.init({"namespace": "rt-spill", "storage": storage})
+    try:
+        client = tq.get_client()
+        x = torch.arange(64 * 4096).reshape(64, 4096)  # 2 MiB: twice the node's memory
+        meta = client.put(TensorDict({"x": x}, batch_size=[64]), partition_id="p")
+        assert torch.equal(client.get_data(meta)["x"], x)
+        assert sum(len(files) for _d, _s, files in os.walk(tmp_path)) == 64
+        client.clear_partition("p")
+        assert sum(len(files) for _d, _s, files in os.walk(tmp_path)) == 0
+    finally:
+        tq.close()
+    assert list(tmp_path.iterdir()) == []

@@ -39,7 +39,7 @@ def test_reference_shape_is_mapped():
         }
     )
     assert cfg["sampler"] == "GRPOGroupNSampler"
-    assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "options": {}}
+    assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "spill": None, "options": {}}
     assert cfg["metrics"] == {"enabled": True, "port": 9000}
 
 

@@ -1,0 +1,105 @@
+"""The storage node's spill tier: where values go when its memory budget is used up.
+
+A node started with ``--spill URL`` (any fsspec URL: a local directory, ``s3://bucket/prefix``,
+...) writes a put that does not fit its ``--capacity`` to files under
+``URL/<node id>-<instance>/`` instead of refusing it with ``StorageFull``. The values stay
+owned by the node: it serves them on ``get`` (inline on the socket, also to same-host clients),
+removes each file on ``delete`` or overwrite, and removes its whole directory when it exits,
+since a restarted node has lost its memory and starts empty (spilled values included). A node
+that was killed (SIGKILL) cannot clean up: the next run with the same node id removes what it
+left.
+
+Spilled values are not moved back into memory when memory frees up; they live on the tier until
+deleted. Files are named by a number the node allocates, never by the key, so no key can escape
+the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from typing import Any
+
+import fsspec
+
+from tq_redis.errors import ConfigError
+
+log = logging.getLogger("tq_redis.dram_server")
+
+__all__ = ["SpillTier"]
+
+
+class SpillTier:
+    """One node's directory on an fsspec filesystem; thread-safe."""
+
+    def __init__(self, url: str, owner: str, storage_options: dict[str, Any] | None = None) -> None:
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"--spill {url!r}: {exc}") from None
+        self.url = url
+        self.fs = fs
+        self.root = f"{root.rstrip('/')}/{owner}"
+        try:
+            self._drop_stale(fs, root.rstrip("/"), owner)
+            fs.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--spill {url!r}: cannot create {self.root!r} there: {exc}") from None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.files = 0
+        self.bytes = 0
+
+    @staticmethod
+    def _drop_stale(fs: Any, root: str, owner: str) -> None:
+        """Remove directories an earlier run of this node left (it was killed before cleaning up):
+        their values went with that run's memory index, so nothing can reach them any more."""
+        node_part = owner.rsplit("-", 1)[0]
+        try:
+            found = fs.ls(root, detail=False)
+        except FileNotFoundError:
+            return
+        for path in found:
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name != owner and name.rsplit("-", 1)[0] == node_part:
+                log.info("removing %s, left by an earlier run of this storage node", path)
+                fs.rm(path, recursive=True)
+
+    def new_ids(self, n: int) -> list[int]:
+        with self._lock:
+            return [next(self._ids) for _ in range(n)]
+
+    def _path(self, file_id: int) -> str:
+        return f"{self.root}/{file_id}"
+
+    def write(self, file_id: int, data: Any) -> None:
+        """Write one value; raises ``OSError`` when the tier refuses it (full, gone, ...)."""
+        with self.fs.open(self._path(file_id), "wb") as f:
+            f.write(data)
+        with self._lock:
+            self.files += 1
+            self.bytes += memoryview(data).nbytes
+
+    def read(self, file_id: int) -> bytes:
+        return self.fs.cat_file(self._path(file_id))
+
+    def remove(self, files: list[tuple[int, int]]) -> None:
+        """Remove ``(file id, length)`` files; one that is already gone is not an error."""
+        for file_id, length in files:
+            try:
+                self.fs.rm_file(self._path(file_id))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # still owned by us: the directory goes when the node exits
+                log.warning("could not remove spilled value %s: %s", self._path(file_id), exc)
+                continue
+            with self._lock:
+                self.files -= 1
+                self.bytes -= length
+
+    def close(self) -> None:
+        """Remove the node's whole directory (its values die with the node's memory)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.root, recursive=True)
