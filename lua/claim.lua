@@ -35,15 +35,21 @@
                drop_stale   1 = put samples below min_version aside       default 0
                dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
     then     nfields, then nfields required field names
+    then     optional: waiter id, wait_ms  the caller's waiter id; when nothing is handed out and
+                                 wait_ms > 0 it is registered as waiting that long (see `wait`),
+                                 otherwise it is removed from the task's waiters
   Output:
-    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms}
-      last_event_id              stream id to XREAD BLOCK from when ids is empty
+    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered}
+      last_event_id              what to pass to `wait` when ids is empty
+    A claim that hands out samples wakes one more waiting consumer of the task, if any (the
+    baton: one wake per event, then one per successful claim, never every waiter at once).
       ids                        the batch (empty if not enough is ready); ascending, except
                                  that uid groups are kept adjacent
       schemas                    flat {field, schema JSON, ...} of the required fields
       tags                       flat {tag name, {JSON value per id}, ...}
       deliveries                 delivery count per id (lease mode), else empty
       next_deadline_ms           earliest lease deadline of the task, -1 if none
+      registered                 1 when the waiter was registered (BLPOP <prefix>wake:<task> next)
 ]]
 local function claim(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
@@ -55,15 +61,32 @@ local function claim(KEYS, ARGV)
   local opts = {}
   for i = 8, 7 + 2 * nopts, 2 do opts[ARGV[i]] = ARGV[i + 1] end
   local at = 8 + 2 * nopts
-  local fields = {unpack(ARGV, at + 1, at + tonumber(ARGV[at]))}
+  local nfields = tonumber(ARGV[at])
+  local fields = {unpack(ARGV, at + 1, at + nfields)}
+  local waiter, wait_ms = ARGV[at + nfields + 1], tonumber(ARGV[at + nfields + 2] or '0')
 
+  -- Nothing to hand out: with a waiter id and wait_ms > 0 the caller now waits for a wake token
+  -- (registered in this same atomic step, so no event can slip in between); else it stops waiting.
+  local function nothing(schemas, next_deadline)
+    local registered = 0
+    if waiter and wait_ms > 0 then
+      register_waiter(prefix, task, waiter, wait_ms)
+      registered = 1
+    elseif waiter then
+      redis.call('ZREM', prefix .. 'waiters:' .. task, waiter)
+    end
+    return {last_event_id(prefix), {}, schemas, {}, {}, next_deadline, registered}
+  end
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    return {last_event_id(prefix), {}, {}, {}, {}, -1}
+    return nothing({}, -1)
   end
   redis.call('SADD', prefix .. 'tasks', task)
   release_lapsed(prefix, task, now_ms, max_deliveries)
 
   local function reply(ids, deliveries)
+    if #ids == 0 then return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task)) end
+    if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
+    wake_one(prefix, task, server_ms()) -- pass the baton: there may be more for the other waiters
     return {last_event_id(prefix), ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
             next_lease_deadline(prefix, task)}
   end
@@ -109,7 +132,7 @@ local function claim(KEYS, ARGV)
 
   local ids, tags = select_units(prefix, task, fields, total, select_opts)
   if #ids == 0 then
-    return {last_event_id(prefix), {}, read_schemas(prefix, fields), {}, {}, next_lease_deadline(prefix, task)}
+    return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task))
   end
   local deliveries = mark_claimed(prefix, task, ids, now_ms, lease_ms)
   local ttl = tonumber(opts.ttl_ms) or 3600000

@@ -29,12 +29,18 @@ local function drop_partition(KEYS, ARGV)
       doomed[#doomed + 1] = prefix .. kind .. tasks[i]
     end
   end
+  local waiting = redis.call('SMEMBERS', prefix .. 'waittasks')
+  for i = 1, #waiting do
+    doomed[#doomed + 1] = prefix .. 'waiters:' .. waiting[i]
+    doomed[#doomed + 1] = prefix .. 'wake:' .. waiting[i]
+  end
+  doomed[#doomed + 1] = prefix .. 'waittasks'
   local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
   for i = 1, #tagnames do doomed[#doomed + 1] = prefix .. 'tag:' .. tagnames[i] end
   for from = 1, #doomed, BITFIELD_CHUNK do
     redis.call('DEL', unpack(doomed, from, math.min(#doomed, from + BITFIELD_CHUNK - 1)))
   end
-  -- Waiting consumers block on the stream: leave one event so they re-check and see it gone.
+  -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')
   redis.call('PEXPIRE', prefix .. 'events', 60000)
   return {alive or false, fields, older}

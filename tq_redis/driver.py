@@ -64,6 +64,17 @@ class Wait:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class WaitToken:
+    """Block until a token can be popped from the list ``key`` (``BLPOP``) or ``timeout_s`` passes.
+
+    Returns whether a token was taken.
+    """
+
+    key: str
+    timeout_s: float
+
+
 Operation = Generator[Any, Any, Any]
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -100,6 +111,11 @@ def _as_redis_failure(url: str, effect: Any, exc: BaseException) -> BaseExceptio
 
 def _wait_ms(wait: Wait) -> int:
     return max(1, int(wait.timeout_s * 1000))
+
+
+def _blpop_timeout(wait: WaitToken) -> float:
+    # BLPOP takes seconds with decimals (Redis >= 6); 0 would mean "forever"
+    return max(0.001, round(wait.timeout_s, 3))
 
 
 def _library_is_current(reply: Any) -> bool:
@@ -174,6 +190,9 @@ class SyncDriver:
         if isinstance(effect, Wait):
             with metrics.WAIT_SECONDS.time():
                 return self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+        if isinstance(effect, WaitToken):
+            with metrics.WAIT_SECONDS.time():
+                return self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
         raise TypeError(f"unknown effect {effect!r}")
 
     def ensure_loaded(self, force: bool = False) -> None:
@@ -259,6 +278,9 @@ class AsyncDriver:
         if isinstance(effect, Wait):
             with metrics.WAIT_SECONDS.time():
                 return await self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
+        if isinstance(effect, WaitToken):
+            with metrics.WAIT_SECONDS.time():
+                return await self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
         raise TypeError(f"unknown effect {effect!r}")
 
     async def ensure_loaded(self, force: bool = False) -> None:

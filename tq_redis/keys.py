@@ -30,6 +30,9 @@ key                                type    holds
 ``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
 ``ns:{p}:kvkeys``                  HASH    sample id -> user key (KV API, reverse of ``kv``)
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
+``ns:{p}:waittasks``               SET     tasks with consumers waiting in ``get_meta`` (expires)
+``ns:{p}:waiters:<task>``          ZSET    waiting consumer id -> deadline (ms); expires
+``ns:{p}:wake:<task>``             LIST    wake tokens: one waiter BLPOPs each (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
 ``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
@@ -126,6 +129,16 @@ class PartitionKeys:
     @property
     def events(self) -> str:
         return self.prefix + "events"
+
+    @property
+    def waittasks(self) -> str:
+        return self.prefix + "waittasks"
+
+    def waiters(self, task: str) -> str:
+        return self.prefix + "waiters:" + task
+
+    def wake(self, task: str) -> str:
+        return self.prefix + "wake:" + task
 
     @property
     def trash(self) -> str:

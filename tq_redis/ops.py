@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from tensordict import TensorDict
 
 from tq_redis import codec, samplers
 from tq_redis.backends.base import StoreContext
-from tq_redis.driver import Cmd, FCall, Offload, Pipe, Wait
+from tq_redis.driver import Cmd, FCall, Offload, Pipe, WaitToken
 from tq_redis.errors import (
     BatchSizeMismatch,
     DataMissing,
@@ -346,18 +347,30 @@ def get_meta(
         attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields)
     else:
         attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
+    # Waiting is for a wake token, not for any event: each event wakes one waiting consumer of
+    # the task (who wakes the next if it got something), never all of them at once.
     deadline = time.monotonic() + timeout
+    waiter = uuid.uuid4().hex if timeout > 0 else None
+    user_registered = False  # whether the user-sampler path registered the waiter
     while True:
-        meta, last_id, next_deadline = yield from attempt()
-        if meta is not None:
+        wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
+        meta, last_id, next_deadline, registered = yield from attempt(waiter, max(wait_ms, 0))
+        remaining = deadline - time.monotonic()
+        if meta is not None or remaining <= 0:
+            if user_registered:  # stop counting as a waiter, so no token is spent on us
+                yield Cmd(("ZREM", pk.waiters(task_name), waiter))
+            if meta is None:
+                return BatchMeta.empty()
             meta.set_extra_info("task_name", task_name)
             return meta
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return BatchMeta.empty()
+        if not registered:  # the user-sampler path: register unless something changed meanwhile
+            wait_ms = max(1, int(remaining * 1000))
+            registered = int((yield FCall("wait", (pk.meta,), (task_name, waiter, wait_ms, _text(last_id))))) == 1
+            user_registered = user_registered or registered
         if int(next_deadline) >= 0:  # a lease of this task lapses sooner: re-check then
             remaining = min(remaining, max(0.001, (int(next_deadline) - _now_ms()) / 1000))
-        yield Wait(pk.events, _text(last_id), remaining)
+        if registered:
+            yield WaitToken(pk.wake(task_name), remaining)
 
 
 _SAMPLER_ATTR = "_tq_default_sampler"
@@ -392,17 +405,20 @@ def _default_sampler(ctx: Context) -> Op:
 def _builtin_claim(
     pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str]
 ):
-    """One claim with a built-in sampler: returns an attempt yielding ``(meta|None, last_id, deadline)``."""
+    """One claim with a built-in sampler: an attempt ``(waiter, wait_ms)`` yielding ``(meta|None,
+    last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself."""
 
-    def attempt() -> Op:
+    def attempt(waiter: str | None, wait_ms: int) -> Op:
+        waiting = (waiter, wait_ms) if waiter else ()
         reply = yield FCall(
             "claim",
             (pk.meta,),
-            (task, plan.batch_size, _now_ms(), lease_ms, max_deliveries, *plan.args(), len(fields), *fields),
-        )
-        last_id, ids, schemas, tags, deliveries, next_deadline = reply
+            (task, plan.batch_size, _now_ms(), lease_ms, max_deliveries, *plan.args(), len(fields), *fields,
+             *waiting),
+        )  # fmt: skip
+        last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
         meta = _claimed_meta(pk.partition, ids, schemas, tags, deliveries) if ids else None
-        return meta, last_id, next_deadline
+        return meta, last_id, next_deadline, bool(rest and int(rest[0]))
 
     return attempt
 
@@ -440,7 +456,11 @@ def _user_claim(
     kwargs = {k: v for k, v in config.items() if k not in ("sampler", "max_deliveries")}
     kwargs.update(task_name=task, partition_id=pk.partition)
 
-    def attempt() -> Op:
+    def attempt(waiter: str | None, wait_ms: int) -> Op:  # waiting is registered by get_meta (`wait`)
+        meta, last_id, next_deadline = yield from choose_and_claim()
+        return meta, last_id, next_deadline, False
+
+    def choose_and_claim() -> Op:
         taken: list[int] = []
         for _ in range(USER_SAMPLER_ATTEMPTS):
             last_id, bitmap, next_deadline = yield FCall(

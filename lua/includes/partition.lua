@@ -15,9 +15,59 @@ local function last_event_id(prefix)
   return last[1][1]
 end
 
--- Append an event; the stream is capped, it only serves to wake waiting consumers and tools.
+-- Server time in ms (functions replicate their effects, so reading the clock is allowed).
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Waiting consumers of `task` (ZSET waiter -> deadline ms) and the tokens that wake them (LIST,
+-- one BLPOP each). Both expire on their own, so a consumer that died leaves nothing for good.
+local WAIT_KEY_TTL_MS = 60000
+
+local function keep_alive(key, ms)
+  if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+-- Wake one waiting consumer of `task`, unless there are already as many tokens as waiters.
+local function wake_one(prefix, task, now_ms)
+  local waiters = prefix .. 'waiters:' .. task
+  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', now_ms)
+  local n = redis.call('ZCARD', waiters)
+  if n == 0 then
+    redis.call('SREM', prefix .. 'waittasks', task)
+    return
+  end
+  local wake = prefix .. 'wake:' .. task
+  if redis.call('LLEN', wake) < n then
+    redis.call('RPUSH', wake, '1')
+    keep_alive(wake, WAIT_KEY_TTL_MS)
+  end
+end
+
+-- Record `waiter` as waiting for `task` for up to `timeout_ms`.
+local function register_waiter(prefix, task, waiter, timeout_ms)
+  local waiters = prefix .. 'waiters:' .. task
+  redis.call('ZADD', waiters, server_ms() + timeout_ms, waiter)
+  redis.call('SADD', prefix .. 'waittasks', task)
+  keep_alive(waiters, timeout_ms + WAIT_KEY_TTL_MS)
+  keep_alive(prefix .. 'waittasks', timeout_ms + WAIT_KEY_TTL_MS)
+end
+
+-- Something changed: wake one waiting consumer per task (not all of them: it passes the baton on
+-- if it finds more than it takes, see claim), instead of every consumer racing for one sample.
+local function wake_waiters(prefix)
+  local tasks = redis.call('SMEMBERS', prefix .. 'waittasks')
+  if #tasks == 0 then return end
+  local now_ms = server_ms()
+  for i = 1, #tasks do wake_one(prefix, tasks[i], now_ms) end
+end
+
+-- Append an event and wake waiting consumers; the stream is capped, it serves tools and the
+-- wrappers that follow a partition (dock, streaming) as well.
 local function emit(prefix, kind, ...)
   redis.call('XADD', prefix .. 'events', 'MAXLEN', '~', 1000, '*', 'type', kind, ...)
+  wake_waiters(prefix)
 end
 
 -- Field schemas must match what the field was registered with (JSON compared as text, the

@@ -111,6 +111,19 @@ def test_clear_frees_data_and_hides_samples(client):
     assert 0 < client.redis.pttl(pk.events) <= 60000
 
 
+def test_wait_bookkeeping_expires_and_goes_with_the_partition(client):
+    pk = PartitionKeys(client.namespace, "w")
+    client.put(_td(2), partition_id="w")
+    client.get_meta(["input_ids"], 2, "w", task_name="t")
+    assert client.get_meta(["input_ids"], 1, "w", task_name="t", timeout=0.05).size == 0  # waited in vain
+    # the consumer left the waiters when it gave up; what is left expires by itself
+    assert client.redis.zcard(pk.waiters("t")) == 0
+    assert 0 < client.redis.pttl(pk.waittasks) <= 60050
+    client.clear_partition("w")
+    left = set(client.redis.scan_iter(f"{client.namespace}:{{w}}:*"))
+    assert left == {pk.seq.encode(), pk.events.encode()}
+
+
 def test_custom_meta_tags(client):
     meta = client.put(_td(3), partition_id="p")
     meta.update_custom_meta([{"total_lengths": 10}, {"total_lengths": 20, "uid": "a"}, {}])

@@ -97,15 +97,21 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     """Keys of the namespace that must not outlive a clear of ``partitions``.
 
     Allowed to remain: the namespace config and the storage-node registry, each partition's id
-    counter (ids are never reused) and its event stream while it still has an expiry (it is kept a
-    minute so that waiting readers see the partition go).
+    counter (ids are never reused), and while they still have an expiry its event stream (kept a
+    minute so that readers following it see the partition go) and the wait bookkeeping of
+    consumers that started waiting after the clear (``waittasks``, ``waiters:*``, ``wake:*``).
     """
     allowed = {config_key(namespace), storage_nodes_key(namespace)}
     allowed |= {f"{namespace}:{{{p}}}:seq" for p in partitions}
-    events = {f"{namespace}:{{{p}}}:events" for p in partitions}
+    prefixes = tuple(f"{namespace}:{{{p}}}:" for p in partitions)
+    expiring = ("events", "waittasks", "waiters:", "wake:")
+
+    def may_expire(key: str) -> bool:
+        return key.startswith(prefixes) and key.split("}:", 1)[1].startswith(expiring)
+
     with redis.Redis.from_url(url) as r:
         return {
             key
             for key in namespace_keys(url, namespace) - allowed
-            if not (key in events and r.pttl(key) > 0)
+            if not (may_expire(key) and r.pttl(key) > 0)
         }
