@@ -72,6 +72,7 @@ local function claim(KEYS, ARGV)
     if waiter and wait_ms > 0 then
       register_waiter(prefix, task, waiter, wait_ms)
       registered = 1
+      pass_unused(prefix, task, function() return ready_scanner(prefix, task, fields).next() ~= nil end)
     elseif waiter then
       redis.call('ZREM', prefix .. 'waiters:' .. task, waiter)
     end

@@ -33,6 +33,7 @@ local function drop_partition(KEYS, ARGV)
   for i = 1, #waiting do
     doomed[#doomed + 1] = prefix .. 'waiters:' .. waiting[i]
     doomed[#doomed + 1] = prefix .. 'wake:' .. waiting[i]
+    doomed[#doomed + 1] = prefix .. 'wakebudget:' .. waiting[i]
   end
   doomed[#doomed + 1] = prefix .. 'waittasks'
   local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')

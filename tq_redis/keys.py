@@ -33,6 +33,7 @@ key                                type    holds
 ``ns:{p}:waittasks``               SET     tasks with consumers waiting in ``get_meta`` (expires)
 ``ns:{p}:waiters:<task>``          ZSET    waiting consumer id -> deadline (ms); expires
 ``ns:{p}:wake:<task>``             LIST    wake tokens: one waiter BLPOPs each (expires)
+``ns:{p}:wakebudget:<task>``       STRING  wakes left for waiters passing on unused samples (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
 ``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)

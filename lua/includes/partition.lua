@@ -30,19 +30,21 @@ local function keep_alive(key, ms)
 end
 
 -- Wake one waiting consumer of `task`, unless there are already as many tokens as waiters.
+-- Returns how many consumers wait.
 local function wake_one(prefix, task, now_ms)
   local waiters = prefix .. 'waiters:' .. task
   redis.call('ZREMRANGEBYSCORE', waiters, '-inf', now_ms)
   local n = redis.call('ZCARD', waiters)
   if n == 0 then
     redis.call('SREM', prefix .. 'waittasks', task)
-    return
+    return 0
   end
   local wake = prefix .. 'wake:' .. task
   if redis.call('LLEN', wake) < n then
     redis.call('RPUSH', wake, '1')
     keep_alive(wake, WAIT_KEY_TTL_MS)
   end
+  return n
 end
 
 -- Record `waiter` as waiting for `task` for up to `timeout_ms`.
@@ -54,13 +56,27 @@ local function register_waiter(prefix, task, waiter, timeout_ms)
   keep_alive(prefix .. 'waittasks', timeout_ms + WAIT_KEY_TTL_MS)
 end
 
--- Something changed: wake one waiting consumer per task (not all of them: it passes the baton on
--- if it finds more than it takes, see claim), instead of every consumer racing for one sample.
+-- Something changed: wake one waiting consumer per task, instead of every consumer racing for
+-- one sample. The woken one passes the baton on (see claim): after taking samples, and after
+-- finding samples it cannot use (a smaller batch may fit another waiter), the latter at most once
+-- per waiter per event (`wakebudget`), so waiters that cannot be served never wake each other
+-- in a loop.
 local function wake_waiters(prefix)
   local tasks = redis.call('SMEMBERS', prefix .. 'waittasks')
   if #tasks == 0 then return end
   local now_ms = server_ms()
-  for i = 1, #tasks do wake_one(prefix, tasks[i], now_ms) end
+  for i = 1, #tasks do
+    local n = wake_one(prefix, tasks[i], now_ms)
+    if n > 0 then redis.call('SET', prefix .. 'wakebudget:' .. tasks[i], n, 'PX', WAIT_KEY_TTL_MS) end
+  end
+end
+
+-- After a claim that found too few samples: if some are ready, let another waiter try them.
+local function pass_unused(prefix, task, any_ready)
+  local budget = prefix .. 'wakebudget:' .. task
+  if tonumber(redis.call('GET', budget) or '0') <= 0 or not any_ready() then return end
+  redis.call('DECR', budget)
+  wake_one(prefix, task, server_ms())
 end
 
 -- Append an event and wake waiting consumers; the stream is capped, it serves tools and the

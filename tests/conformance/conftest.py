@@ -124,6 +124,12 @@ class _Session:
 
     def start_ray_in_background(self) -> None:
         if self.ray_thread is None:
+            # import here, in the main thread: a test importing ray while the background thread is
+            # still importing it could see a half-initialised module ("no attribute 'remote'")
+            try:
+                _import_tq_redis()
+            except ImportError:
+                pass  # the ray cases fail naming what to install (_need)
             self.ray_thread = threading.Thread(target=self._start_ray, name="ray-init", daemon=True)
             self.ray_thread.start()
 

@@ -121,3 +121,29 @@ def test_each_put_wakes_one_waiting_consumer_not_all(real_server, namespace):
     assert calls <= 6 * n, f"{calls} script calls for {n} puts: consumers are woken in a herd"
     for c in [producer, *consumers]:
         c.close()
+
+
+def test_samples_too_few_for_the_first_waiter_go_to_one_that_wants_fewer(real_server, namespace):
+    producer = make_client(real_server.url, namespace)
+    big, small = make_client(real_server.url, namespace), make_client(real_server.url, namespace)
+    got: dict = {}
+
+    def wait_for(name: str, client, batch: int) -> threading.Thread:
+        def run() -> None:
+            got[name] = client.get_meta(["x"], batch, "m", task_name="t", timeout=30)
+
+        return threading.Thread(target=run)
+
+    wants_four, wants_one = wait_for("big", big, 4), wait_for("small", small, 1)
+    wants_four.start()
+    assert _wait_until(lambda: _blocked(producer) == 1, 10)
+    wants_one.start()  # blocks behind the first: the first wake token goes to the batch of 4
+    assert _wait_until(lambda: _blocked(producer) == 2, 10)
+    producer.put(TensorDict({"x": torch.tensor([0])}, batch_size=[1]), partition_id="m")
+    assert _wait_until(lambda: "small" in got, 10), "the one ready sample never reached the waiter wanting one"
+    assert got["small"].global_indexes == [0] and "big" not in got
+    producer.put(TensorDict({"x": torch.arange(1, 5)}, batch_size=[4]), partition_id="m")
+    wants_four.join(10)
+    assert got["big"].global_indexes == [1, 2, 3, 4]
+    for c in (producer, big, small):
+        c.close()

@@ -99,12 +99,12 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     Allowed to remain: the namespace config and the storage-node registry, each partition's id
     counter (ids are never reused), and while they still have an expiry its event stream (kept a
     minute so that readers following it see the partition go) and the wait bookkeeping of
-    consumers that started waiting after the clear (``waittasks``, ``waiters:*``, ``wake:*``).
+    consumers that started waiting after the clear (``waittasks``, ``waiters:*``, ``wake*:*``).
     """
     allowed = {config_key(namespace), storage_nodes_key(namespace)}
     allowed |= {f"{namespace}:{{{p}}}:seq" for p in partitions}
     prefixes = tuple(f"{namespace}:{{{p}}}:" for p in partitions)
-    expiring = ("events", "waittasks", "waiters:", "wake:")
+    expiring = ("events", "waittasks", "waiters:", "wake:", "wakebudget:")
 
     def may_expire(key: str) -> bool:
         return key.startswith(prefixes) and key.split("}:", 1)[1].startswith(expiring)
