@@ -13,10 +13,7 @@
 ]]
 local function trash_add(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
-  local ranges = parse_ranges(ARGV[1])
-  for i = 1, #ranges do
-    set_bit_range(prefix .. 'trash', ranges[i][1], ranges[i][2] - ranges[i][1] + 1, 1)
-  end
+  set_ranges(prefix .. 'trash', ARGV[1], 1)
   if #ARGV > 1 then redis.call('SADD', prefix .. 'trashfields', unpack(ARGV, 2)) end
   return redis.call('BITCOUNT', prefix .. 'trash')
 end

@@ -10,10 +10,7 @@
 ]]
 local function trash_done(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
-  local ranges = parse_ranges(ARGV[1])
-  for i = 1, #ranges do
-    set_bit_range(prefix .. 'trash', ranges[i][1], ranges[i][2] - ranges[i][1] + 1, 0)
-  end
+  set_ranges(prefix .. 'trash', ARGV[1], 0)
   local left = redis.call('BITCOUNT', prefix .. 'trash')
   if left == 0 then redis.call('DEL', prefix .. 'trash', prefix .. 'trashfields') end
   return left

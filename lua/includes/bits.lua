@@ -84,6 +84,14 @@ local function parse_ranges(text)
   return ranges
 end
 
+-- Set (value 1) or clear (value 0) the bits of every id in the ranges text (see parse_ranges).
+local function set_ranges(key, text, value)
+  local ranges = parse_ranges(text)
+  for i = 1, #ranges do
+    set_bit_range(key, ranges[i][1], ranges[i][2] - ranges[i][1] + 1, value)
+  end
+end
+
 -- Offsets of the first `want` set bits of `key` (fewer if the bitmap has fewer).
 -- Cost: BITPOS skips zero runs in C; GETRANGE chunks are decoded with SET_BITS.
 local function first_set_bits(key, want)
