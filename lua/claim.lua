@@ -87,7 +87,7 @@ local function claim(KEYS, ARGV)
   local function reply(ids, deliveries)
     if #ids == 0 then return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task)) end
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
-    wake_one(prefix, task, server_ms()) -- pass the baton: there may be more for the other waiters
+    pass_baton(prefix, task) -- there may be more for the other waiters
     return {last_event_id(prefix), ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
             next_lease_deadline(prefix, task)}
   end

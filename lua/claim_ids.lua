@@ -67,7 +67,7 @@ local function claim_ids(KEYS, ARGV)
     for i = 1, #consumed do by_id[consumed[i]] = leased[i] end
     for i = 1, #sampled do deliveries[i] = by_id[sampled[i]] or 0 end
   end
-  if #sampled > 0 then wake_one(prefix, task, server_ms()) end -- pass the baton, as claim does
+  if #sampled > 0 then pass_baton(prefix, task) end -- as claim does
   return {1, last_event_id(prefix), sampled, read_schemas(prefix, fields), read_tags(prefix, sampled), deliveries,
           next_lease_deadline(prefix, task)}
 end

@@ -71,6 +71,11 @@ local function wake_waiters(prefix)
   end
 end
 
+-- After a claim that handed samples out: wake one more waiter of the task, if it has any.
+local function pass_baton(prefix, task)
+  if redis.call('SISMEMBER', prefix .. 'waittasks', task) == 1 then wake_one(prefix, task, server_ms()) end
+end
+
 -- After a claim that found too few samples: if some are ready, let another waiter try them.
 local function pass_unused(prefix, task, any_ready)
   local budget = prefix .. 'wakebudget:' .. task
