@@ -37,6 +37,10 @@ key                                type    holds
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
 ``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
+``ns:{p}:dock``                    HASH    prompts_num, n_samples_per_prompt of a GRPOTransferDock
+                                           (kept across clears)
+``ns:{p}:dockstate``               HASH    ``cur_index``: the dock's prefetch_request_index cursor
+``ns:{p}:dockmetrics``             LIST    the dock's update_metrics entries, replayed by get_metrics
 ``ns:chan:{c}:meta``               HASH    channel ``c``: maxsize, created_ms, ``w:<key>`` summed weights
 ``ns:chan:{c}:seq``                STRING  next data-plane id of a tensor item put in the channel
 ``ns:chan:{c}:q:<key>``            LIST    FIFO of entries ``"<weight>|<payload>"`` of queue ``key``
