@@ -43,6 +43,13 @@ from tq_redis.errors import (
     UnsupportedValue,
 )
 
+
+class KeyNotInBatch(SampleNotFound, RuntimeError):
+    """``KVBatchMeta.select_keys`` named a key the batch does not hold.
+
+    A ``SampleNotFound`` (so a ``KeyError``) and, as the reference raises, a ``RuntimeError``.
+    """
+
 __all__ = [
     "KIND_JAGGED",
     "KIND_NDARRAY",
@@ -51,6 +58,7 @@ __all__ = [
     "KIND_TENSOR",
     "BatchMeta",
     "KVBatchMeta",
+    "KeyNotInBatch",
     "extract_field_schema",
     "field_kind",
 ]
@@ -124,9 +132,9 @@ def _merge_extra_info(infos: Iterable[Mapping[str, Any] | None], who: str) -> di
         for key, value in info.items():
             if key in merged and not _values_equal(merged[key], value):
                 raise InvalidArgument(
-                    f"{who}: extra_info[{key!r}] differs between the batches "
-                    f"(first {merged[key]!r}, batch #{pos} {value!r}); make the values equal or "
-                    f"remove the key with remove_extra_info() before concatenating"
+                    f"{who}: extra_info key {key!r} has conflicting values across chunks "
+                    f"(extra_info[{key!r}] is {merged[key]!r} in an earlier batch, {value!r} in batch #{pos}); "
+                    f"make the values equal or remove the key with remove_extra_info() before concatenating"
                 )
             merged.setdefault(key, value)
     return merged
@@ -147,11 +155,14 @@ def _as_index_list(indexes: Any, what: str) -> list[int]:
 def _check_permutation(indices: list[int], size: int, who: str) -> None:
     if len(indices) != size:
         raise InvalidArgument(
-            f"{who}: got {len(indices)} indices for a batch of {size}; pass a permutation of range({size})"
+            f"{who}: indexes length {len(indices)} does not match the batch size {size}; "
+            f"pass a permutation of range({size})"
         )
     seen = set(indices)
     if len(seen) != size:
-        raise InvalidArgument(f"{who}: indices contain duplicates; pass a permutation of range({size})")
+        raise InvalidArgument(
+            f"{who}: Contain duplicate indexes {_duplicates(indices)}; pass a permutation of range({size})"
+        )
     bad = [i for i in indices if not isinstance(i, (int, np.integer)) or i < 0 or i >= size]
     if bad:
         raise InvalidArgument(
@@ -540,16 +551,23 @@ class BatchMeta:
 
     # -- pickling ----------------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = {slot: getattr(self, slot) for slot in self.__slots__}
-        for slot in ("_cm", "_bm"):
-            if state[slot] is not None and not any(state[slot]):
-                state[slot] = None
-        return state
+    def __getstate__(self) -> tuple[Any, ...]:
+        """The slot values, in ``__slots__`` order (the reference's layout); all-empty tag rows
+        are sent as ``None``."""
+        return tuple(
+            None if slot in ("_cm", "_bm") and not any(getattr(self, slot) or ()) else getattr(self, slot)
+            for slot in self.__slots__
+        )
 
-    def __setstate__(self, state: Mapping[str, Any]) -> None:
-        for slot in self.__slots__:
-            setattr(self, slot, state[slot])
+    def __setstate__(self, state: Sequence[Any] | Mapping[str, Any]) -> None:
+        values = [state[slot] for slot in self.__slots__] if isinstance(state, Mapping) else list(state)
+        if len(values) != len(self.__slots__):
+            raise InvalidArgument(
+                f"BatchMeta state has {len(values)} values, expected {len(self.__slots__)} ({self.__slots__}); "
+                f"it was pickled by an incompatible version"
+            )
+        for slot, value in zip(self.__slots__, values):
+            setattr(self, slot, value)
         # Zero-copy deserialisers (Ray/Arrow) hand back read-only arrays; add_fields writes to it.
         if not self.production_status.flags.writeable:
             self.production_status = self.production_status.copy()
@@ -840,8 +858,8 @@ class BatchMeta:
             if mine != theirs:
                 at = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
                 raise InvalidArgument(
-                    f"union: {what} differ at position {at} ({mine[at]!r} vs {theirs[at]!r}); "
-                    f"both batches must list the same samples in the same order"
+                    f"BatchMeta.union: {what} do not match: they differ at position {at} "
+                    f"({mine[at]!r} vs {theirs[at]!r}); both batches must list the same samples in the same order"
                 )
         schema = _copy.deepcopy(self.field_schema)
         schema.update(_copy.deepcopy(other.field_schema))
@@ -1036,13 +1054,17 @@ class KVBatchMeta:
         tags = list(self.tags) if self.tags is not None else []
         if len(tags) != len(self.keys):
             raise BatchSizeMismatch(
-                f"KVBatchMeta has {len(self.keys)} keys but {len(tags)} tags; give one tag dict per key"
+                f"KVBatchMeta: keys and tags must have same length, but got {len(self.keys)} and {len(tags)}; "
+                f"give one tag dict per key"
             )
         if len(set(self.keys)) != len(self.keys):
-            raise InvalidArgument(f"KVBatchMeta keys must be unique; duplicated: {_duplicates(self.keys)}")
+            raise InvalidArgument(
+                f"KVBatchMeta: Got duplicated keys {_duplicates(self.keys)}; keys must be unique"
+            )
         if any(not isinstance(t, Mapping) for t in tags):
             raise InvalidArgument("KVBatchMeta tags must be dicts, one per key")
-        self.tags = [dict(t) for t in tags]
+        # deep copies, as the reference makes: mutating a tag's list later leaks into no other batch
+        self.tags = [_copy_row(t) for t in tags]
         if self.fields is not None:
             if isinstance(self.fields, str):
                 raise InvalidArgument(
@@ -1051,9 +1073,9 @@ class KVBatchMeta:
             self.fields = list(self.fields)
             if len(set(self.fields)) != len(self.fields):
                 raise InvalidArgument(
-                    f"KVBatchMeta fields must be unique; duplicated: {_duplicates(self.fields)}"
+                    f"KVBatchMeta: Got duplicated fields {_duplicates(self.fields)}; fields must be unique"
                 )
-        self.extra_info = dict(self.extra_info) if self.extra_info else {}
+        self.extra_info = _copy.deepcopy(dict(self.extra_info)) if self.extra_info else {}
 
     @property
     def size(self) -> int:
@@ -1083,19 +1105,20 @@ class KVBatchMeta:
 
         Raises:
             InvalidArgument: ``keys_to_select`` has duplicates.
-            SampleNotFound: a key is not in this batch.
+            KeyNotInBatch: a key is not in this batch (a ``SampleNotFound``, also a ``RuntimeError``
+                as the reference raises).
         """
         if isinstance(keys_to_select, str):
             keys_to_select = [keys_to_select]
         wanted = list(keys_to_select)
         if len(set(wanted)) != len(wanted):
-            raise InvalidArgument(f"select_keys: duplicated keys {_duplicates(wanted)}")
+            raise InvalidArgument(f"select_keys: Contain duplicate keys {_duplicates(wanted)}; list each key once")
         pos = {k: i for i, k in enumerate(self.keys)}
         missing = [k for k in wanted if k not in pos]
         if missing:
-            raise SampleNotFound(
-                f"select_keys: keys {_short_list(missing)} are not in this batch "
-                f"(partition {self.partition_id!r}, {self.size} keys)"
+            raise KeyNotInBatch(
+                f"select_keys: keys {_short_list(missing)} not found in current batch "
+                f"(partition {self.partition_id!r}, {self.size} keys); select among this batch's keys"
             )
         return self._with(wanted, [self.tags[pos[k]] for k in wanted])
 
@@ -1146,16 +1169,16 @@ class KVBatchMeta:
                 raise InvalidArgument(f"concat: item #{pos} is a {type(b).__name__}, not a KVBatchMeta")
             if b.partition_id != partition:
                 raise InvalidArgument(
-                    f"KVBatchMeta.concat: batch #{pos} is in partition {b.partition_id!r}, batch #0 in "
-                    f"{partition!r}; only batches of one partition can be concatenated"
+                    f"KVBatchMeta.concat: Partition do not match for concatenation: batch #{pos} is in partition "
+                    f"{b.partition_id!r}, batch #0 in {partition!r}; only batches of one partition can be concatenated"
                 )
             if b.fields is not None:
                 if fields is None:
                     fields = b.fields
                 elif set(b.fields) != set(fields):
                     raise InvalidArgument(
-                        f"KVBatchMeta.concat: batch #{pos} has fields {sorted(b.fields)}, "
-                        f"expected {sorted(fields)}"
+                        f"KVBatchMeta.concat: Field names do not match for concatenation: batch #{pos} has fields "
+                        f"{sorted(b.fields)}, expected {sorted(fields)}"
                     )
             keys.extend(b.keys)
             tags.extend(b.tags)
@@ -1166,6 +1189,16 @@ class KVBatchMeta:
             fields=fields,
             extra_info=_merge_extra_info((b.extra_info for b in parts), "KVBatchMeta.concat"),
         )
+
+
+_ATOMIC = (str, int, float, bool, bytes, type(None))
+
+
+def _copy_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of one tag dict; a flat dict of scalars (the usual case) needs only ``dict()``."""
+    if all(isinstance(v, _ATOMIC) for v in row.values()):
+        return dict(row)
+    return _copy.deepcopy(dict(row))
 
 
 def _duplicates(values: Iterable[Any]) -> list[Any]:

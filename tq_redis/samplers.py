@@ -42,11 +42,19 @@ from __future__ import annotations
 
 import heapq
 import json
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 from tq_redis.errors import SamplerError
+
+
+class PartitioningError(SamplerError, AssertionError):
+    """Items cannot be split as asked (too few, or not divisible for equal sizes).
+
+    A ``SamplerError`` (so a ``ValueError``) and, like the reference's checks, an ``AssertionError``.
+    """
 
 __all__ = [
     "BaseSampler",
@@ -57,7 +65,9 @@ __all__ = [
     "SequentialSampler",
     "builtin_plan",
     "is_builtin",
+    "get_seqlen_balanced_partitions",
     "karmarkar_karp",
+    "PartitioningError",
     "resolve_sampler",
     "sampler_from_spec",
     "sampler_spec",
@@ -136,7 +146,7 @@ class SequentialSampler(BaseSampler):
 
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SamplerError(f"{name} must be a positive integer, got {value!r}")
+        raise SamplerError(f"{name} must be positive, got {value!r}; give a positive integer")
     return value
 
 
@@ -210,7 +220,9 @@ class RankAwareSampler(BaseSampler):
         """The cached choice for ``(partition, task, dp_rank, batch_index)``, else the first
         ``batch_size`` ready ids (cached), else two empty lists."""
         if dp_rank < 0:
-            raise SamplerError(f"dp_rank must be >= 0, got {dp_rank}")
+            raise SamplerError(
+                f"dp_rank {dp_rank} must be greater than or equal to 0; pass the data-parallel group's id"
+            )
         states = self._states.setdefault(partition_id, {}).setdefault(task_name, {}).setdefault(dp_rank, {})
         if batch_index in states:
             chosen = states[batch_index]
@@ -250,11 +262,16 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
         """Rank ``kwargs["dp_rank"]``'s part of the balanced global batch for
-        ``kwargs["batch_index"]``; ``kwargs["total_lengths"]`` maps id -> length (default 1)."""
+        ``kwargs["batch_index"]``; ``kwargs["total_lengths"]`` maps id -> length (default 1).
+
+        As in the reference, a ``dp_rank`` outside ``[0, dp_size)`` gets two empty lists here
+        (``get_meta`` refuses it with a ``SamplerError`` instead: a rank that would never get data
+        is a configuration error there). The parts of every rank are cached in ``_states``.
+        """
         dp_rank = int(kwargs.get("dp_rank", 0))
         batch_index = kwargs.get("batch_index", 0)
-        if not 0 <= dp_rank < self.dp_size:
-            raise SamplerError(f"dp_rank must be in [0, {self.dp_size}), got {dp_rank}")
+        if dp_rank < 0:
+            raise SamplerError(f"dp_rank {dp_rank} must be greater than or equal to 0")
         key = (partition_id, task_name, batch_index)
         parts = self._balanced_cache.get(key)
         if parts is None:
@@ -264,6 +281,11 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
             lengths = kwargs.get("total_lengths") or {}
             parts = balance_groups(chosen, self.n_samples_per_prompt, self.dp_size, lengths)
             self._balanced_cache[key] = parts
+            states = self._states.setdefault(partition_id, {}).setdefault(task_name, {})
+            for rank, part in enumerate(parts):
+                states.setdefault(rank, {})[batch_index] = (list(part), list(part))
+        if dp_rank >= len(parts):
+            return [], []
         mine = parts[dp_rank]
         return list(mine), list(mine)
 
@@ -309,19 +331,31 @@ class _State:
         return self.low < other.low
 
 
-def karmarkar_karp(weights: list[float], k: int) -> list[list[int]]:
-    """Split items ``0..len(weights)-1`` into ``k`` parts of equal item count with balanced sums.
+_NO_ITEM = sys.maxsize  # ``low`` of a set that holds no item yet
+
+
+def karmarkar_karp(weights: list[float], k: int, equal_size: bool = True) -> list[list[int]]:
+    """Split items ``0..len(weights)-1`` into ``k`` parts with balanced sums.
 
     Largest differencing (Karmarkar-Karp) with the tie-breaking the claim script uses, so the
-    result equals the in-Redis one. ``len(weights)`` must be a multiple of ``k``. Returns the
-    parts heaviest first, each ascending.
+    result equals the in-Redis one. With ``equal_size`` (the default) every part gets the same
+    number of items and ``len(weights)`` must be a multiple of ``k``; without it only the sums
+    are balanced. Returns the parts heaviest first, each ascending.
     """
-    if k <= 0 or len(weights) % k:
-        raise SamplerError(f"{len(weights)} items cannot be split into {k} parts of equal size")
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise PartitioningError(f"k_partitions must be a positive integer, got {k!r}")
+    if equal_size and len(weights) % k:
+        raise PartitioningError(
+            f"{len(weights)} items cannot be split into {k} parts of equal size; give a multiple of {k} "
+            f"items or pass equal_size=False"
+        )
     order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
-    heap = [
-        _State([_Set(weights[i], [i], i) for i in order[start : start + k]]) for start in range(0, len(order), k)
-    ]
+    if equal_size:
+        heap = [
+            _State([_Set(weights[i], [i], i) for i in order[start : start + k]]) for start in range(0, len(order), k)
+        ]
+    else:  # each item alone in one set of a k-set state
+        heap = [_State([_Set(weights[i], [i], i)] + [_Set(0, [], _NO_ITEM) for _ in range(k - 1)]) for i in order]
     heapq.heapify(heap)
     while len(heap) > 1:
         a, b = heapq.heappop(heap), heapq.heappop(heap)
@@ -333,6 +367,29 @@ def karmarkar_karp(weights: list[float], k: int) -> list[list[int]]:
         a.settle()
         heapq.heappush(heap, a)
     return [sorted(s.items) for s in heap[0].sets] if heap else [[] for _ in range(k)]
+
+
+def get_seqlen_balanced_partitions(seqlen_list: list[float], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Indexes of ``seqlen_list`` split into ``k_partitions`` non-empty parts with balanced sums.
+
+    The reference's (and verl's) helper: each part ascending; with ``equal_size`` every part has
+    the same number of items. Raises :class:`PartitioningError` (an ``AssertionError``, as the
+    reference's checks are) when there are fewer items than parts, when ``equal_size`` is asked
+    of a count that ``k_partitions`` does not divide, or when a part would be empty.
+    """
+    if len(seqlen_list) < k_partitions:
+        raise PartitioningError(
+            f"number of items [{len(seqlen_list)}] < k_partitions [{k_partitions}]; "
+            f"ask for at most {len(seqlen_list)} partitions"
+        )
+    parts = karmarkar_karp(list(seqlen_list), k_partitions, equal_size=equal_size)
+    empty = [i for i, part in enumerate(parts) if not part]
+    if empty:
+        raise PartitioningError(
+            f"partitions {empty} of {k_partitions} came out empty for {len(seqlen_list)} items; "
+            f"use fewer partitions or equal_size=True"
+        )
+    return parts
 
 
 def balance_groups(ids: list[int], n: int, k: int, lengths: dict[int, float]) -> list[list[int]]:

@@ -25,6 +25,7 @@ from tq_redis.metadata import (
     KIND_STRIDED,
     KIND_TENSOR,
     BatchMeta,
+    KeyNotInBatch,
     KVBatchMeta,
     extract_field_schema,
     field_kind,
@@ -616,13 +617,13 @@ class TestUnion:
         assert ready.union(make_meta(2)).is_ready
 
     def test_global_index_mismatch(self):
-        with pytest.raises(InvalidArgument, match="global_indexes differ at position 0"):
+        with pytest.raises(InvalidArgument, match="global_indexes do not match: they differ at position 0"):
             make_meta(2).union(make_meta(2, start=5))
         with pytest.raises(ValueError):
             make_meta(2).union(make_meta(2, start=5))
 
     def test_partition_mismatch(self):
-        with pytest.raises(InvalidArgument, match="partition_ids"):
+        with pytest.raises(InvalidArgument, match="partition_ids do not match"):
             make_meta(2).union(make_meta(2, partition="other"))
 
     def test_size_mismatch(self):
@@ -691,7 +692,7 @@ class TestConcat:
             BatchMeta.concat([x, y])
 
     def test_extra_info_conflict(self):
-        with pytest.raises(InvalidArgument, match="extra_info\\['step'\\]"):
+        with pytest.raises(InvalidArgument, match="extra_info key 'step' has conflicting values.*remove_extra_info"):
             BatchMeta.concat([make_meta(1, extra={"step": 1}), make_meta(1, start=1, extra={"step": 2})])
 
     def test_extra_info_tensor_values(self):
@@ -780,8 +781,8 @@ class TestReorder:
     @pytest.mark.parametrize(
         "indices,match",
         [
-            ([0, 1], "got 2 indices"),
-            ([0, 0, 1], "duplicates"),
+            ([0, 1], "indexes length 2 does not match the batch size 3"),
+            ([0, 0, 1], "Contain duplicate indexes"),
             ([0, 1, 3], "outside"),
             ([0, 1, -1], "outside"),
         ],
@@ -912,14 +913,24 @@ class TestPickle:
 
     def test_read_only_status_becomes_writable(self):
         m = make_meta(2)
-        state = m.__getstate__()
-        frozen = state["production_status"].copy()
+        state = list(m.__getstate__())  # slot values in __slots__ order, as the reference's
+        at = list(BatchMeta.__slots__).index("production_status")
+        frozen = state[at].copy()
         frozen.setflags(write=False)
-        state["production_status"] = frozen
+        state[at] = frozen
         fresh = BatchMeta.__new__(BatchMeta)
-        fresh.__setstate__(state)
+        fresh.__setstate__(tuple(state))
         fresh.production_status[0] = 0
         assert fresh.production_status.tolist() == [0, 1]
+
+    def test_setstate_accepts_a_mapping_and_rejects_a_foreign_layout(self):
+        m = make_meta(2)
+        by_name = dict(zip(BatchMeta.__slots__, m.__getstate__()))
+        fresh = BatchMeta.__new__(BatchMeta)
+        fresh.__setstate__(by_name)
+        assert_same_contents(fresh, m)
+        with pytest.raises(InvalidArgument, match="incompatible version"):
+            BatchMeta.__new__(BatchMeta).__setstate__(m.__getstate__()[:-1])
 
     def test_untagged_batch_pickles_small(self):
         m = BatchMeta.from_columns(range(1024), "p", {"a": dense()}, production_status=1)
@@ -953,11 +964,11 @@ class TestKVBatchMeta:
         assert KVBatchMeta(extra_info=None).extra_info == {}
 
     def test_validation(self):
-        with pytest.raises(BatchSizeMismatch, match="one tag dict per key"):
+        with pytest.raises(BatchSizeMismatch, match="keys and tags must have same length, but got 2 and 1; give one"):
             KVBatchMeta(keys=["a", "b"], tags=[{}])
-        with pytest.raises(InvalidArgument, match="unique.*'a'"):
+        with pytest.raises(InvalidArgument, match=r"Got duplicated keys \['a'\]"):
             KVBatchMeta(keys=["a", "b", "a"], tags=[{}, {}, {}])
-        with pytest.raises(InvalidArgument, match="fields must be unique"):
+        with pytest.raises(InvalidArgument, match=r"Got duplicated fields \['x'\]; fields must be unique"):
             KVBatchMeta(keys=["a"], tags=[{}], fields=["x", "x"])
         with pytest.raises(InvalidArgument, match="single string"):
             KVBatchMeta(keys="ab", tags=[{}, {}])  # type: ignore[arg-type]
@@ -986,14 +997,29 @@ class TestKVBatchMeta:
 
     def test_select_unknown_key_raises(self):
         kv = make_kv(["a", "b"])
-        with pytest.raises(SampleNotFound, match="'zz'"):
+        with pytest.raises(KeyNotInBatch, match=r"\['zz'\] not found in current batch"):
             kv.select_keys(["a", "zz"])
-        with pytest.raises(KeyError):
-            kv.select_keys(["zz"])
+        # the reference raises RuntimeError; code written against ours catches SampleNotFound/KeyError
+        for caught in (RuntimeError, SampleNotFound, KeyError):
+            with pytest.raises(caught):
+                kv.select_keys(["zz"])
 
     def test_select_duplicate_keys_raises(self):
-        with pytest.raises(InvalidArgument, match="duplicated"):
+        with pytest.raises(InvalidArgument, match=r"Contain duplicate keys \['a'\]"):
             make_kv(["a", "b"]).select_keys(["a", "a"])
+
+    def test_tags_and_extra_info_are_deep_copied(self):
+        tags = [{"data": [1, 2, 3]}]
+        extra = {"nested": {"value": 1}}
+        kv = KVBatchMeta(keys=["a"], tags=tags, extra_info=extra)
+        kv.tags[0]["data"].append(4)
+        kv.extra_info["nested"]["value"] = 999
+        assert tags == [{"data": [1, 2, 3]}] and extra == {"nested": {"value": 1}}
+        # nor do batches derived from one another share nested values
+        chunked = kv.chunk(1)[0]
+        chunked.tags[0]["data"].append(5)
+        chunked.extra_info["nested"]["value"] = 7
+        assert kv.tags[0]["data"] == [1, 2, 3, 4] and kv.extra_info["nested"]["value"] == 999
 
     def test_reorder(self):
         kv = make_kv(["a", "b", "c"])
@@ -1040,11 +1066,11 @@ class TestKVBatchMeta:
         assert KVBatchMeta.concat([KVBatchMeta(), KVBatchMeta()]).size == 0
 
     def test_concat_partition_mismatch(self):
-        with pytest.raises(InvalidArgument, match="partition"):
+        with pytest.raises(InvalidArgument, match="Partition do not match for concatenation: batch #1 .*'q'"):
             KVBatchMeta.concat([make_kv(["a"], partition="p"), make_kv(["b"], partition="q")])
 
     def test_concat_fields_mismatch(self):
-        with pytest.raises(InvalidArgument, match="fields"):
+        with pytest.raises(InvalidArgument, match=r"Field names do not match for concatenation: .*\['x', 'z'\]"):
             KVBatchMeta.concat([make_kv(["a"], fields=["x"]), make_kv(["b"], fields=["x", "z"])])
         # Same set in another order is fine; unknown (None) fields match anything.
         c = KVBatchMeta.concat(
@@ -1057,7 +1083,7 @@ class TestKVBatchMeta:
         assert c.fields == ["y", "x"]
 
     def test_concat_extra_info_conflict(self):
-        with pytest.raises(InvalidArgument, match="extra_info"):
+        with pytest.raises(InvalidArgument, match="extra_info key 'step' has conflicting values across chunks"):
             KVBatchMeta.concat([make_kv(["a"], step=1), make_kv(["b"], step=2)])
 
     def test_concat_duplicate_keys(self):

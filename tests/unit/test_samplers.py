@@ -27,10 +27,12 @@ from tq_redis.metadata import BatchMeta
 from tq_redis.samplers import (
     BaseSampler,
     GRPOGroupNSampler,
+    PartitioningError,
     RankAwareSampler,
     SeqlenBalancedSampler,
     SequentialSampler,
     builtin_plan,
+    get_seqlen_balanced_partitions,
     is_builtin,
     karmarkar_karp,
     resolve_sampler,
@@ -474,6 +476,53 @@ def test_rank_aware_python_cache():
     assert s.sample([3], 2, dp_rank=1, batch_index=0, task_name="t", partition_id="p") == ([], [])
     s.clear_cache("p")
     assert not s.has_cached_result("p", "t", {"dp_rank": 0, "batch_index": 0})
+
+
+def test_seqlen_balanced_out_of_range_rank_gets_nothing_and_states_cover_every_rank():
+    s = SeqlenBalancedSampler(n_samples_per_prompt=1, dp_size=2)
+    got = s.sample([0, 1, 2, 3], 2, task_name="t", partition_id="p", dp_rank=0, batch_index=0)
+    # as in the reference: a rank past dp_size gets two empty lists (get_meta refuses it instead)
+    assert s.sample([0, 1, 2, 3], 2, task_name="t", partition_id="p", dp_rank=5, batch_index=0) == ([], [])
+    states = s._states["p"]["t"]
+    assert sorted(states) == [0, 1] and states[0][0] == got
+    assert sorted(states[0][0][0] + states[1][0][0]) == [0, 1, 2, 3]
+    assert s.has_cached_result("p", "t", {"dp_rank": 1, "batch_index": 0})
+    with pytest.raises(errors.SamplerError, match="greater than or equal to 0"):
+        s.sample([0, 1], 1, task_name="t", partition_id="p", dp_rank=-1, batch_index=0)
+    s.clear_cache("p")
+    assert "p" not in s._states and not s._balanced_cache
+
+
+def test_reference_error_wording_with_our_hints():
+    for make in (lambda: GRPOGroupNSampler(0), lambda: SeqlenBalancedSampler(1, dp_size=-1)):
+        with pytest.raises(errors.SamplerError, match="must be positive, got .*; give a positive integer"):
+            make()
+    with pytest.raises(errors.SamplerError, match="dp_rank -1 must be greater than or equal to 0; pass"):
+        RankAwareSampler().sample([0, 1], 1, dp_rank=-1, batch_index=0, task_name="t", partition_id="p")
+
+
+def test_get_seqlen_balanced_partitions():
+    lengths = [100, 90, 50, 10, 5, 1]
+    parts = get_seqlen_balanced_partitions(lengths, k_partitions=2, equal_size=True)
+    assert [len(p) for p in parts] == [3, 3] and sorted(sum(parts, [])) == list(range(6))
+    assert all(p == sorted(p) for p in parts)
+    sums = sorted(sum(lengths[i] for i in p) for p in parts)
+    assert sums[1] - sums[0] <= max(lengths)
+    # without equal_size only the sums are balanced: the long item stands alone
+    parts = get_seqlen_balanced_partitions([100, 10, 10, 10, 10], k_partitions=2, equal_size=False)
+    assert sorted(parts) == [[0], [1, 2, 3, 4]]
+    assert get_seqlen_balanced_partitions([3, 1, 2], 1, equal_size=False) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "lengths,k,equal,match",
+    [([10, 20, 30], 2, True, "cannot be split into 2 parts of equal size"), ([10], 3, False, r"\[1\] < k_partitions")],
+)
+def test_get_seqlen_balanced_partitions_rejects_impossible_splits(lengths, k, equal, match):
+    # an AssertionError as the reference's checks are, and our typed SamplerError (a ValueError)
+    for caught in (PartitioningError, AssertionError, errors.SamplerError, ValueError):
+        with pytest.raises(caught, match=match):
+            get_seqlen_balanced_partitions(lengths, k_partitions=k, equal_size=equal)
 
 
 def test_dispatch_and_validation():

@@ -1,0 +1,108 @@
+"""The ``transfer_queue`` alias (``tq_redis.compat``): modules, refusal, stub, controller inspector."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tq_redis
+from tests.conftest import make_client
+from tq_redis import compat
+from tq_redis.errors import ConfigError
+
+
+@pytest.fixture
+def clean_modules(monkeypatch):
+    """Run with no transfer_queue modules imported; restore whatever was there afterwards."""
+    for name in [n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_alias_maps_public_names_onto_tq_redis(clean_modules):
+    alias = tq_redis.install_transfer_queue_alias()
+    assert tq_redis.install_transfer_queue_alias() is alias  # idempotent
+    import transfer_queue as tq
+    from transfer_queue.dataloader.streaming_dataset import chunk_batch_fn
+    from transfer_queue.metadata import BatchMeta, KVBatchMeta
+    from transfer_queue.sampler import BaseSampler
+    from transfer_queue.sampler.seqlen_balanced_sampler import get_seqlen_balanced_partitions
+    from transfer_queue.storage import StorageKeyNotFoundError
+
+    assert tq is alias and tq.__version__ == compat.REFERENCE_API_LEVEL == tq_redis.REFERENCE_API_LEVEL
+    assert BatchMeta is tq_redis.BatchMeta and KVBatchMeta is tq_redis.KVBatchMeta
+    assert BaseSampler is tq_redis.BaseSampler and tq.SeqlenBalancedSampler is tq_redis.SeqlenBalancedSampler
+    assert tq.kv_batch_put is tq_redis.kv_batch_put and tq.get_client is tq_redis.get_client
+    assert tq.init is compat.init and tq.close is compat.close  # these add the controller inspector
+    assert tq.StorageKeyNotFoundError is StorageKeyNotFoundError is tq_redis.StorageKeyNotFoundError
+    assert chunk_batch_fn.__module__ == "tq_redis.dataloader" and callable(get_seqlen_balanced_partitions)
+    assert "kv_put" in dir(tq.interface)
+    with pytest.raises(AttributeError, match="only the reference's public API"):
+        _ = tq.TransferQueueController
+    with pytest.raises(ModuleNotFoundError):
+        import transfer_queue.utils.zmq_utils  # noqa: F401  - an internal of the reference
+
+
+def test_alias_refuses_a_real_transfer_queue(clean_modules):
+    real = types.ModuleType("transfer_queue")
+    real.__file__ = "/site-packages/transfer_queue/__init__.py"
+    sys.modules["transfer_queue"] = real
+    with pytest.raises(ConfigError, match="real transfer_queue package is already imported.*pip uninstall"):
+        compat.install_transfer_queue_alias()
+    assert sys.modules["transfer_queue"] is real  # left untouched
+
+
+def test_stub_on_pythonpath_installs_the_alias_in_a_child_process(clean_modules, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    compat.install_transfer_queue_alias(propagate=True)
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == compat.alias_pythonpath()
+    code = (
+        "import transfer_queue as tq, tq_redis\n"
+        "from transfer_queue.metadata import BatchMeta\n"
+        "assert BatchMeta is tq_redis.BatchMeta and tq.__version__ == tq_redis.REFERENCE_API_LEVEL\n"
+        "assert getattr(tq, '__tq_redis_alias__', False)\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ["PYTHONPATH"], root]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    cli = subprocess.run([sys.executable, "-m", "tq_redis.compat", "--pythonpath"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert cli.stdout.strip() == compat.alias_pythonpath()
+
+
+def test_inspector_reads_partitions_keys_tags_and_production(server, namespace):
+    writer = make_client(server.url, namespace)
+    inspector = compat.ControllerInspector({"redis": {"url": server.url}, "namespace": namespace})
+    try:
+        writer.kv_batch_put(keys=["a", "b"], partition_id="p", tags=[{"step": 0, "tags": ["x"]}, {}],
+                            fields=TensorDict({"ids": torch.arange(4).reshape(2, 2)}, batch_size=[2]))
+        writer.kv_put(key="b", partition_id="p", fields={"extra": torch.ones(3)})
+        assert inspector.list_partitions() == ["p"]
+        assert inspector.get_config()["namespace"] == namespace
+        snap = inspector.get_partition_snapshot("p")
+        ga, gb = snap.keys_mapping["a"], snap.keys_mapping["b"]
+        assert sorted(snap.global_indexes) == sorted([ga, gb])
+        assert snap.custom_meta[ga] == {"step": 0, "tags": ["x"]} and snap.custom_meta[gb] == {}
+        assert set(snap.field_name_mapping) == {"ids", "extra"}
+        col = snap.field_name_mapping["extra"]
+        assert snap.production_status[gb, col] == 1 and snap.production_status[ga, col] == 0
+        assert snap.production_status[ga, snap.field_name_mapping["ids"]] == 1
+        assert snap.revert_keys_mapping[ga] == "a"
+        writer.kv_clear(keys=["a"], partition_id="p")
+        assert "a" not in inspector.get_partition_snapshot("p").keys_mapping
+        inspector.clear_partition("p")
+        inspector.clear_partition("p")  # idempotent
+        assert inspector.list_partitions() == [] and inspector.get_partition_snapshot("p") is None
+    finally:
+        writer.close()
