@@ -122,12 +122,18 @@ def namespace() -> str:
 
 
 def make_client(url: str, namespace: str, backend: str = "redis", **kwargs):
-    """A client whose namespace stores data in ``backend`` (``redis`` inline by default)."""
+    """A client whose namespace stores data in ``backend`` (``redis`` inline by default).
+
+    Tests of the data plane compare what comes back with the dense tensors they put, so this
+    client returns dense fields (``nested_output=False``) unless told otherwise; the default,
+    the reference's nested layout, is covered by ``test_reference_defaults.py`` and ``tests/compat``.
+    """
     import json
 
     from tq_redis import TransferQueueClient
     from tq_redis.keys import config_key
 
+    kwargs.setdefault("nested_output", False)
     client = TransferQueueClient(url, namespace, **kwargs)
     client.redis.hset(config_key(namespace), "storage", json.dumps({"backend": backend, "options": {}}))
     return client

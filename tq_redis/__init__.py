@@ -18,8 +18,13 @@ _EXPORTS = {
     "AsyncTransferQueueClient": "tq_redis.client",
     "BatchMeta": "tq_redis.metadata",
     "KVBatchMeta": "tq_redis.metadata",
+    "REFERENCE_API_LEVEL": "tq_redis.compat",
+    "StorageKeyNotFoundError": "tq_redis.errors",
+    "install_transfer_queue_alias": "tq_redis.compat",
     "Channel": "tq_redis.channel",
+    "DockMetrics": "tq_redis.dock",
     "GRPOTransferDock": "tq_redis.dock",
+    "TransferDock": "tq_redis.dock",
     "StreamingDataLoader": "tq_redis.dataloader",
     "StreamingDataset": "tq_redis.dataloader",
     "TransferQueueClient": "tq_redis.sync",
@@ -46,14 +51,18 @@ __all__ = [
     "BaseSampler",
     "BatchMeta",
     "Channel",
+    "DockMetrics",
     "GRPOGroupNSampler",
     "GRPOTransferDock",
     "KVBatchMeta",
+    "REFERENCE_API_LEVEL",
     "RankAwareSampler",
     "SeqlenBalancedSampler",
     "SequentialSampler",
+    "StorageKeyNotFoundError",
     "StreamingDataLoader",
     "StreamingDataset",
+    "TransferDock",
     "TransferQueueClient",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
@@ -65,6 +74,7 @@ __all__ = [
     "get_client",
     "get_metrics_endpoint",
     "init",
+    "install_transfer_queue_alias",
     "kv_batch_get",
     "kv_batch_get_by_meta",
     "kv_batch_put",
@@ -93,8 +103,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.channel import Channel
     from tq_redis.checkpoint import load_checkpoint, save_checkpoint
     from tq_redis.client import AsyncTransferQueueClient
+    from tq_redis.compat import REFERENCE_API_LEVEL, install_transfer_queue_alias
     from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
-    from tq_redis.dock import GRPOTransferDock
+    from tq_redis.dock import DockMetrics, GRPOTransferDock, TransferDock
+    from tq_redis.errors import StorageKeyNotFoundError
     from tq_redis.kv import (
         async_kv_batch_get,
         async_kv_batch_get_by_meta,

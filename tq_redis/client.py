@@ -1,9 +1,15 @@
-"""``AsyncTransferQueueClient``: the asyncio client (the sync one in :mod:`tq_redis.sync` runs
-the same operations from :mod:`tq_redis.ops` with a blocking driver)."""
+"""``AsyncTransferQueueClient``: the asyncio client.
+
+The blocking ``TransferQueueClient`` (:mod:`tq_redis.sync`) subclasses it, as the reference
+system's does, so one client object offers both ``put`` and ``await async_put``. Both run the
+same operations from :mod:`tq_redis.ops`; only the driver differs.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +35,8 @@ def make_context(redis_url: str, namespace: str, options: dict[str, Any]) -> ops
         namespace=namespace,
         redis_url=redis_url,
         allow_pickle=bool(options.get("allow_pickle", False)),
-        nested_output=bool(options.get("nested_output", False)),
+        nested_output=bool(options.get("nested_output", True)),
+        strict_schema=bool(options.get("strict_schema", False)),
     )
 
 
@@ -41,7 +48,12 @@ class AsyncTransferQueueClient:
         namespace: key prefix; clients of one job share it, other jobs use another.
         client_id: a name for logs and metrics (random by default).
         allow_pickle: pickle values the safe encoding cannot represent (and unpickle them on read).
-        nested_output: return every tensor field as a nested tensor, as the reference system does.
+        nested_output: True (the default, the reference's layout): every tensor field whose
+            samples have dimensions comes back as a jagged nested tensor. False: a field whose
+            samples share one shape comes back dense.
+        strict_schema: raise ``ShapeConflict``/``DTypeConflict`` when a put's shape or dtype
+            differs from the field's first put, instead of making the field jagged (the
+            reference's behaviour, the default).
     """
 
     def __init__(
@@ -51,13 +63,29 @@ class AsyncTransferQueueClient:
         client_id: str | None = None,
         *,
         allow_pickle: bool = False,
-        nested_output: bool = False,
+        nested_output: bool = True,
+        strict_schema: bool = False,
     ) -> None:
         self.redis_url = redis_url
         self.namespace = namespace
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
-        self._ctx = make_context(redis_url, namespace, {"allow_pickle": allow_pickle, "nested_output": nested_output})
-        self._driver = AsyncDriver(redis_url)
+        self._ctx = make_context(redis_url, namespace, {
+            "allow_pickle": allow_pickle, "nested_output": nested_output, "strict_schema": strict_schema,
+        })
+        # redis.asyncio connections belong to the loop that opened them: one driver per loop.
+        self._async_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncDriver] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _async_driver(self) -> AsyncDriver:
+        loop = asyncio.get_running_loop()
+        driver = self._async_drivers.get(loop)
+        if driver is None:
+            driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
+        return driver
+
+    async def _arun(self, op: ops.Op) -> Any:
+        return await self._async_driver().run(op)
 
     async def async_get_meta(
         self,
@@ -73,37 +101,41 @@ class AsyncTransferQueueClient:
         max_deliveries: int | None = None,
     ) -> BatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.get_meta`."""
-        return await self._driver.run(
+        return await self._arun(
             ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
                          timeout, lease_s, max_deliveries=max_deliveries)
         )
 
     async def async_put(
-        self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None
+        self,
+        data: TensorDict | dict,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: kv.DataParser | None = None,
     ) -> BatchMeta:
-        return await self._driver.run(ops.put(self._ctx, data, metadata, partition_id))
+        return await self._arun(ops.put(self._ctx, data, metadata, partition_id, data_parser))
 
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
-        return await self._driver.run(ops.get_data(self._ctx, metadata))
+        return await self._arun(ops.get_data(self._ctx, metadata))
 
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        await self._driver.run(ops.set_custom_meta(self._ctx, metadata))
+        await self._arun(ops.set_custom_meta(self._ctx, metadata))
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
-        await self._driver.run(ops.clear_samples(self._ctx, metadata))
+        await self._arun(ops.clear_samples(self._ctx, metadata))
 
     async def async_clear_partition(self, partition_id: str) -> None:
-        await self._driver.run(ops.clear_partition(self._ctx, partition_id))
+        await self._arun(ops.clear_partition(self._ctx, partition_id))
 
     async def async_get_production_status(
         self, data_fields: Sequence[str], partition_id: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self._driver.run(ops.production_status(self._ctx, data_fields, partition_id))
+        return await self._arun(ops.production_status(self._ctx, data_fields, partition_id))
 
     async def async_get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self._driver.run(ops.consumption_status(self._ctx, task_name, partition_id))
+        return await self._arun(ops.consumption_status(self._ctx, task_name, partition_id))
 
     async def async_check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
         _, status = await self.async_get_production_status(data_fields, partition_id)
@@ -114,19 +146,19 @@ class AsyncTransferQueueClient:
         return bool(len(status) and status.all())
 
     async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        return await self._driver.run(ops.reset_consumption(self._ctx, partition_id, task_name))
+        return await self._arun(ops.reset_consumption(self._ctx, partition_id, task_name))
 
     async def async_get_partition_list(self) -> list[str]:
-        return await self._driver.run(ops.get_partition_list(self._ctx))
+        return await self._arun(ops.get_partition_list(self._ctx))
 
     async def async_ack(self, metadata: BatchMeta) -> list[int]:
-        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
 
     async def async_nack(self, metadata: BatchMeta) -> list[int]:
-        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
 
     async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
-        return await self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
 
     # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------
 
@@ -135,52 +167,56 @@ class AsyncTransferQueueClient:
                            data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_put`."""
         tags = None if tag is None else [tag]
-        return await self._driver.run(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+        return await self._arun(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
                                                    single=True))
 
     async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                                  tags: list[dict[str, Any]] | None = None,
                                  data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_put`."""
-        return await self._driver.run(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+        return await self._arun(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
 
     async def async_kv_batch_get(self, keys: list[str] | str, partition_id: str,
                                  select_fields: list[str] | str | None = None) -> TensorDict:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_get`."""
-        return await self._driver.run(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+        return await self._arun(kv.batch_get(self._ctx, keys, partition_id, select_fields))
 
     async def async_kv_batch_get_by_meta(self, meta: KVBatchMeta,
                                          select_fields: list[str] | str | None = None) -> TensorDict:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_get_by_meta`."""
-        return await self._driver.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+        return await self._arun(kv.batch_get_by_meta(self._ctx, meta, select_fields))
 
     async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
-        return await self._driver.run(kv.list_keys(self._ctx, partition_id))
+        return await self._arun(kv.list_keys(self._ctx, partition_id))
 
     async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""
-        await self._driver.run(kv.clear(self._ctx, keys, partition_id))
+        await self._arun(kv.clear(self._ctx, keys, partition_id))
 
     async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str,
                                      create: bool = False) -> BatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_meta`."""
-        return await self._driver.run(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+        return await self._arun(kv.retrieve_meta(self._ctx, keys, partition_id, create))
 
     async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_keys`."""
-        return await self._driver.run(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+        return await self._arun(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
 
     async def async_seal_partition(self, partition_id: str) -> bool:
         """See :meth:`tq_redis.TransferQueueClient.seal_partition`."""
-        return await self._driver.run(streaming.seal_partition(self._ctx, partition_id))
+        return await self._arun(streaming.seal_partition(self._ctx, partition_id))
 
     async def async_close(self) -> None:
-        await self._driver.close()
+        """Close this event loop's Redis pool and the store connections."""
+        driver = self._async_drivers.pop(asyncio.get_running_loop(), None)
+        if driver is not None:
+            await driver.close()
         if self._ctx.storage is not None:
             self._ctx.storage.close()
 
     def close(self) -> None:
-        """Drop the store connections (the Redis pool closes with the event loop)."""
+        """Drop the store connections (each Redis pool closes with its event loop)."""
+        self._async_drivers.clear()
         if self._ctx.storage is not None:
             self._ctx.storage.close()

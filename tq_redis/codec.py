@@ -74,6 +74,10 @@ KIND_JAGGED = "jagged"
 KIND_STRIDED = "strided"
 KIND_NDARRAY = "ndarray"
 KIND_OBJECT = "object"
+# A field whose puts offered different kinds (the metadata plane widens it, see partition.lua);
+# a widened field's dtype is "mixed" when its puts offered different dtypes.
+KIND_MIXED = "mixed"
+DTYPE_MIXED = "mixed"
 KINDS = (KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT)
 
 _MAGIC = b"TQ"
@@ -598,8 +602,10 @@ def to_batchmeta_schema(schema: dict) -> dict:
     kind = schema["kind"]
     dtype_str = schema.get("dtype")
     shape = schema.get("shape")
-    if kind == KIND_NDARRAY:
-        dtype: Any = np.dtype(dtype_str) if dtype_str else None
+    if dtype_str == DTYPE_MIXED:
+        dtype: Any = None
+    elif kind == KIND_NDARRAY:
+        dtype = np.dtype(dtype_str) if dtype_str else None
     elif kind in (KIND_TENSOR, KIND_JAGGED, KIND_STRIDED):
         dtype = _NAME_TO_DTYPE.get(dtype_str) if dtype_str else None
     else:
@@ -608,7 +614,7 @@ def to_batchmeta_schema(schema: dict) -> dict:
         "dtype": dtype,
         "shape": torch.Size(shape) if shape is not None and kind in (KIND_TENSOR, KIND_NDARRAY) else None,
         "is_nested": kind in (KIND_JAGGED, KIND_STRIDED),
-        "is_non_tensor": kind in (KIND_NDARRAY, KIND_OBJECT),
+        "is_non_tensor": kind in (KIND_NDARRAY, KIND_OBJECT, KIND_MIXED),
         "kind": kind,
     }
 
@@ -803,7 +809,10 @@ def _jagged_from_parts(dtype: torch.dtype, shapes: list[tuple[int, ...]], payloa
         pos += nb
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    # Without the bounds torch pads to_padded_tensor() to the total length, not the longest row.
+    return torch.nested.nested_tensor_from_jagged(
+        values, offsets, min_seqlen=min(lengths), max_seqlen=max(lengths)
+    )
 
 
 def _stack_objects(items: list) -> NonTensorStack:
@@ -832,7 +841,9 @@ def _dense_to_jagged(t: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(0, (n + 1) * length, length, dtype=torch.int64) if length else torch.zeros(
         n + 1, dtype=torch.int64
     )
-    return torch.nested.nested_tensor_from_jagged(t.reshape(n * length, *t.shape[2:]), offsets)
+    return torch.nested.nested_tensor_from_jagged(
+        t.reshape(n * length, *t.shape[2:]), offsets, min_seqlen=length, max_seqlen=length
+    )
 
 
 def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -883,8 +894,9 @@ def decode_field(
     ``jagged`` -> jagged nested tensor; ``strided`` -> strided nested tensor; ``ndarray`` ->
     ``numpy.ndarray``; ``object`` -> ``NonTensorStack``. Values of differing shapes (e.g. rows of
     two partitions) come back as a nested tensor; values of differing kinds as a
-    ``NonTensorStack``. With ``nested_output=True`` a dense field with per-sample dims comes back
-    as a jagged nested tensor, as the reference system returns it.
+    ``NonTensorStack``. With ``nested_output=True`` (the reference's layout) a field with
+    per-sample dims comes back as a jagged nested tensor whenever one dimension is ragged (a
+    strided field too), scalars per sample as a dense ``(n,)`` tensor.
 
     Raises:
         EmptyBatch: ``values`` is empty.
@@ -959,6 +971,9 @@ def decode_field(
         return combined
     if kinds == {_K_STRIDED}:
         if len({p.dtype for p in parts}) == 1 and len({p.ndim for p in parts}) == 1:
+            if nested_output and parts[0].ndim >= 1 and len({p.shape[1:] for p in parts}) == 1:
+                # One ragged dimension: the reference's layout is jagged (len() and list() work).
+                return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
             return torch.nested.as_nested_tensor(parts, layout=torch.strided)
         return _stack_objects(parts)
     if kinds == {_K_NDARRAY}:

@@ -7,17 +7,24 @@ Our own shape (every key optional)::
     storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {}}
                                          # spill: fsspec URL the embedded nodes overflow to
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
-    compat:    {nested_output: false}    # true: get_data returns nested tensors always
+    compat:    {nested_output: true,     # the reference's layout: tensor fields come back nested;
+                strict_schema: false}    #   false: a field whose samples share a shape comes back dense
+                                         # strict_schema: a put whose shape/dtype differs from the
+                                         #   field's first put raises instead of making it jagged
     codec:     {allow_pickle: false}     # true: pickle what the safe encoding cannot hold
     metrics:   {enabled: false, port: 0}
 
 The reference system's config (``backend.storage_backend``, ``controller.sampler`` ...) is accepted
-too; :data:`REFERENCE_KEYS` says what each of its keys becomes, or why it is ignored.
+too; :data:`REFERENCE_KEYS` says what each of its keys becomes, or why it is ignored. Like the
+reference, other top-level sections (verl's ``transfer_queue`` section carries ``enable`` ...) are
+kept in the returned config and otherwise ignored; a name close to one of ours is refused as a
+likely typo.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "namespace": "tq",
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {}},
     "sampler": "SequentialSampler",
-    "compat": {"nested_output": False},
+    "compat": {"nested_output": True, "strict_schema": False},
     "codec": {"allow_pickle": False},
     "metrics": {"enabled": False, "port": 0},
 }
@@ -52,6 +59,8 @@ REFERENCE_KEYS: dict[str, str] = {
     "controller.zmq_info": "ignored: there is no controller process",
     "backend.SimpleStorage.zmq_info": "ignored: storage nodes register themselves in Redis",
     "backend.SimpleStorage.total_storage_size": "ignored: capacity is bytes per node (storage.unit_capacity)",
+    "backend.SimpleStorage.ssd_offload": "storage.spill = ssd_offload.path when ssd_offload.enabled (a full "
+    "node writes its overflow there; threshold_bytes is ignored)",
     "metrics.*": "metrics.*",
 }
 
@@ -59,7 +68,7 @@ _OUR_SECTIONS = set(DEFAULTS)
 _REFERENCE_SECTIONS = {"backend", "controller"}
 
 
-def _to_plain(conf: Any) -> dict[str, Any]:
+def to_plain(conf: Any) -> dict[str, Any]:
     """Accept a dict, an OmegaConf DictConfig or None."""
     if conf is None:
         return {}
@@ -99,6 +108,14 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
             units = options.get("num_data_storage_units")
             if units is not None:
                 out["storage"]["units"] = int(units)
+            offload = options.get("ssd_offload") or {}
+            if offload.get("enabled"):
+                if not offload.get("path"):
+                    raise ConfigError(
+                        "backend.SimpleStorage.ssd_offload.enabled is true but ssd_offload.path is not set; "
+                        "give the directory the storage nodes spill to"
+                    )
+                out["storage"]["spill"] = str(offload["path"])
         else:
             options.pop("zmq_info", None)
             out["storage"]["options"] = _merge(options, out["storage"]["options"])
@@ -109,14 +126,16 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
 
 def load(conf: Any = None) -> dict[str, Any]:
     """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``) and ``conf``."""
-    given = _to_plain(conf)
-    unknown = set(given) - _OUR_SECTIONS - _REFERENCE_SECTIONS
-    if unknown:
-        raise ConfigError(
-            f"unknown config section(s) {sorted(unknown)}; valid sections are {sorted(_OUR_SECTIONS)} "
-            f"(and the reference system's {sorted(_REFERENCE_SECTIONS)})"
-        )
+    given = to_plain(conf)
+    known = _OUR_SECTIONS | _REFERENCE_SECTIONS
+    unknown = sorted(str(k) for k in set(given) - known)
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"unknown config section {name!r}: did you mean {close[0]!r}?")
     out = copy.deepcopy(DEFAULTS)
+    for name in unknown:  # kept as given, as the reference merges them; nothing reads them
+        out[name] = given[name]
     if os.environ.get("TQ_REDIS_URL"):
         out["redis"]["url"] = os.environ["TQ_REDIS_URL"]
     if os.environ.get("TQ_NAMESPACE"):

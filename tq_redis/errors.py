@@ -55,6 +55,11 @@ class SampleNotFound(TQError, KeyError):
     """A sample id does not exist in the partition (never inserted, or cleared)."""
 
 
+# The reference system's name for "a sample was cleared before its data was read": code that
+# catches it to tolerate that race catches SampleNotFound, which is what a read raises here.
+StorageKeyNotFoundError = SampleNotFound
+
+
 class DataNotReady(TQError):
     """Data was requested for fields that are not produced yet for some samples."""
 

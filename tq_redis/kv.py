@@ -19,22 +19,22 @@ Deliberate differences from TransferQueue 0.1.11 (whose semantics are otherwise 
   the partition raises :class:`~tq_redis.errors.UnknownField`.
 * ``kv_retrieve_keys`` raises :class:`~tq_redis.errors.SampleNotFound` for ids with no key (the
   reference raises ``RuntimeError``).
-* ``data_parser`` works with every store (the reference: SimpleStorage only); it runs in the client.
+* ``data_parser`` works with every store (the reference: SimpleStorage only); it runs in the client
+  (:mod:`tq_redis.data_parser`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tq_redis import codec, ops
+from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, FCall, Pipe
 from tq_redis.errors import (
     BatchSizeMismatch,
@@ -50,7 +50,6 @@ from tq_redis.ops import _custom_meta as _tags_by_position
 from tq_redis.ops import _pairs, _text
 
 Op = ops.Op
-DataParser = Callable[[dict[str, Any]], Any]
 
 __all__ = [
     "async_kv_batch_get",
@@ -142,45 +141,15 @@ def _batch(fields: Any, n: int) -> TensorDict:
     return td  # type: ignore[return-value]
 
 
-def _parse(td: TensorDict, data_parser: DataParser) -> TensorDict:
-    """Run the user's parser on a plain dict of the batch's columns (it edits values in place)."""
-    columns: dict[str, Any] = {}
-    for name in td.keys():
-        value = td.get(name)
-        if isinstance(value, NonTensorStack):
-            columns[name] = value.tolist()
-        elif isinstance(value, torch.Tensor) and value.is_nested:
-            columns[name] = list(value.unbind(0))
-        else:
-            columns[name] = value
-    before = {k: len(v) for k, v in columns.items()}
-    data_parser(columns)
-    after = {k: len(v) for k, v in columns.items()}
-    if after != before:
-        raise InvalidArgument(
-            f"data_parser must edit values in place without adding, removing or resizing columns; "
-            f"columns were {before}, are {after}"
-        )
-    out: dict[str, Any] = {}
-    for name, value in columns.items():
-        original = td.get(name)
-        if isinstance(original, NonTensorStack):
-            out[name] = NonTensorStack(*[NonTensorData(v) for v in value])
-        elif isinstance(original, torch.Tensor) and original.is_nested:
-            out[name] = torch.nested.as_nested_tensor(list(value), layout=original.layout)
-        else:
-            out[name] = value
-    return TensorDict(out, batch_size=td.batch_size)
-
-
-def _schema_pairs(td: TensorDict | None) -> list[str]:
+def _schema_pairs(ctx: ops.Context, td: TensorDict | None) -> list[str]:
     if td is None:
         return []
     n = td.batch_size[0]
+    mark = ops.STRICT_MARK if ctx.strict_schema else ""
     flat: list[str] = []
     for name in td.keys():
         check_name("field name", name)
-        flat += [name, ops.canonical(codec.describe_field(name, td.get(name), n))]
+        flat += [name, mark + ops.canonical(codec.describe_field(name, td.get(name), n))]
     return flat
 
 
@@ -230,7 +199,7 @@ def resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, 
         return None
     if code == 0:
         field, registered = _text(reply[1]), _text(reply[2])
-        offered = dict(zip(schemas[::2], schemas[1::2]))[field]
+        offered = dict(zip(schemas[::2], schemas[1::2]))[field].removeprefix(ops.STRICT_MARK)
         codec.check_compatible(field, json.loads(registered), json.loads(offered))
         raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {registered}")
     _, ids, created, common, tags = reply
@@ -305,9 +274,9 @@ def batch_put(
                 f"kv_put: fields hold {td.batch_size[0]} rows; use kv_batch_put for batches"
             )
         if data_parser is not None:
-            td = _parse(td, data_parser)
+            td = apply_data_parser(td, data_parser)
     pk = ctx.keys(partition_id)
-    schemas = _schema_pairs(td)
+    schemas = _schema_pairs(ctx, td)
     res = yield from resolve(ctx, pk, keys, True, schemas)
     meta = res.meta(partition_id, list(res.schemas))
     merged = meta.get_all_custom_meta()
@@ -461,23 +430,9 @@ def _client():
     return get_client()
 
 
-_async_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _async_client():
-    """An async twin of the default client, one per running event loop."""
-    from tq_redis.client import AsyncTransferQueueClient
-
-    sync = _client()
-    loop = asyncio.get_running_loop()
-    client = _async_clients.get(loop)
-    if client is None or client.redis_url != sync.redis_url or client.namespace != sync.namespace:
-        opts = sync._ctx
-        client = AsyncTransferQueueClient(
-            sync.redis_url, sync.namespace, allow_pickle=opts.allow_pickle, nested_output=opts.nested_output
-        )
-        _async_clients[loop] = client
-    return client
+    """The default client: it has the ``async_*`` coroutines too (one Redis pool per loop)."""
+    return _client()
 
 
 def kv_put(

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from tq_redis import codec, samplers
 from tq_redis.backends.base import StoreContext
+from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, FCall, Offload, Pipe, WaitToken
 from tq_redis.errors import (
     BatchSizeMismatch,
@@ -40,7 +41,7 @@ from tq_redis.storage import KVStorageManager
 
 Op = Generator[Any, Any, Any]
 
-MODES = ("fetch", "force_fetch")
+MODES = ("fetch", "force_fetch", "insert")
 
 
 @dataclass
@@ -50,7 +51,8 @@ class Context:
     namespace: str
     redis_url: str
     allow_pickle: bool = False
-    nested_output: bool = False
+    nested_output: bool = True
+    strict_schema: bool = False
     storage: KVStorageManager | None = None
     _keys: dict[str, PartitionKeys] = field(default_factory=dict)
 
@@ -155,17 +157,34 @@ def _raise_conflict(field_name: str, registered: Any, offered: str) -> None:
     raise InvalidArgument(f"field {field_name!r}: schema {offered} conflicts with registered {_text(registered)}")
 
 
-def _flat_schemas(schemas: dict[str, str]) -> list[str]:
-    return [x for kv in schemas.items() for x in kv]
+STRICT_MARK = "!"
+
+
+def _flat_schemas(ctx: Context, schemas: dict[str, str]) -> list[str]:
+    """``field, schema`` pairs for a script; strict schemas carry a leading ``!`` (see partition.lua)."""
+    mark = STRICT_MARK if ctx.strict_schema else ""
+    return [x for name, schema in schemas.items() for x in (name, mark + schema)]
 
 
 def _batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {name: codec.to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
 
 
-def put(ctx: Context, data: Any, metadata: BatchMeta | None = None, partition_id: str | None = None) -> Op:
-    """Insert new samples (no metadata) or write fields of existing samples (with metadata)."""
+def put(
+    ctx: Context,
+    data: Any,
+    metadata: BatchMeta | None = None,
+    partition_id: str | None = None,
+    data_parser: DataParser | None = None,
+) -> Op:
+    """Insert new samples (no metadata) or write fields of existing samples (with metadata).
+
+    ``data_parser`` (the reference's hook) may rewrite the batch's values in place first. With
+    metadata, its ``custom_meta`` is stored as the samples' tags too, as the reference does.
+    """
     td = _as_tensordict(data)
+    if data_parser is not None:
+        td = apply_data_parser(td, data_parser)
     if metadata is None:
         if partition_id is None:
             raise InvalidArgument("put() without metadata inserts new samples and needs partition_id=")
@@ -177,14 +196,17 @@ def put(ctx: Context, data: Any, metadata: BatchMeta | None = None, partition_id
             f"put() data has {td.batch_size[0]} samples but metadata has {metadata.size}; "
             f"select the matching samples (metadata.select_samples / chunk) or slice the data"
         )
-    return (yield from _rewrite(ctx, td, metadata))
+    result = yield from _rewrite(ctx, td, metadata)
+    if any(metadata.custom_meta):
+        yield from set_custom_meta(ctx, metadata)
+    return result
 
 
 def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     pk = ctx.keys(partition_id)
     n = td.batch_size[0]
     schemas, values = _encode(ctx, td)
-    flat = _flat_schemas(schemas)
+    flat = _flat_schemas(ctx, schemas)
     reply = yield FCall("reserve", (pk.meta,), (n, *flat))
     _check_not_sealed(reply, partition_id)
     if reply[0] == 0:
@@ -215,6 +237,27 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     )
 
 
+def _allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> Op:
+    """``mode="insert"``: ``count`` new samples with no field produced yet, for a later
+    ``put(data, metadata=...)``. They are alive (listed, clearable) but no task can claim them
+    before their fields are put."""
+    reply = yield FCall("reserve", (pk.meta,), (count,))
+    _check_not_sealed(reply, pk.partition)
+    first = int(reply[1])
+    reply, _ = yield Pipe(
+        (
+            FCall("insert", (pk.meta,), (first, count, _now_ms(), 0)),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
+        )
+    )
+    _check_not_sealed(reply, pk.partition)
+    placeholder = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False, "kind": None}
+    return BatchMeta.from_columns(
+        list(range(first, first + count)), pk.partition, {f: dict(placeholder) for f in fields},
+        production_status=np.zeros(count, dtype=np.int8),
+    )
+
+
 def _check_not_sealed(reply: list, partition_id: str) -> None:
     if int(reply[0]) == -3:
         raise PartitionSealed(
@@ -224,7 +267,7 @@ def _check_not_sealed(reply: list, partition_id: str) -> None:
 
 def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
     schemas, values = _encode(ctx, td)
-    flat = _flat_schemas(schemas)
+    flat = _flat_schemas(ctx, schemas)
     store = yield from storage(ctx)
     groups = _group_by_partition(metadata)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
@@ -241,7 +284,7 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         if not exists:
             raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
         for name, reg in zip(schemas, registered):
-            if reg is not None and _text(reg) != schemas[name]:
+            if ctx.strict_schema and reg is not None and _text(reg) != schemas[name]:
                 _raise_conflict(name, reg, schemas[name])
         gone = [int(i) for i in visible[1:11]]
         if gone:
@@ -325,6 +368,8 @@ def get_meta(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
         raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
     batch_size = int(batch_size)
+    if mode == "insert":
+        return (yield from _allocate(ctx, pk, fields, batch_size))
     if task_name is None:
         raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
     check_name("task_name", task_name)
@@ -769,22 +814,34 @@ def get_partition_list(ctx: Context) -> Op:
     return [_text(n) for n in names]
 
 
+def _no_status() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int8)
+
+
 def production_status(ctx: Context, data_fields: Sequence[str], partition_id: str) -> Op:
-    """``(global_indexes, status)`` tensors: status 1 where every field is produced."""
+    """``(global_indexes, status)`` tensors: status 1 where every field is produced.
+
+    A partition that does not exist (cleared, or never created) has no samples: both are empty,
+    as in the reference system, since user code polls this after clearing.
+    """
     fields = _check_fields(data_fields)
-    meta = yield from _describe_partition(ctx, ctx.keys(partition_id), fields)
+    try:
+        meta = yield from _describe_partition(ctx, ctx.keys(partition_id), fields)
+    except UnknownPartition:
+        return _no_status()
     return torch.tensor(meta.global_indexes, dtype=torch.long), torch.from_numpy(meta.production_status.copy())
 
 
 def consumption_status(ctx: Context, task_name: str, partition_id: str) -> Op:
-    """``(global_indexes, status)`` tensors: status 1 where the task consumed the sample."""
+    """``(global_indexes, status)`` tensors: status 1 where the task consumed the sample (both
+    empty for a partition that does not exist, as for :func:`production_status`)."""
     check_name("task_name", task_name)
     pk = ctx.keys(partition_id)
     exists, alive_raw, cons_raw = yield Pipe(
         (Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("GET", pk.cons(task_name))))
     )
     if not exists:
-        raise UnknownPartition(f"partition {partition_id!r} does not exist (cleared, or never created)")
+        return _no_status()
     alive = _unpack_bits(alive_raw)
     ids = np.flatnonzero(alive)
     cons = np.zeros(len(alive), dtype=bool)

@@ -8,11 +8,12 @@ way the effective config it returns carries the URL and namespace other processe
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import Any
 
 from tq_redis import config as config_mod
-from tq_redis import metrics
+from tq_redis import metrics, ray_discovery
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import TQError
 from tq_redis.keys import config_key
@@ -39,24 +40,25 @@ def init(conf: Any = None) -> dict[str, Any]:
             return _state["config"]
         cfg = config_mod.load(conf)
         explicit_storage = isinstance(conf, dict) and ("storage" in conf or "backend" in conf)
+        if cfg["redis"]["url"] is None:
+            _attach_to_ray_job_system(cfg, conf)
         server = nodes = None
         storage = cfg["storage"]
         try:
             if cfg["redis"]["url"] is None:
-                server = EmbeddedServer().start()
-                cfg["redis"]["url"] = server.url
+                server, nodes = _start_embedded(cfg)
                 explicit_storage = True
-                if storage["backend"] == "dram":
-                    from tq_redis.backends.dram_server import start_local_nodes
-
-                    nodes = start_local_nodes(
-                        cfg["redis"]["url"], cfg["namespace"], n=int(storage["units"]),
-                        capacity=str(storage["unit_capacity"]), spill=storage.get("spill") or None,
-                    )
+                winner = ray_discovery.publish(cfg["redis"]["url"], cfg["namespace"])
+                if winner is not None:  # another process of this Ray job started one first
+                    _stop(nodes, server)
+                    server = nodes = None
+                    cfg["redis"]["url"], cfg["namespace"] = winner["url"], winner["namespace"]
+                    explicit_storage = False
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],
                 allow_pickle=bool(cfg["codec"]["allow_pickle"]),
                 nested_output=bool(cfg["compat"]["nested_output"]),
+                strict_schema=bool(cfg["compat"].get("strict_schema", False)),
             )
             spec = json.dumps({"backend": storage["backend"], "options": storage.get("options") or {}})
             key = config_key(cfg["namespace"])
@@ -64,19 +66,67 @@ def init(conf: Any = None) -> dict[str, Any]:
                 client.redis.hset(key, "storage", spec)
             else:
                 client.redis.hsetnx(key, "storage", spec)
-            client.redis.hset(key, "sampler", json.dumps(sampler_spec(cfg["sampler"])))
+            sampler = json.dumps(sampler_spec(cfg["sampler"]))
+            if _gives_sampler(conf):
+                client.redis.hset(key, "sampler", sampler)
+            else:  # an argument-less init (a worker attaching) keeps the job's sampler
+                client.redis.hsetnx(key, "sampler", sampler)
             if cfg["metrics"].get("enabled"):
                 metrics.start_exporter(
                     int(cfg["metrics"].get("port") or 0), redis_url=cfg["redis"]["url"], namespace=cfg["namespace"]
                 )
         except BaseException:
-            if nodes is not None:
-                nodes.stop()
             if server is not None:
-                server.stop()
+                ray_discovery.withdraw(server.url)
+            _stop(nodes, server)
             raise
-        _state.update(config=cfg, client=client, server=server, nodes=nodes, sampler=cfg["sampler"])
+        # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
+        _state.update(config=cfg, client=client, server=server, nodes=nodes,
+                      sampler=cfg["sampler"] if _gives_sampler(conf) else None)
         return cfg
+
+
+def _attach_to_ray_job_system(cfg: dict[str, Any], conf: Any) -> None:
+    """Inside a Ray job whose system is already up (see :mod:`tq_redis.ray_discovery`), attach to it."""
+    found = ray_discovery.lookup()
+    if found is None:
+        return
+    cfg["redis"]["url"] = found["url"]
+    given_namespace = isinstance(conf, dict) and "namespace" in conf
+    if not given_namespace and not os.environ.get("TQ_NAMESPACE"):
+        cfg["namespace"] = found["namespace"]
+
+
+def _gives_sampler(conf: Any) -> bool:
+    plain = config_mod.to_plain(conf)
+    return plain.get("sampler") is not None or (plain.get("controller") or {}).get("sampler") is not None
+
+
+def _start_embedded(cfg: dict[str, Any]) -> tuple[EmbeddedServer, Any]:
+    """An embedded Valkey and, for the dram store, this process's local storage nodes."""
+    storage = cfg["storage"]
+    server = EmbeddedServer().start()
+    cfg["redis"]["url"] = server.url
+    nodes = None
+    try:
+        if storage["backend"] == "dram":
+            from tq_redis.backends.dram_server import start_local_nodes
+
+            nodes = start_local_nodes(
+                cfg["redis"]["url"], cfg["namespace"], n=int(storage["units"]),
+                capacity=str(storage["unit_capacity"]), spill=storage.get("spill") or None,
+            )
+    except BaseException:
+        server.stop()
+        raise
+    return server, nodes
+
+
+def _stop(nodes: Any, server: EmbeddedServer | None) -> None:
+    if nodes is not None:
+        nodes.stop()
+    if server is not None:
+        server.stop()
 
 
 def get_client() -> TransferQueueClient:
@@ -103,8 +153,7 @@ def close() -> None:
             return
         metrics.stop_exporter()
         _state["client"].close()
-        if _state.get("nodes") is not None:
-            _state["nodes"].stop()
         if _state.get("server") is not None:
-            _state["server"].stop()
+            ray_discovery.withdraw(_state["server"].url)
+        _stop(_state.get("nodes"), _state.get("server"))
         _state.clear()

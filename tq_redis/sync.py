@@ -1,8 +1,11 @@
-"""``TransferQueueClient``: the blocking client, a thin driver of the operations in :mod:`tq_redis.ops`."""
+"""``TransferQueueClient``: the blocking client, a thin driver of the operations in :mod:`tq_redis.ops`.
+
+It subclasses :class:`~tq_redis.client.AsyncTransferQueueClient` (as the reference system's
+client does), so the same object also offers every ``async_*`` coroutine.
+"""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,23 +13,28 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import kv, ops, streaming
-from tq_redis.client import lease_task, make_context
+from tq_redis.client import AsyncTransferQueueClient, lease_task
 from tq_redis.driver import SyncDriver
 from tq_redis.metadata import BatchMeta, KVBatchMeta
 
 
-class TransferQueueClient:
+class TransferQueueClient(AsyncTransferQueueClient):
     """Blocking client of one namespace; safe to share between threads.
 
     Any number of processes, on any number of machines, may each hold one: they need only the
-    Redis URL and the namespace. There is no controller process.
+    Redis URL and the namespace. There is no controller process. The ``async_*`` coroutines of
+    :class:`AsyncTransferQueueClient` work on it too (one Redis pool per event loop).
 
     Args:
         redis_url: the metadata plane, e.g. ``redis://host:6379/0``.
         namespace: key prefix; clients of one job share it, other jobs use another.
         client_id: a name for logs and metrics (random by default).
         allow_pickle: pickle values the safe encoding cannot represent (and unpickle them on read).
-        nested_output: return every tensor field as a nested tensor, as the reference system does.
+        nested_output: True (default, the reference's layout): tensor fields with per-sample
+            dimensions come back as jagged nested tensors; False: a field whose samples share
+            one shape comes back dense.
+        strict_schema: raise on a put whose shape/dtype differs from the field's first put
+            instead of making the field jagged (the default, as the reference does).
     """
 
     def __init__(
@@ -36,12 +44,11 @@ class TransferQueueClient:
         client_id: str | None = None,
         *,
         allow_pickle: bool = False,
-        nested_output: bool = False,
+        nested_output: bool = True,
+        strict_schema: bool = False,
     ) -> None:
-        self.redis_url = redis_url
-        self.namespace = namespace
-        self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
-        self._ctx = make_context(redis_url, namespace, {"allow_pickle": allow_pickle, "nested_output": nested_output})
+        super().__init__(redis_url, namespace, client_id, allow_pickle=allow_pickle,
+                         nested_output=nested_output, strict_schema=strict_schema)
         self._driver = SyncDriver(redis_url)
 
     @property
@@ -77,12 +84,16 @@ class TransferQueueClient:
         )
 
     def put(
-        self, data: TensorDict | dict, metadata: BatchMeta | None = None, partition_id: str | None = None
+        self,
+        data: TensorDict | dict,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: kv.DataParser | None = None,
     ) -> BatchMeta:
         """Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
         With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
         the samples become visible. Returns the metadata with the fields added."""
-        return self._driver.run(ops.put(self._ctx, data, metadata, partition_id))
+        return self._driver.run(ops.put(self._ctx, data, metadata, partition_id, data_parser))
 
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""
@@ -185,7 +196,6 @@ class TransferQueueClient:
         return self._driver.run(streaming.seal_partition(self._ctx, partition_id))
 
     def close(self) -> None:
-        """Close the Redis pool and store connections."""
+        """Close the Redis pools and store connections."""
         self._driver.close()
-        if self._ctx.storage is not None:
-            self._ctx.storage.close()
+        super().close()

@@ -25,7 +25,7 @@ def aclient(real_server, namespace):
     r = redis.Redis.from_url(real_server.url)
     r.hset(config_key(namespace), "storage", json.dumps({"backend": "redis", "options": {}}))
     r.close()
-    return AsyncTransferQueueClient(real_server.url, namespace)
+    return AsyncTransferQueueClient(real_server.url, namespace, nested_output=False)
 
 
 def test_async_round_trip_and_status(aclient):
@@ -41,8 +41,9 @@ def test_async_round_trip_and_status(aclient):
         assert await aclient.async_get_partition_list() == ["p"]
         await aclient.async_clear_partition("p")
         assert await aclient.async_get_partition_list() == []
+        assert not await aclient.async_check_production_status(["x"], "p")  # cleared: no samples
         with pytest.raises(errors.UnknownPartition):
-            await aclient.async_get_production_status(["x"], "p")
+            await aclient.async_get_meta(["x"], 1, "p", mode="force_fetch")
         await aclient.async_close()
 
     asyncio.run(main())

@@ -79,7 +79,7 @@ def test_get_errors_name_what_is_wrong(server, namespace):
 
 
 def test_failed_put_leaves_no_half_created_keys(server, namespace):
-    client = make_client(server.url, namespace)
+    client = make_client(server.url, namespace, strict_schema=True)
     client.kv_put("a", "p", {"x": torch.tensor([1, 2])})
     with pytest.raises(DTypeConflict):
         client.kv_batch_put(["a", "b", "c"], "p", TensorDict({"x": torch.zeros(3, 2)}, [3]))

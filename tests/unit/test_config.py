@@ -50,6 +50,28 @@ def test_reference_mooncake_options_pass_through():
     assert cfg["storage"]["options"] == {"protocol": "tcp"}
 
 
+def test_unknown_sections_are_kept_like_the_reference():
+    # verl passes its whole `transfer_queue` section: `enable`, its own metrics and Mooncake keys
+    cfg = config.load({"enable": True, "num_global_batch": 4, "metrics": {"enabled": False}})
+    assert cfg["enable"] is True
+    assert cfg["num_global_batch"] == 4
+    assert cfg["storage"]["backend"] == "dram"
+
+
+def test_ssd_offload_maps_to_spill(tmp_path):
+    cfg = config.load({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {
+        "num_data_storage_units": 2, "ssd_offload": {"enabled": True, "path": str(tmp_path)}}}})
+    assert cfg["storage"]["spill"] == str(tmp_path)
+    off = config.load({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {
+        "ssd_offload": {"enabled": False, "path": str(tmp_path)}}}})
+    assert off["storage"]["spill"] is None
+
+
+def test_compat_defaults_are_the_reference_layout():
+    cfg = config.load()
+    assert cfg["compat"] == {"nested_output": True, "strict_schema": False}
+
+
 def test_omegaconf_accepted():
     omegaconf = pytest.importorskip("omegaconf")
     cfg = config.load(omegaconf.OmegaConf.create({"namespace": "x"}))
@@ -59,7 +81,10 @@ def test_omegaconf_accepted():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ({"nonsense": 1}, "unknown config section"),
+        ({"storgae": {"backend": "redis"}}, "did you mean 'storage'"),
+        ({"rediss": {"url": "redis://h:1/0"}}, "did you mean 'redis'"),
+        ({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"ssd_offload": {"enabled": True}}}},
+         "ssd_offload.path"),
         ({"backend": {"storage_backend": "Nope"}}, "storage_backend"),
         ({"namespace": ""}, "namespace"),
         ({"storage": 3}, "mapping"),
