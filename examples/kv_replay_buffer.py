@@ -44,7 +44,8 @@ def train(step: int, batch: int, min_version: int) -> int:
     fresh = [k for k, t in buffer.items() if t["status"] == "new" and t["policy_version"] >= min_version]
     chosen = sorted(fresh, key=lambda k: buffer[k]["reward"], reverse=True)[:batch]
     data = tq.kv_batch_get(keys=chosen, partition_id=PARTITION, select_fields=["input_ids", "reward"])
-    assert data["input_ids"].shape == (len(chosen), SEQ)
+    # the reference's layout: per-sample rows come back as a jagged nested tensor
+    assert data["input_ids"].to_padded_tensor(0).shape == (len(chosen), SEQ)
     assert torch.allclose(data["reward"], torch.tensor([buffer[k]["reward"] for k in chosen]))
     # a later stage adds a field to the same keys; the key's other fields stay
     meta = tq.kv_batch_put(chosen, PARTITION, TensorDict({"old_log_prob": torch.randn(len(chosen), SEQ)},

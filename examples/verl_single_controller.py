@@ -49,7 +49,7 @@ class Worker:
 
     def ref_log_prob(self, meta: BatchMeta) -> BatchMeta:
         data = self.client.get_data(meta.select_fields(["input_ids", "response_length"]))
-        ref = torch.log_softmax(data["input_ids"].float(), dim=-1)
+        ref = torch.log_softmax(data["input_ids"].to_padded_tensor(0).float(), dim=-1)
         return self.client.put(TensorDict({"ref_log_prob": ref}, batch_size=[meta.size]), metadata=meta)
 
     def update_actor(self, meta: BatchMeta) -> int:

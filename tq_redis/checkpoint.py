@@ -117,7 +117,9 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
 
     ``metadata`` (JSON-serialisable) is stored in ``metadata.json`` and returned by
     :func:`load_checkpoint`. ``include_storage=False`` saves metadata only (for stores whose data
-    outlives the job); it has no effect with the ``redis`` store, whose bytes are Redis keys.
+    outlives the job); it has no effect with the ``redis`` store, whose bytes are Redis keys, nor
+    with the ``dram`` store, whose nodes do not outlive the job (as the reference forces it for
+    SimpleStorage: a metadata-only checkpoint of them could never be loaded).
     """
     from tq_redis.runtime import get_client
 
@@ -129,6 +131,8 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
     (tmp / DATA_DIR).mkdir(parents=True)
     try:
         store = client._driver.run(ops.storage(client._ctx))
+        if store.backend == "dram":
+            include_storage = True
         saved = 0
         if include_storage and store.backend != "redis":
             saved = _save_data(client, store, tmp / DATA_DIR)

@@ -497,6 +497,10 @@ def _classify(name: str, value: Any, batch_size: int) -> tuple[dict, str, Any]:
         bs = value.batch_size
         if len(bs) == 0 or bs[0] != batch_size:
             raise _mismatch(name, bs[0] if len(bs) else "no batch dimension, so no", batch_size)
+        if isinstance(data, list | tuple) and len(data) == batch_size:
+            # A list of one value per sample (TensorDict wraps a plain list this way): split it
+            # per sample, as the reference system does.
+            return {"kind": KIND_OBJECT, "dtype": None, "shape": None}, KIND_OBJECT, list(data)
         # Broadcast: every sample of this NonTensorData holds the same value.
         return {"kind": KIND_OBJECT, "dtype": None, "shape": None}, KIND_OBJECT, [data] * batch_size
     if isinstance(value, NonTensorStack):

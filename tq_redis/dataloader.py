@@ -58,7 +58,7 @@ def connection_settings(config: Any) -> dict[str, Any]:
         "redis_url": url,
         "namespace": conf.get("namespace"),
         "allow_pickle": bool((conf.get("codec") or {}).get("allow_pickle", False)),
-        "nested_output": bool((conf.get("compat") or {}).get("nested_output", False)),
+        "nested_output": bool((conf.get("compat") or {}).get("nested_output", True)),
     }
     if url is None:
         from tq_redis.runtime import NotInitialized, get_client

@@ -55,12 +55,26 @@ class SampleNotFound(TQError, KeyError):
     """A sample id does not exist in the partition (never inserted, or cleared)."""
 
 
+class UnknownKey(SampleNotFound, ValueError):
+    """A KV key is not in the partition (never put, or cleared).
+
+    Also a ``ValueError`` whose message says "not found", as the reference's KV reads raise.
+    """
+
+
+class KeyNotInBatch(SampleNotFound, RuntimeError):
+    """``KVBatchMeta.select_keys`` named a key the batch does not hold.
+
+    A ``SampleNotFound`` (so a ``KeyError``) and, as the reference raises, a ``RuntimeError``.
+    """
+
+
 # The reference system's name for "a sample was cleared before its data was read": code that
 # catches it to tolerate that race catches SampleNotFound, which is what a read raises here.
 StorageKeyNotFoundError = SampleNotFound
 
 
-class DataNotReady(TQError):
+class DataNotReady(TQError, ValueError):
     """Data was requested for fields that are not produced yet for some samples."""
 
 
@@ -106,6 +120,13 @@ class BackendNotInstalled(TQError, ImportError):
 
 class SamplerError(TQError, ValueError):
     """A sampler was misconfigured or returned an invalid choice."""
+
+
+class PartitioningError(SamplerError, AssertionError):
+    """Items cannot be split as asked (too few, or not divisible for equal sizes).
+
+    A ``SamplerError`` (so a ``ValueError``) and, like the reference's checks, an ``AssertionError``.
+    """
 
 
 class LeaseError(TQError):

@@ -12,11 +12,12 @@ Operations are generators of effects (see :mod:`tq_redis.driver`); the clients e
 
 Deliberate differences from TransferQueue 0.1.11 (whose semantics are otherwise kept):
 
-* ``kv_batch_get`` raises :class:`~tq_redis.errors.SampleNotFound` naming the missing keys when
-  *any* key is unknown; the reference silently returns only the keys it found.
-* A selected field that is not produced for every key raises
-  :class:`~tq_redis.errors.DataNotReady` (the reference raises ``ValueError``); a field never put in
-  the partition raises :class:`~tq_redis.errors.UnknownField`.
+* ``kv_batch_get`` raises :class:`~tq_redis.errors.UnknownKey` (a ``SampleNotFound`` and a
+  ``ValueError`` saying "not found") naming the missing keys when *any* key is unknown; the
+  reference silently returns only the keys it found, so rows no longer line up with the keys.
+* A selected field that no key has is left out of the result, as in the reference (verl selects
+  optional fields such as ``ref_log_prob``); one that only some keys have raises
+  :class:`~tq_redis.errors.DataNotReady` (the reference drops it for every key, hiding the gap).
 * ``kv_retrieve_keys`` raises :class:`~tq_redis.errors.SampleNotFound` for ids with no key (the
   reference raises ``RuntimeError``).
 * ``data_parser`` works with every store (the reference: SimpleStorage only); it runs in the client
@@ -41,7 +42,7 @@ from tq_redis.errors import (
     DataNotReady,
     InvalidArgument,
     SampleNotFound,
-    UnknownField,
+    UnknownKey,
     UnsupportedValue,
 )
 from tq_redis.keys import PartitionKeys, check_name, partitions_key
@@ -332,39 +333,52 @@ def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any
     keys = _key_list(keys, "kv_batch_get")
     wanted = _field_list(select_fields, "kv_batch_get")
     pk = ctx.keys(partition_id)
+    dropped: set[str] = set()
     while True:
         res = yield from resolve(ctx, pk, keys, False, [])
         if res is None:
-            raise SampleNotFound(
-                f"kv_batch_get: partition {partition_id!r} does not exist (cleared, or never put)"
+            raise UnknownKey(
+                f"kv_batch_get: keys {keys[:10]} not found: partition {partition_id!r} does not exist "
+                f"(cleared, or never put)"
             )
         missing = [k for k, i in zip(keys, res.ids) if i < 0]
         if missing:
-            raise SampleNotFound(f"kv_batch_get: keys {missing[:10]} are not in partition {partition_id!r}")
-        fields = list(res.schemas) if wanted is None else wanted
+            raise UnknownKey(f"kv_batch_get: keys {missing[:10]} not found in partition {partition_id!r}")
+        fields = list(res.schemas) if wanted is None else [f for f in wanted if f not in dropped]
         if not fields:
+            if wanted is not None:  # every selected field is absent from every key
+                return TensorDict({}, batch_size=[len(keys)])
             raise DataNotReady(
                 f"kv_batch_get: keys {keys[:10]} of partition {partition_id!r} have no field in common yet"
             )
         absent = [f for f in fields if f not in res.schemas]
         if not absent:
             return (yield from ops.get_data(ctx, res.meta(partition_id, fields)))
-        # Raises unless the fields were produced since kv_resolve looked; then look again.
-        yield from _explain_absent(pk, keys, res.ids, absent)
+        # Fields no key has are left out; one some keys lack raises; one produced since
+        # kv_resolve looked is read on the next pass.
+        dropped |= yield from _absent_from_every_key(pk, keys, res.ids, absent)
 
 
-def _explain_absent(pk: PartitionKeys, keys: list[str], ids: list[int], fields: list[str]) -> Op:
+def _absent_from_every_key(pk: PartitionKeys, keys: list[str], ids: list[int], fields: list[str]) -> Op:
+    """Which of ``fields`` none of the keys has (the reference leaves those out of a read).
+
+    Raises:
+        DataNotReady: a field some keys have and others lack (a read would hide the gap).
+    """
     bitfield = [x for i in ids for x in ("GET", "u1", i)]
     calls = [Cmd(("HMGET", pk.fields, *fields))] + [Cmd(("BITFIELD", pk.prod(f), *bitfield)) for f in fields]
     replies = yield Pipe(tuple(calls))
+    none_have: set[str] = set()
     for name, registered, bits in zip(fields, replies[0], replies[1:]):
-        if registered is None:
-            raise UnknownField(f"field {name!r} was never put in partition {pk.partition!r}")
         lacking = [k for k, b in zip(keys, bits) if not b]
-        if lacking:
+        if registered is None or len(lacking) == len(keys):
+            none_have.add(name)
+        elif lacking:
             raise DataNotReady(
-                f"field {name!r} is not produced yet for keys {lacking[:10]} of partition {pk.partition!r}"
+                f"field {name!r} is not produced yet for keys {lacking[:10]} of partition {pk.partition!r} "
+                f"(the other keys have it); wait for its producer or select the keys that have it"
             )
+    return none_have
 
 
 def batch_get_by_meta(ctx: ops.Context, meta: KVBatchMeta, select_fields: Any = None) -> Op:
@@ -378,7 +392,7 @@ def batch_get_by_meta(ctx: ops.Context, meta: KVBatchMeta, select_fields: Any = 
         unknown = [f for f in wanted if meta.fields is None or f not in meta.fields]
         if unknown:
             raise InvalidArgument(
-                f"kv_batch_get_by_meta: select_fields {unknown} are not in the KVBatchMeta's "
+                f"kv_batch_get_by_meta: select_fields {unknown} not found in the KVBatchMeta's "
                 f"fields {meta.fields}"
             )
     else:

@@ -38,17 +38,10 @@ from tensordict import TensorDictBase, is_non_tensor
 from tq_redis.errors import (
     BatchSizeMismatch,
     InvalidArgument,
-    SampleNotFound,
+    KeyNotInBatch,
     UnknownField,
     UnsupportedValue,
 )
-
-
-class KeyNotInBatch(SampleNotFound, RuntimeError):
-    """``KVBatchMeta.select_keys`` named a key the batch does not hold.
-
-    A ``SampleNotFound`` (so a ``KeyError``) and, as the reference raises, a ``RuntimeError``.
-    """
 
 __all__ = [
     "KIND_JAGGED",

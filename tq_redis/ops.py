@@ -603,7 +603,10 @@ def _unpack_bits(raw: bytes | None) -> np.ndarray:
     return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
 
 
-def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str]) -> Op:
+def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, unknown_unproduced: bool = False) -> Op:
+    """Every alive sample with its production status of ``fields`` (force_fetch and the status
+    calls). A field never put raises ``UnknownField``, or with ``unknown_unproduced`` counts as
+    produced for no sample (the status calls: the reference knows fields from ``mode="insert"``)."""
     calls = [Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("SMEMBERS", pk.tagnames))]
     if fields:
         calls.append(Cmd(("HMGET", pk.fields, *fields)))
@@ -619,6 +622,9 @@ def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str]) -> O
     if fields:
         for name, raw in zip(fields, replies[3]):
             if raw is None:
+                if unknown_unproduced:
+                    ready[:] = 0
+                    continue
                 raise UnknownField(
                     f"field {name!r} was never put in partition {pk.partition!r}; known fields come from put()"
                 )
@@ -826,7 +832,7 @@ def production_status(ctx: Context, data_fields: Sequence[str], partition_id: st
     """
     fields = _check_fields(data_fields)
     try:
-        meta = yield from _describe_partition(ctx, ctx.keys(partition_id), fields)
+        meta = yield from _describe_partition(ctx, ctx.keys(partition_id), fields, unknown_unproduced=True)
     except UnknownPartition:
         return _no_status()
     return torch.tensor(meta.global_indexes, dtype=torch.long), torch.from_numpy(meta.production_status.copy())

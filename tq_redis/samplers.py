@@ -47,14 +47,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from tq_redis.errors import SamplerError
-
-
-class PartitioningError(SamplerError, AssertionError):
-    """Items cannot be split as asked (too few, or not divisible for equal sizes).
-
-    A ``SamplerError`` (so a ``ValueError``) and, like the reference's checks, an ``AssertionError``.
-    """
+from tq_redis.errors import PartitioningError, SamplerError
 
 __all__ = [
     "BaseSampler",
@@ -150,26 +143,31 @@ def _check_positive(name: str, value: Any) -> int:
     return value
 
 
-def _aligned_groups(ready_indexes: list[int], n: int, groups_wanted: int) -> list[int]:
-    """First ``groups_wanted`` complete aligned blocks ``[k*n, (k+1)*n)`` of the ready ids."""
-    ready = set(ready_indexes)
+def _consecutive_groups(ready_indexes: list[int], n: int, groups_wanted: int) -> list[int]:
+    """The first ``groups_wanted`` runs of ``n`` consecutive ids in the sorted ready ids, scanning
+    left to right and skipping past each run found (the reference system's rule)."""
+    ready = sorted(ready_indexes)
     out: list[int] = []
-    found = 0
-    for i in sorted(ready):
-        if found == groups_wanted:
-            break
-        if i % n == 0 and all(i + j in ready for j in range(n)):
-            out.extend(range(i, i + n))
+    found = i = 0
+    while found < groups_wanted and i + n <= len(ready):
+        if ready[i + n - 1] - ready[i] == n - 1 and len(set(ready[i:i + n])) == n:
+            out.extend(ready[i:i + n])
             found += 1
+            i += n
+        else:
+            i += 1
     return out if found == groups_wanted else []
 
 
 class GRPOGroupNSampler(BaseSampler):
     """Only whole groups of ``n_samples_per_prompt`` samples (the n responses of one prompt).
 
-    ``batch_size`` must be a multiple of n. In Redis a group is the rows sharing a ``uid`` tag
-    (when the partition has that tag) or n rows aligned to the start of the ``put`` that
-    inserted them; ``sampling_config["n_samples_per_prompt"]`` overrides the constructor's n.
+    ``batch_size`` must be a multiple of n. In Redis (``get_meta``) a group is the rows sharing
+    a ``uid`` tag (when the partition has that tag) or n rows aligned to the start of the ``put``
+    that inserted them, so a group never straddles two prompts;
+    ``sampling_config["n_samples_per_prompt"]`` overrides the constructor's n. :meth:`sample`,
+    called on a bare list of ids that carries no group information, finds runs of n consecutive
+    ids as the reference does.
     """
 
     def __init__(self, n_samples_per_prompt: int = 1) -> None:
@@ -188,11 +186,11 @@ class GRPOGroupNSampler(BaseSampler):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
-        """``batch_size / n`` complete aligned groups, or two empty lists if too few are ready."""
+        """``batch_size / n`` runs of n consecutive ready ids, or two empty lists if too few."""
         n = self.n_samples_per_prompt
         if batch_size % n:
             raise SamplerError(f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})")
-        chosen = _aligned_groups(ready_indexes, n, batch_size // n)
+        chosen = _consecutive_groups(ready_indexes, n, batch_size // n)
         return chosen, list(chosen)
 
 

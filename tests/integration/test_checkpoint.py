@@ -50,3 +50,17 @@ def test_checkpoint_round_trip(tmp_path, namespace, backend):
             tq.kv_batch_get("gone", "kvp")
     finally:
         tq.close()
+
+
+def test_metadata_only_checkpoint_of_dram_still_saves_the_bytes(tmp_path, namespace):
+    """DRAM nodes die with the job, so include_storage=False is overridden (as the reference does)."""
+    tq.init({"namespace": namespace, "storage": {"backend": "dram", "units": 1, "unit_capacity": "64MiB"}})
+    try:
+        tq.kv_batch_put(["a", "b"], "p", TensorDict({"x": torch.tensor([[5, 6], [7, 8]])}, [2]))
+        tq.save_checkpoint(tmp_path / "ckpt", include_storage=False)
+        tq.kv_clear(["a", "b"], "p")
+        tq.load_checkpoint(tmp_path / "ckpt")
+        rows = tq.kv_batch_get(["a", "b"], "p")["x"].unbind()
+        assert [r.tolist() for r in rows] == [[5, 6], [7, 8]]
+    finally:
+        tq.close()

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import mp_context
-from tq_redis.errors import DataNotReady, DTypeConflict, InvalidArgument, SampleNotFound, UnknownField
+from tq_redis.errors import DataNotReady, DTypeConflict, InvalidArgument, SampleNotFound, UnknownKey
 
 
 def _data_keys(client, namespace: str) -> list[bytes]:
@@ -61,10 +61,14 @@ def test_get_errors_name_what_is_wrong(server, namespace):
     client.kv_put("a", "p", {"y": torch.tensor(1)})
     with pytest.raises(DataNotReady, match=r"'y'.*\['b'\]"):
         client.kv_batch_get(["a", "b"], "p", select_fields=["x", "y"])
-    with pytest.raises(UnknownField, match="'nope'"):
-        client.kv_batch_get(["a"], "p", select_fields=["nope"])
-    with pytest.raises(SampleNotFound, match=r"\['zz'\]"):  # the reference drops unknown keys silently
+    # a field no key has is left out, as in the reference (verl selects optional fields)
+    got = client.kv_batch_get(["a", "b"], "p", select_fields=["x", "nope", "ref_log_prob"])
+    assert list(got.keys()) == ["x"] and got["x"].tolist() == [0, 1]
+    assert client.kv_batch_get(["b"], "p", select_fields=["y"]).batch_size == (1,)  # b lacks y: nothing
+    with pytest.raises(UnknownKey, match=r"\['zz'\] not found"):  # the reference drops unknown keys silently
         client.kv_batch_get(["a", "zz"], "p")
+    with pytest.raises(ValueError, match="not found"):  # what the reference's callers catch
+        client.kv_batch_get(["zz"], "p")
     with pytest.raises(SampleNotFound, match="does not exist"):
         client.kv_batch_get(["a"], "no_such_partition")
     with pytest.raises(InvalidArgument, match="unique"):

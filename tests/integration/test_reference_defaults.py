@@ -185,6 +185,8 @@ def test_insert_mode_allocates_samples_for_a_later_put(server, namespace):
     got = client.get_meta(["a"], 3, "p", task_name="t")
     assert got.global_indexes == meta.global_indexes
     assert client.get_meta(["a", "b"], 1, "p", task_name="t2").size == 0  # b still missing
+    assert client.check_production_status(["a"], "p")
+    assert not client.check_production_status(["a", "b"], "p")  # b was allocated, never put
     client.put(_td(b=torch.arange(3) * 10), metadata=meta)
     both = client.get_meta(["a", "b"], 3, "p", task_name="t2")
     assert client.get_data(both)["b"].tolist() == [0, 10, 20]

@@ -468,6 +468,15 @@ def test_nontensordata_broadcasts_to_every_sample() -> None:
     assert out.tolist() == [{"shared": 1}] * 3
 
 
+def test_nontensordata_holding_one_value_per_sample_is_split() -> None:
+    """As the reference does: a list of n values for a batch of n is one value per sample."""
+    ntd = NonTensorData(["a", "b", "c"], batch_size=[3])
+    _, out = roundtrip("label", ntd, 3)
+    assert out.tolist() == ["a", "b", "c"]
+    _, shared = roundtrip("label", NonTensorData(["a", "b"], batch_size=[3]), 3)
+    assert shared.tolist() == [["a", "b"]] * 3  # another length: still one value for every sample
+
+
 def test_tensordict_roundtrip_all_kinds() -> None:
     n = 4
     td = TensorDict(

@@ -452,14 +452,39 @@ def test_karmarkar_karp_matches_model(weights):
     assert sums == sorted(sums, reverse=True)
 
 
+def _maximal_runs(ids: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def test_grpo_sample_on_a_bare_list_finds_consecutive_runs_like_the_reference():
+    assert GRPOGroupNSampler(3).sample([0, 1, 3, 4, 6, 7], 6) == ([], [])
+    assert GRPOGroupNSampler(3).sample([0, 1, 3, 4, 5, 6, 7, 9, 10, 11], 6) == ([3, 4, 5, 9, 10, 11],) * 2
+
+
 @settings(max_examples=100, deadline=None)
 @given(ready=st.lists(st.integers(0, 60), unique=True).map(sorted), n=st.integers(1, 4), groups=st.integers(1, 4))
 def test_python_sample_matches_model(ready, n, groups):
-    """Stand-alone sample(): the model with every put holding a multiple of n (aligned blocks)."""
+    """Stand-alone sample(): sequential, GRPO runs, and the balanced model with aligned blocks."""
     world = World(inserts=[(0, 64)], ready=ready)
     assert SequentialSampler().sample(ready, groups) == (ready[:groups], ready[:groups])
-    expected, _ = model_select(world, n * groups, Options(n=n))
-    assert GRPOGroupNSampler(n).sample(ready, n * groups) == (expected, expected)
+    chosen, consumed = GRPOGroupNSampler(n).sample(ready, n * groups)
+    assert chosen == consumed
+    # Stand-alone, a group is a run of n consecutive ids (the reference's rule): as many groups
+    # exist as the maximal runs of consecutive ready ids hold whole windows of n.
+    available = sum(len(run) // n for run in _maximal_runs(ready))
+    if available < groups:
+        assert chosen == []
+    else:
+        assert len(chosen) == n * groups and chosen == sorted(set(chosen)) and set(chosen) <= set(ready)
+        for k in range(groups):
+            block = chosen[k * n:(k + 1) * n]
+            assert block == list(range(block[0], block[0] + n))
     balanced = SeqlenBalancedSampler(n, dp_size=2)
     world.lengths = {i: (i * 7) % 11 + 1 for i in ready}
     parts = model_balance(world, n * groups, n, 2)
