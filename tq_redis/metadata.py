@@ -759,20 +759,12 @@ class BatchMeta:
     def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
         """A new batch with the same samples but only these fields.
 
-        Raises:
-            UnknownField: a name is not a field of this (non-empty) batch. An empty batch knows
-                no fields, so selecting from it returns an empty batch.
+        A name that is not a field of this batch is left out, as the reference does (verl selects
+        optional fields, e.g. a critic's ``values`` that a run without a critic never produces).
         """
         if isinstance(field_names, str):
             field_names = [field_names]
-        wanted = list(dict.fromkeys(field_names))
-        if self.size == 0:
-            wanted = [f for f in wanted if f in self.field_schema]
-        missing = [f for f in wanted if f not in self.field_schema]
-        if missing:
-            raise UnknownField(
-                f"select_fields: {missing} not in this batch; its fields are {self.field_names}"
-            )
+        wanted = [f for f in dict.fromkeys(field_names) if f in self.field_schema]
         keep = set(wanted)
         schema = {f: _copy.deepcopy(self.field_schema[f]) for f in wanted}
         backend: _Rows = None
