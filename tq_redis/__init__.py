@@ -35,7 +35,7 @@ _EXPORTS = {
     "get_metrics_endpoint": "tq_redis.runtime",
     "init": "tq_redis.runtime",
     **{
-        name: "tq_redis.kv"
+        name: "tq_redis.interface"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
         for name in (base, f"async_{base}")
     },
@@ -107,7 +107,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
     from tq_redis.dock import DockMetrics, GRPOTransferDock, TransferDock
     from tq_redis.errors import StorageKeyNotFoundError
-    from tq_redis.kv import (
+    from tq_redis.interface import (
         async_kv_batch_get,
         async_kv_batch_get_by_meta,
         async_kv_batch_put,

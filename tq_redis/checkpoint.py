@@ -96,7 +96,7 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
     r, ns = client.redis, client.namespace
     saved = 0
     for n, pid in enumerate(_text(p) for p in r.zrange(partitions_key(ns), 0, -1)):
-        pk = client._ctx.keys(pid)
+        pk = client.context.keys(pid)
         alive = set(_bits(r.get(pk.alive)))
         columns: dict[str, dict[str, list]] = {}
         for field in (_text(f) for f in r.hkeys(pk.fields)):
@@ -130,7 +130,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
         shutil.rmtree(tmp)
     (tmp / DATA_DIR).mkdir(parents=True)
     try:
-        store = client._driver.run(ops.storage(client._ctx))
+        store = client.run(ops.storage(client.context))
         if store.backend == "dram":
             include_storage = True
         saved = 0
@@ -179,13 +179,13 @@ def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
     if info.get("format") != FORMAT:
         raise InvalidArgument(f"checkpoint format {info.get('format')!r} is not {FORMAT}")
     r, ns = client.redis, client.namespace
-    store = client._driver.run(ops.storage(client._ctx))
+    store = client.run(ops.storage(client.context))
     data_files = sorted((final / DATA_DIR).glob("*.msgpack"))
     if data_files and store.backend == "redis":
         raise ConfigError(f"the checkpoint holds {info['backend']} store data but this namespace uses the redis store")
     for path in data_files:  # data first, then the bits that make it visible
         part = codec.decode_object(path.read_bytes())
-        pk = client._ctx.keys(part["partition"])
+        pk = client.context.keys(part["partition"])
         for field, column in part["columns"].items():
             store.put(pk, column["ids"], {field: [[v] for v in column["values"]]})
     records = codec.decode_object((final / KEYS_FILE).read_bytes())

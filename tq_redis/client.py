@@ -77,15 +77,23 @@ class AsyncTransferQueueClient:
             weakref.WeakKeyDictionary()
         )
 
+    @property
+    def context(self) -> ops.Context:
+        """What operations of :mod:`tq_redis.ops` (and the facades' own) run against: the
+        namespace, this client's options and its data plane. Pass it to an operation and run
+        that with :meth:`arun` (or ``TransferQueueClient.run``)."""
+        return self._ctx
+
+    async def arun(self, op: ops.Op) -> Any:
+        """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) on this loop."""
+        return await self._async_driver().run(op)
+
     def _async_driver(self) -> AsyncDriver:
         loop = asyncio.get_running_loop()
         driver = self._async_drivers.get(loop)
         if driver is None:
             driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
         return driver
-
-    async def _arun(self, op: ops.Op) -> Any:
-        return await self._async_driver().run(op)
 
     async def async_get_meta(
         self,
@@ -101,7 +109,7 @@ class AsyncTransferQueueClient:
         max_deliveries: int | None = None,
     ) -> BatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.get_meta`."""
-        return await self._arun(
+        return await self.arun(
             ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
                          timeout, lease_s, max_deliveries=max_deliveries)
         )
@@ -113,29 +121,29 @@ class AsyncTransferQueueClient:
         partition_id: str | None = None,
         data_parser: kv.DataParser | None = None,
     ) -> BatchMeta:
-        return await self._arun(ops.put(self._ctx, data, metadata, partition_id, data_parser))
+        return await self.arun(ops.put(self._ctx, data, metadata, partition_id, data_parser))
 
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
-        return await self._arun(ops.get_data(self._ctx, metadata))
+        return await self.arun(ops.get_data(self._ctx, metadata))
 
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        await self._arun(ops.set_custom_meta(self._ctx, metadata))
+        await self.arun(ops.set_custom_meta(self._ctx, metadata))
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
-        await self._arun(ops.clear_samples(self._ctx, metadata))
+        await self.arun(ops.clear_samples(self._ctx, metadata))
 
     async def async_clear_partition(self, partition_id: str) -> None:
-        await self._arun(ops.clear_partition(self._ctx, partition_id))
+        await self.arun(ops.clear_partition(self._ctx, partition_id))
 
     async def async_get_production_status(
         self, data_fields: Sequence[str], partition_id: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self._arun(ops.production_status(self._ctx, data_fields, partition_id))
+        return await self.arun(ops.production_status(self._ctx, data_fields, partition_id))
 
     async def async_get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return await self._arun(ops.consumption_status(self._ctx, task_name, partition_id))
+        return await self.arun(ops.consumption_status(self._ctx, task_name, partition_id))
 
     async def async_check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
         _, status = await self.async_get_production_status(data_fields, partition_id)
@@ -146,19 +154,19 @@ class AsyncTransferQueueClient:
         return bool(len(status) and status.all())
 
     async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
-        return await self._arun(ops.reset_consumption(self._ctx, partition_id, task_name))
+        return await self.arun(ops.reset_consumption(self._ctx, partition_id, task_name))
 
     async def async_get_partition_list(self) -> list[str]:
-        return await self._arun(ops.get_partition_list(self._ctx))
+        return await self.arun(ops.get_partition_list(self._ctx))
 
     async def async_ack(self, metadata: BatchMeta) -> list[int]:
-        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
 
     async def async_nack(self, metadata: BatchMeta) -> list[int]:
-        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
 
     async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
-        return await self._arun(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
 
     # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------
 
@@ -167,45 +175,45 @@ class AsyncTransferQueueClient:
                            data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_put`."""
         tags = None if tag is None else [tag]
-        return await self._arun(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+        return await self.arun(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
                                                    single=True))
 
     async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                                  tags: list[dict[str, Any]] | None = None,
                                  data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_put`."""
-        return await self._arun(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+        return await self.arun(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
 
     async def async_kv_batch_get(self, keys: list[str] | str, partition_id: str,
                                  select_fields: list[str] | str | None = None) -> TensorDict:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_get`."""
-        return await self._arun(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+        return await self.arun(kv.batch_get(self._ctx, keys, partition_id, select_fields))
 
     async def async_kv_batch_get_by_meta(self, meta: KVBatchMeta,
                                          select_fields: list[str] | str | None = None) -> TensorDict:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_get_by_meta`."""
-        return await self._arun(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+        return await self.arun(kv.batch_get_by_meta(self._ctx, meta, select_fields))
 
     async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
-        return await self._arun(kv.list_keys(self._ctx, partition_id))
+        return await self.arun(kv.list_keys(self._ctx, partition_id))
 
     async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""
-        await self._arun(kv.clear(self._ctx, keys, partition_id))
+        await self.arun(kv.clear(self._ctx, keys, partition_id))
 
     async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str,
                                      create: bool = False) -> BatchMeta:
         """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_meta`."""
-        return await self._arun(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+        return await self.arun(kv.retrieve_meta(self._ctx, keys, partition_id, create))
 
     async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_keys`."""
-        return await self._arun(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+        return await self.arun(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
 
     async def async_seal_partition(self, partition_id: str) -> bool:
         """See :meth:`tq_redis.TransferQueueClient.seal_partition`."""
-        return await self._arun(streaming.seal_partition(self._ctx, partition_id))
+        return await self.arun(streaming.seal_partition(self._ctx, partition_id))
 
     async def async_close(self) -> None:
         """Close this event loop's Redis pool and the store connections."""

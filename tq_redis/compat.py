@@ -73,7 +73,7 @@ _INTERFACE = {
     "save_checkpoint": "tq_redis.checkpoint:save_checkpoint",
     "load_checkpoint": "tq_redis.checkpoint:load_checkpoint",
     **{
-        name: f"tq_redis.kv:{name}"
+        name: f"tq_redis.interface:{name}"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
         for name in (base, f"async_{base}")
     },

@@ -229,9 +229,9 @@ class StreamingDataset(IterableDataset):
     def _fetch(self) -> Batch | None:
         client = self.client
         if self.fetch_batch_fn is None:
-            meta = client._driver.run(
+            meta = client.run(
                 streaming.next_batch(
-                    client._ctx, self.data_fields, self.batch_size, self.partition_id, self.task_name,
+                    client.context, self.data_fields, self.batch_size, self.partition_id, self.task_name,
                     self._sampling_config(), drop_last=self.drop_last,
                     end_when_consumed=self.should_check_consumption_status, timeout=self.timeout,
                 )
@@ -241,8 +241,8 @@ class StreamingDataset(IterableDataset):
 
     def _fetch_custom(self, client: TransferQueueClient) -> Batch | None:
         while True:
-            state = client._driver.run(
-                streaming.progress(client._ctx, self.partition_id, self.task_name, self.data_fields)
+            state = client.run(
+                streaming.progress(client.context, self.partition_id, self.task_name, self.data_fields)
             )
             data, meta = self.fetch_batch_fn(  # type: ignore[misc]
                 tq_client=client,
@@ -258,9 +258,9 @@ class StreamingDataset(IterableDataset):
             if state.drained or (self.should_check_consumption_status and state.alive and state.pending == 0):
                 return None
             wait = streaming.wait_for_event(
-                client._ctx, self.partition_id, state.last_event_id, streaming.WAIT_SLICE_S
+                client.context, self.partition_id, state.last_event_id, streaming.WAIT_SLICE_S
             )
-            client._driver.run(wait)
+            client.run(wait)
 
     def reset(self) -> None:
         """Start the next iteration from the first buffered batch (replay, then fetch more)."""

@@ -352,7 +352,7 @@ class TransferDock:
         self.redis_url, self.namespace = url, ns
         self.partition_id = f"dock.{self.name}"
         self._client = TransferQueueClient(url, ns, allow_pickle=allow_pickle)
-        self._ctx = self._client._ctx
+        self._ctx = self._client.context
         self._pk = self._ctx.keys(self.partition_id)
         self._shape_key = self._pk.prefix + "dock"
         self._state_key = self._pk.prefix + "dockstate"
@@ -379,7 +379,7 @@ class TransferDock:
                 f"{self.n_samples_per_prompt}, namespace={self.namespace!r})")
 
     def _run(self, op: Op) -> Any:
-        return self._client._driver.run(op)
+        return self._client.run(op)
 
     def _cmd(self, *args: Any) -> Any:
         return self._run(_one(Cmd(args)))

@@ -53,6 +53,10 @@ class Context:
     allow_pickle: bool = False
     nested_output: bool = True
     strict_schema: bool = False
+    # the default sampler (name, class or instance); None: this process's init() default, else
+    # the one the namespace's config records (resolved once into ``resolved_sampler``)
+    default_sampler: Any = None
+    resolved_sampler: samplers.BaseSampler | None = None
     storage: KVStorageManager | None = None
     _keys: dict[str, PartitionKeys] = field(default_factory=dict)
 
@@ -418,32 +422,25 @@ def get_meta(
             yield WaitToken(pk.wake(task_name), remaining)
 
 
-_SAMPLER_ATTR = "_tq_default_sampler"
 # A user sampler whose choice keeps being taken by other consumers gives up after this many tries.
 USER_SAMPLER_ATTEMPTS = 16
 
 
 def _default_sampler(ctx: Context) -> Op:
-    """The namespace's default sampler: what ``init`` got in this process (class or instance
-    included), else the spec ``init`` recorded in ``<ns>:config``; read once per client."""
-    cached = getattr(ctx, _SAMPLER_ATTR, None)
-    if cached is not None:
-        return cached
-    from tq_redis import runtime  # runtime imports the clients, which import this module
-
-    sampler: samplers.BaseSampler | None = None
-    try:
-        client = runtime.get_client()
-    except runtime.NotInitialized:
-        client = None
-    if client is not None and client.namespace == ctx.namespace and client.redis_url == ctx.redis_url:
-        configured = runtime.default_sampler()
-        if configured is not None:
-            sampler = samplers.resolve_sampler(configured)
-    if sampler is None:
+    """The client's default sampler: its context's, else what ``init`` got in this process for
+    the namespace (class or instance included), else the spec ``init`` recorded in
+    ``<ns>:config``; resolved once per client."""
+    if ctx.resolved_sampler is not None:
+        return ctx.resolved_sampler
+    spec = ctx.default_sampler
+    if spec is None:
+        spec = samplers.process_default(ctx.redis_url, ctx.namespace)
+    if spec is not None:
+        sampler = samplers.resolve_sampler(spec)
+    else:
         raw = yield Cmd(("HGET", config_key(ctx.namespace), "sampler"))
         sampler = samplers.sampler_from_spec(raw)
-    setattr(ctx, _SAMPLER_ATTR, sampler)
+    ctx.resolved_sampler = sampler
     return sampler
 
 

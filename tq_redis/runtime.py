@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from tq_redis import config as config_mod
-from tq_redis import metrics, ray_discovery
+from tq_redis import metrics, ray_discovery, samplers
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import TQError
 from tq_redis.keys import config_key
@@ -81,8 +81,9 @@ def init(conf: Any = None) -> dict[str, Any]:
             _stop(nodes, server)
             raise
         # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
-        _state.update(config=cfg, client=client, server=server, nodes=nodes,
-                      sampler=cfg["sampler"] if _gives_sampler(conf) else None)
+        if _gives_sampler(conf):
+            samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], cfg["sampler"])
+        _state.update(config=cfg, client=client, server=server, nodes=nodes)
         return cfg
 
 
@@ -136,11 +137,6 @@ def get_client() -> TransferQueueClient:
     return _state["client"]
 
 
-def default_sampler() -> Any:
-    """The sampler configured by ``init`` (name, class or instance), or None before init."""
-    return _state.get("sampler")
-
-
 def get_metrics_endpoint() -> str | None:
     """URL of the Prometheus exporter (``init({"metrics": {"enabled": True}})``), else None."""
     return metrics.endpoint()
@@ -152,6 +148,8 @@ def close() -> None:
         if not _state:
             return
         metrics.stop_exporter()
+        cfg = _state["config"]
+        samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], None)
         _state["client"].close()
         if _state.get("server") is not None:
             ray_discovery.withdraw(_state["server"].url)

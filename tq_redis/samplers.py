@@ -445,6 +445,24 @@ def is_builtin(sampler: BaseSampler) -> bool:
     return type(sampler) in _LUA_NAMES
 
 
+# The default sampler ``init()`` was given in this process, per (Redis URL, namespace): a class or
+# an instance cannot be recorded in Redis, so clients of this process find it here.
+_PROCESS_DEFAULTS: dict[tuple[str, str], Any] = {}
+
+
+def set_process_default(redis_url: str, namespace: str, sampler: Any) -> None:
+    """Record (or, with None, forget) this process's default sampler for a namespace."""
+    if sampler is None:
+        _PROCESS_DEFAULTS.pop((redis_url, namespace), None)
+    else:
+        _PROCESS_DEFAULTS[(redis_url, namespace)] = sampler
+
+
+def process_default(redis_url: str, namespace: str) -> Any | None:
+    """The default sampler ``init()`` was given in this process for this namespace, or None."""
+    return _PROCESS_DEFAULTS.get((redis_url, namespace))
+
+
 def sampler_spec(sampler: Any) -> str | dict[str, Any]:
     """What the namespace config records for a default sampler: a built-in's name, or
     ``{"name": ..., "params": {...}}`` for a built-in instance with parameters. A user sampler

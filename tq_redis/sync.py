@@ -51,6 +51,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
                          nested_output=nested_output, strict_schema=strict_schema)
         self._driver = SyncDriver(redis_url)
 
+    def run(self, op: ops.Op) -> Any:
+        """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) to its result,
+        blocking. Facades (dock, channel, data loader, checkpoints) build their own operations
+        on :attr:`context` and run them here."""
+        return self._driver.run(op)
+
     @property
     def redis(self):
         """The underlying redis-py client (for inspection and tools)."""
@@ -78,7 +84,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
         empty ``BatchMeta``. ``mode="force_fetch"``: every sample of the partition with its
         production status; nothing is marked.
         """
-        return self._driver.run(
+        return self.run(
             ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
                          timeout, lease_s, max_deliveries=max_deliveries)
         )
@@ -93,31 +99,31 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
         With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
         the samples become visible. Returns the metadata with the fields added."""
-        return self._driver.run(ops.put(self._ctx, data, metadata, partition_id, data_parser))
+        return self.run(ops.put(self._ctx, data, metadata, partition_id, data_parser))
 
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""
-        return self._driver.run(ops.get_data(self._ctx, metadata))
+        return self.run(ops.get_data(self._ctx, metadata))
 
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store ``metadata.custom_meta`` as per-sample tags (e.g. ``total_lengths``)."""
-        self._driver.run(ops.set_custom_meta(self._ctx, metadata))
+        self.run(ops.set_custom_meta(self._ctx, metadata))
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         """Remove these samples and their bytes. Idempotent."""
-        self._driver.run(ops.clear_samples(self._ctx, metadata))
+        self.run(ops.clear_samples(self._ctx, metadata))
 
     def clear_partition(self, partition_id: str) -> None:
         """Remove the partition and its bytes. Idempotent; ids are not reused afterwards."""
-        self._driver.run(ops.clear_partition(self._ctx, partition_id))
+        self.run(ops.clear_partition(self._ctx, partition_id))
 
     def get_production_status(self, data_fields: Sequence[str], partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(global_indexes, status)``; status is 1 where every field is produced."""
-        return self._driver.run(ops.production_status(self._ctx, data_fields, partition_id))
+        return self.run(ops.production_status(self._ctx, data_fields, partition_id))
 
     def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(global_indexes, status)``; status is 1 where ``task_name`` consumed the sample."""
-        return self._driver.run(ops.consumption_status(self._ctx, task_name, partition_id))
+        return self.run(ops.consumption_status(self._ctx, task_name, partition_id))
 
     def check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
         """True when the partition has samples and every one has all ``data_fields``."""
@@ -131,23 +137,23 @@ class TransferQueueClient(AsyncTransferQueueClient):
 
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         """Let ``task_name`` (or every task) consume the partition again. False if it does not exist."""
-        return self._driver.run(ops.reset_consumption(self._ctx, partition_id, task_name))
+        return self.run(ops.reset_consumption(self._ctx, partition_id, task_name))
 
     def get_partition_list(self) -> list[str]:
         """Partition ids of the namespace, oldest first."""
-        return self._driver.run(ops.get_partition_list(self._ctx))
+        return self.run(ops.get_partition_list(self._ctx))
 
     def ack(self, metadata: BatchMeta) -> list[int]:
         """Mark a leased batch consumed for good. Returns ids whose lease was no longer held."""
-        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+        return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
 
     def nack(self, metadata: BatchMeta) -> list[int]:
         """Hand a leased batch back now, so the task can claim it again."""
-        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+        return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
 
     def extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
         """Keep a leased batch for ``seconds`` more from now."""
-        return self._driver.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+        return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
 
     # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------
 
@@ -155,45 +161,45 @@ class TransferQueueClient(AsyncTransferQueueClient):
                data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """Put one key's fields (one sample's values) and/or tag; see :func:`tq_redis.kv_put`."""
         tags = None if tag is None else [tag]
-        return self._driver.run(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+        return self.run(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
                                              single=True))
 
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                      tags: list[dict[str, Any]] | None = None,
                      data_parser: kv.DataParser | None = None) -> KVBatchMeta:
         """Put a batch by keys; see :func:`tq_redis.kv_batch_put`."""
-        return self._driver.run(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+        return self.run(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
 
     def kv_batch_get(self, keys: list[str] | str, partition_id: str,
                      select_fields: list[str] | str | None = None) -> TensorDict:
         """Fields of keys in key order; see :func:`tq_redis.kv_batch_get`."""
-        return self._driver.run(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+        return self.run(kv.batch_get(self._ctx, keys, partition_id, select_fields))
 
     def kv_batch_get_by_meta(self, meta: KVBatchMeta,
                              select_fields: list[str] | str | None = None) -> TensorDict:
         """:meth:`kv_batch_get` of a :class:`KVBatchMeta`."""
-        return self._driver.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+        return self.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition_id: {key: tags}}`` of one partition or all of them."""
-        return self._driver.run(kv.list_keys(self._ctx, partition_id))
+        return self.run(kv.list_keys(self._ctx, partition_id))
 
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """Remove keys, their samples and bytes. Idempotent."""
-        self._driver.run(kv.clear(self._ctx, keys, partition_id))
+        self.run(kv.clear(self._ctx, keys, partition_id))
 
     def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
         """``BatchMeta`` of the keys found (unknown keys are created with ``create=True``, else left out)."""
-        return self._driver.run(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+        return self.run(kv.retrieve_meta(self._ctx, keys, partition_id, create))
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         """The user key of each sample id."""
-        return self._driver.run(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+        return self.run(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
 
     def seal_partition(self, partition_id: str) -> bool:
         """Say no more samples will be inserted: streaming loaders end once they drained it.
         Returns True if this call sealed it (False: it was sealed already)."""
-        return self._driver.run(streaming.seal_partition(self._ctx, partition_id))
+        return self.run(streaming.seal_partition(self._ctx, partition_id))
 
     def close(self) -> None:
         """Close the Redis pools and store connections."""

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tests.procs import mp_context
-from tq_redis import errors, runtime
+from tq_redis import errors, samplers
 from tq_redis.keys import PartitionKeys, config_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.samplers import BaseSampler
@@ -406,7 +406,7 @@ def test_max_deliveries_moves_a_poison_sample_aside(client):
 # ------------------------------------------------------------------ default samplers
 
 
-def test_namespace_default_sampler_from_config(client, monkeypatch):
+def test_namespace_default_sampler_from_config(client):
     _put(client, 8)
     key = config_key(client.namespace)
     spec = {"name": "GRPOGroupNSampler", "params": {"n_samples_per_prompt": 4}}
@@ -424,11 +424,12 @@ def test_namespace_default_sampler_from_config(client, monkeypatch):
             return ready_indexes[-batch_size:], ready_indexes[-batch_size:]
 
     # what init() got in this process wins (it may be a class or an instance)
-    monkeypatch.setattr(runtime, "get_client", lambda: fresh)
-    monkeypatch.setattr(runtime, "default_sampler", lambda: Last)
-    local = make_client(client.redis_url, client.namespace)
-    monkeypatch.setattr(runtime, "get_client", lambda: local)
-    assert local.get_meta(["x"], 2, "p", task_name="v").global_indexes == [6, 7]
+    samplers.set_process_default(client.redis_url, client.namespace, Last)
+    try:
+        local = make_client(client.redis_url, client.namespace)
+        assert local.get_meta(["x"], 2, "p", task_name="v").global_indexes == [6, 7]
+    finally:
+        samplers.set_process_default(client.redis_url, client.namespace, None)
     fresh.close()
     local.close()
 

@@ -39,7 +39,7 @@ class _Flaky:
 
 def _store(client):
     """The client's store object (built on first use), to wrap its methods."""
-    return client._driver.run(ops.storage(client._ctx)).store
+    return client.run(ops.storage(client.context)).store
 
 
 def _data_keys(client, pk: PartitionKeys) -> list[bytes]:

@@ -1,0 +1,131 @@
+"""The reference system's module-level KV API (``tq.kv_put`` ...), on the default client.
+
+Each function runs the same operation as the client method of the same name on the client
+``tq_redis.init()`` created (:func:`tq_redis.runtime.get_client`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tensordict import TensorDict
+
+from tq_redis.data_parser import DataParser
+from tq_redis.metadata import KVBatchMeta
+from tq_redis.runtime import get_client
+from tq_redis.sync import TransferQueueClient
+
+__all__ = [
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+]
+
+
+def _client() -> TransferQueueClient:
+    """The default client; it has the ``async_*`` coroutines too (one Redis pool per loop)."""
+    return get_client()
+
+
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | Mapping[str, Any] | None = None,
+    tag: Mapping[str, Any] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Put one key's fields (a dict of one sample's values, or a batch-1 TensorDict) and/or tag.
+
+    Fields accumulate: a later put of other fields adds them. ``fields=None`` updates the tag only.
+    Returns a :class:`KVBatchMeta` whose ``fields`` lists every field the key has.
+    """
+    return _client().kv_put(key, partition_id, fields, tag, data_parser)
+
+
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Put a batch: row ``i`` of ``fields`` and ``tags[i]`` belong to ``keys[i]``."""
+    return _client().kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+def kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> TensorDict:
+    """The keys' fields as a TensorDict in key order; by default the fields every key has."""
+    return _client().kv_batch_get(keys, partition_id, select_fields)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> TensorDict:
+    """:func:`kv_batch_get` of the keys, partition and fields of a :class:`KVBatchMeta`."""
+    return _client().kv_batch_get_by_meta(meta, select_fields)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{partition_id: {key: tags}}`` for one partition or every partition of the namespace."""
+    return _client().kv_list(partition_id)
+
+
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Remove keys and their data. Idempotent."""
+    _client().kv_clear(keys, partition_id)
+
+
+async def async_kv_put(
+    key: str,
+    partition_id: str,
+    fields: TensorDict | Mapping[str, Any] | None = None,
+    tag: Mapping[str, Any] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Coroutine of :func:`kv_put`."""
+    return await _client().async_kv_put(key, partition_id, fields, tag, data_parser)
+
+
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: DataParser | None = None,
+) -> KVBatchMeta:
+    """Coroutine of :func:`kv_batch_put`."""
+    return await _client().async_kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> TensorDict:
+    """Coroutine of :func:`kv_batch_get`."""
+    return await _client().async_kv_batch_get(keys, partition_id, select_fields)
+
+
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None
+) -> TensorDict:
+    """Coroutine of :func:`kv_batch_get_by_meta`."""
+    return await _client().async_kv_batch_get_by_meta(meta, select_fields)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Coroutine of :func:`kv_list`."""
+    return await _client().async_kv_list(partition_id)
+
+
+async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Coroutine of :func:`kv_clear`."""
+    await _client().async_kv_clear(keys, partition_id)
