@@ -209,7 +209,7 @@ def install_transfer_queue_alias(propagate: bool = False) -> types.ModuleType:
         current = sys.modules.get("transfer_queue")
         _check_not_real(current)
         if current is None or not getattr(current, _ALIAS_MARK, False):
-            for name in [n for n in sys.modules if n.startswith("transfer_queue.")]:
+            for name in [n for n in list(sys.modules) if n.startswith("transfer_queue.")]:
                 _check_not_real(sys.modules[name])
             sys.modules.update(_build_modules())
         if propagate:

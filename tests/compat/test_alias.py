@@ -20,10 +20,10 @@ from tq_redis.errors import ConfigError
 @pytest.fixture
 def clean_modules(monkeypatch):
     """Run with no transfer_queue modules imported; restore whatever was there afterwards."""
-    for name in [n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")]:
+    for name in [n for n in list(sys.modules) if n == "transfer_queue" or n.startswith("transfer_queue.")]:
         monkeypatch.delitem(sys.modules, name)
     yield
-    for name in [n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")]:
+    for name in [n for n in list(sys.modules) if n == "transfer_queue" or n.startswith("transfer_queue.")]:
         monkeypatch.delitem(sys.modules, name, raising=False)
 
 

@@ -57,7 +57,7 @@ def _lease_consumer(url: str, ns: str, partition: str, seed: int, conn) -> None:
     """
     from tq_redis import TransferQueueClient
 
-    client = TransferQueueClient(url, ns)
+    client = TransferQueueClient(url, ns, nested_output=False)  # compares dense tensors
     lease_key = PartitionKeys(ns, partition).lease(TASK)
     rng = random.Random(seed)
     while True:

@@ -79,7 +79,7 @@ def _producer(url: str, ns: str, rank: int, credits, out) -> None:
     """Insert PER_PRODUCER samples into every partition, in order, when a credit allows it."""
     from tq_redis import TransferQueueClient
 
-    client = TransferQueueClient(url, ns)
+    client = TransferQueueClient(url, ns, nested_output=False)  # compares dense tensors
     placed: list[tuple[int, int, int]] = []  # (partition, global index, origin)
     for k in range(PARTITIONS):
         assert credits.acquire(timeout=STEP_TIMEOUT_S), f"producer {rank}: no credit for partition {k}"
@@ -105,7 +105,7 @@ def _consumer(url: str, ns: str, task: str, processed, out) -> None:
     """Drain every partition for ``task`` in order, checking bytes and counting processed samples."""
     from tq_redis import TransferQueueClient
 
-    client = TransferQueueClient(url, ns)
+    client = TransferQueueClient(url, ns, nested_output=False)  # compares dense tensors
     seen: list[tuple[int, int, int]] = []
     problem = None
     for k in range(PARTITIONS):

@@ -45,7 +45,7 @@ def _producer(url: str, ns: str, rank: int, produced, out) -> None:
     """Insert PUTS_PER_PRODUCER batches; report the ids each successful put returned."""
     from tq_redis import TransferQueueClient
 
-    client = TransferQueueClient(url, ns)
+    client = TransferQueueClient(url, ns, nested_output=False)  # compares dense tensors
     placed: list[tuple[int, int]] = []  # (global index, origin)
     for b in range(PUTS_PER_PRODUCER):
         origin = torch.arange(PUT_BATCH) + (rank * PUTS_PER_PRODUCER + b) * PUT_BATCH
@@ -62,7 +62,7 @@ def _consumer(url: str, ns: str, producers_done, out) -> None:
     """Claim and read until the producers are done and the task has consumed everything."""
     from tq_redis import TransferQueueClient
 
-    client = TransferQueueClient(url, ns)
+    client = TransferQueueClient(url, ns, nested_output=False)  # compares dense tensors
     seen: list[tuple[int, int]] = []
     bad = 0
     while True:
