@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tq_redis import codec, ops
+from tq_redis import bitmaps, codec, ops
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.keys import config_key, partitions_key, storage_nodes_key
 
@@ -87,20 +87,16 @@ def _write_key(pipe: Any, key: str, kind: str, value: Any, ttl_ms: int) -> None:
         pipe.pexpire(key, ttl_ms)
 
 
-def _bits(raw: bytes | None) -> list[int]:
-    return [8 * i + j for i, byte in enumerate(raw or b"") for j in range(8) if byte & (0x80 >> j)]
-
-
 def _save_data(client: Any, store: Any, target: Path) -> int:
     """Bytes of every produced (sample, field) of every partition, one file per partition."""
     r, ns = client.redis, client.namespace
     saved = 0
     for n, pid in enumerate(_text(p) for p in r.zrange(partitions_key(ns), 0, -1)):
         pk = client.context.keys(pid)
-        alive = set(_bits(r.get(pk.alive)))
+        alive = set(bitmaps.set_ids(r.get(pk.alive)))
         columns: dict[str, dict[str, list]] = {}
         for field in (_text(f) for f in r.hkeys(pk.fields)):
-            ids = [i for i in _bits(r.get(pk.prod(field))) if i in alive]
+            ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive]
             if ids:
                 values = store.get(pk, ids, [field])[field]
                 columns[field] = {"ids": ids, "values": [bytes(v) for v in values]}

@@ -366,14 +366,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _bit_ids(raw: bytes | None) -> list[int]:
-    import numpy as np
-
-    if not raw:
-        return []
-    return np.flatnonzero(np.unpackbits(np.frombuffer(raw, dtype=np.uint8))).tolist()
-
-
 def _tag_value(raw: Any) -> Any:
     try:
         return json.loads(raw)
@@ -385,6 +377,7 @@ def partition_snapshot(r: Any, namespace: str, partition_id: str) -> PartitionSn
     """Read one partition's state with plain Redis reads (no scripts, no writes); None if absent."""
     import torch
 
+    from tq_redis import bitmaps  # numpy: only once a snapshot is asked for
     from tq_redis.keys import PartitionKeys
 
     pk = PartitionKeys(namespace, partition_id)
@@ -395,7 +388,7 @@ def partition_snapshot(r: Any, namespace: str, partition_id: str) -> PartitionSn
     )
     if not exists:
         return None
-    ids = _bit_ids(alive)
+    ids = bitmaps.set_ids(alive)
     field_names = sorted(_text(f) for f in fields)
     names = sorted(_text(t) for t in tagnames)
     pipe = r.pipeline(transaction=False)
@@ -409,7 +402,7 @@ def partition_snapshot(r: Any, namespace: str, partition_id: str) -> PartitionSn
     status = torch.zeros((rows, len(field_names)), dtype=torch.int8)
     alive_set = set(ids)
     for col, raw in enumerate(replies[: len(field_names)]):
-        for gid in _bit_ids(raw):
+        for gid in bitmaps.set_ids(raw):
             if gid in alive_set:
                 status[gid, col] = 1
     custom: dict[int, dict[str, Any]] = {gid: {} for gid in ids}

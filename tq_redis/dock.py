@@ -91,7 +91,7 @@ import torch
 from tensordict import TensorDict
 from torch.nn.utils.rnn import pad_sequence
 
-from tq_redis import codec, kv, ops, streaming
+from tq_redis import bitmaps, codec, kv, ops, streaming
 from tq_redis.channel import resolve_target
 from tq_redis.driver import Cmd, FCall, Pipe, Wait
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
@@ -250,14 +250,6 @@ def _as_layout(td: TensorDict, columns: list[str], layout: str) -> TensorDict:
         lengths.extend(row_lengths)
     batch[ORIGINAL_LENGTH] = torch.tensor(lengths, dtype=torch.int64)
     return TensorDict.from_dict(batch)
-
-
-def _bits(raw: bytes) -> list[int]:
-    return [8 * i + j for i, byte in enumerate(raw) for j in range(8) if byte & (0x80 >> j)]
-
-
-def _bit_array(raw: bytes | None) -> np.ndarray:
-    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)) if raw else np.zeros(0, dtype=np.uint8)
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict) -> Any:
@@ -499,7 +491,7 @@ class TransferDock:
         sids = np.array([int(sid) for sid in ids if sid is not None], dtype=np.int64)
         out = []
         for raw in raws:
-            bits = _bit_array(raw)
+            bits = bitmaps.unpack(raw)
             status = np.zeros(self.max_len, dtype=np.int32)
             inside = sids < len(bits)
             status[rows[inside]] = bits[sids[inside]]
@@ -814,7 +806,7 @@ class GRPOTransferDock(TransferDock):
             _, bitmap, _ = yield FCall(
                 "ready_ids", (self._pk.meta,), (consumer, int(time.time() * 1000), 0, len(columns), *columns)
             )
-            ready = _bits(bitmap or b"")
+            ready = bitmaps.set_ids(bitmap)
             if len(ready) < count:
                 return None
             units = yield from self._units(ready, n)

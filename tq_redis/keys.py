@@ -9,7 +9,7 @@ key                                type    holds
 ``ns:partitions``                  ZSET    partition ids, scored by creation time
 ``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
 ``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
-``ns:{p}:meta``                    HASH    partition info: created, samples, sealed, low watermark
+``ns:{p}:meta``                    HASH    partition info: created_ms, samples, sealed
                                            (and ``dock_cursor``: next free row of a GRPOTransferDock)
 ``ns:{p}:seq``                     STRING  next sample id (survives clears: ids never reused)
 ``ns:{p}:alive``                   BITMAP  bit i set while sample i exists

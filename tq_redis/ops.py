@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import codec, samplers
+from tq_redis import bitmaps, codec, samplers
 from tq_redis.backends.base import StoreContext
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, FCall, Offload, Pipe, WaitToken
@@ -508,7 +508,7 @@ def _user_claim(
             last_id, bitmap, next_deadline = yield FCall(
                 "ready_ids", (pk.meta,), (task, _now_ms(), max_deliveries, len(fields), *fields)
             )
-            ready = np.flatnonzero(_unpack_bits(bitmap)).tolist()
+            ready = bitmaps.set_ids(bitmap)
             if len(ready) < batch_size:
                 return None, last_id, next_deadline
             sampled, consumed = sampler.sample(ready, batch_size, **kwargs)
@@ -594,12 +594,6 @@ def _claimed_meta(partition_id: str, ids: list, schemas: list, tags: list, deliv
     return meta
 
 
-def _unpack_bits(raw: bytes | None) -> np.ndarray:
-    if not raw:
-        return np.zeros(0, dtype=bool)
-    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8)).astype(bool)
-
-
 def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, unknown_unproduced: bool = False) -> Op:
     """Every alive sample with its production status of ``fields`` (force_fetch and the status
     calls). A field never put raises ``UnknownField``, or with ``unknown_unproduced`` counts as
@@ -612,7 +606,7 @@ def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, u
     exists, alive_raw, tagnames = replies[:3]
     if not exists:
         raise UnknownPartition(f"partition {pk.partition!r} does not exist (cleared, or never created)")
-    alive = _unpack_bits(alive_raw)
+    alive = bitmaps.unpack(alive_raw)
     ids = np.flatnonzero(alive)
     ready = np.ones(len(ids), dtype=np.int8)
     schema: dict[str, dict[str, Any]] = {}
@@ -627,7 +621,7 @@ def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, u
                 )
             schema[name] = codec.to_batchmeta_schema(json.loads(raw))
         for raw in replies[4:]:
-            bits = _unpack_bits(raw)
+            bits = bitmaps.unpack(raw)
             produced = np.zeros(len(alive), dtype=bool)
             produced[: min(len(bits), len(alive))] = bits[: len(alive)]
             ready &= produced[ids].astype(np.int8)
@@ -764,7 +758,7 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     if older:
         yield from empty_trash(store, pk)
         return
-    ids = np.flatnonzero(_unpack_bits(alive_raw)).tolist() if alive_raw else []
+    ids = bitmaps.set_ids(alive_raw)
     if ids:
         yield from delete_bytes(store, pk, ids, [_text(f) for f in fields])
 
@@ -778,7 +772,7 @@ def delete_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fie
 def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
     """Delete every sample's bytes waiting in the partition's trash."""
     raw, fields = yield Pipe((Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields))))
-    ids = np.flatnonzero(_unpack_bits(raw)).tolist() if raw else []
+    ids = bitmaps.set_ids(raw)
     if ids:
         yield from delete_bytes(store, pk, ids, sorted(_text(f) for f in fields))
 
@@ -845,10 +839,10 @@ def consumption_status(ctx: Context, task_name: str, partition_id: str) -> Op:
     )
     if not exists:
         return _no_status()
-    alive = _unpack_bits(alive_raw)
+    alive = bitmaps.unpack(alive_raw)
     ids = np.flatnonzero(alive)
     cons = np.zeros(len(alive), dtype=bool)
-    bits = _unpack_bits(cons_raw)[: len(alive)]
+    bits = bitmaps.unpack(cons_raw)[: len(alive)]
     cons[: len(bits)] = bits
     return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(cons[ids].astype(np.int8))
 

@@ -1,9 +1,8 @@
 """The data plane: maps (partition, sample, field) to store keys and moves a batch's values.
 
-:class:`KVStorageManager` owns the namespace's stores (built from the ``storage`` config that
-``init`` records in Redis, so every process attached to the namespace uses the same ones). It
-groups a batch's values per store, calls each store once per batch, and leaves encoding to
-:mod:`tq_redis.codec`. Metadata never goes through here: the clients write bytes first, then flip
+:class:`KVStorageManager` owns the namespace's store (built from the ``storage`` config that
+``init`` records in Redis, so every process attached to the namespace uses the same one). It
+calls the store once per batch and leaves encoding to :mod:`tq_redis.codec`. Metadata never goes through here: the clients write bytes first, then flip
 bits in Redis.
 """
 
@@ -21,7 +20,8 @@ from tq_redis.keys import PartitionKeys
 
 
 class KVStorageManager:
-    """Routes data-plane keys to stores. Thread-safe; stores are created lazily on first use."""
+    """Routes a batch's data-plane keys to the namespace's store. Thread-safe; the store is
+    created lazily on first use."""
 
     def __init__(self, backend: str, options: dict[str, Any], ctx: StoreContext) -> None:
         self.backend = backend
