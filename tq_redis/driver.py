@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -83,6 +84,11 @@ _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 def _retry() -> Retry:
     # Reconnect with backoff across a Redis restart (~6 s in all) before giving up.
     return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=12)
+
+
+def _async_retry() -> AsyncRetry:
+    # The same policy for redis.asyncio, which awaits its retries (a sync Retry is never applied).
+    return AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=12)
 
 
 def _fcall_args(call: FCall) -> tuple:
@@ -241,7 +247,7 @@ class AsyncDriver:
         self.url = url
         self.redis = aioredis.Redis.from_url(
             url,
-            retry=_retry(),
+            retry=_async_retry(),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             health_check_interval=30,
             **redis_kwargs,

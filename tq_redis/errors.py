@@ -47,6 +47,10 @@ class ChannelNotFound(TQError, KeyError):
     """A channel was connected to (or used) that nobody created, or that was deleted."""
 
 
+class ChannelClosed(TQError, RuntimeError):
+    """The ``Channel`` object was closed: create a new one with ``Channel.connect(name)``."""
+
+
 class UnknownField(TQError, KeyError):
     """A field was requested that was never put in the partition."""
 

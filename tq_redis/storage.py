@@ -2,8 +2,8 @@
 
 :class:`KVStorageManager` owns the namespace's store (built from the ``storage`` config that
 ``init`` records in Redis, so every process attached to the namespace uses the same one). It
-calls the store once per batch and leaves encoding to :mod:`tq_redis.codec`. Metadata never goes through here: the clients write bytes first, then flip
-bits in Redis.
+calls the store once per batch and leaves encoding to :mod:`tq_redis.codec`. Metadata never goes
+through here: the clients write bytes first, then flip bits in Redis.
 """
 
 from __future__ import annotations

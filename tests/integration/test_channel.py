@@ -59,21 +59,36 @@ def test_fifo_per_key_nowait_errors_and_sizes(server, namespace, chan_client):
     ch.close()
 
 
-def test_get_batch_pops_until_target_weight(server, namespace, chan_client):
+def test_get_batch_takes_what_fits_the_target_weight(server, namespace, chan_client):
     ch = Channel.create("w", redis_url=server.url, namespace=namespace)
     for i, w in enumerate([1, 2, 0.5, 3, 1]):
         ch.put(i, weight=w)
     assert ch.get_batch(3) == [0, 1]  # 1 + 2 reaches 3
-    assert ch.get_batch(3.2) == [2, 3]  # 0.5 + 3 exceeds 3.2
+    assert ch.get_batch(3.2) == [2]  # 0.5 + 3 would overshoot 3.2: stop before it
+    assert ch.get_batch(2) == []  # the head (3) alone is heavier than 2: nothing is taken
     with pytest.raises(TimeoutError):
-        ch.get_batch(2, timeout=0.05)  # only weight 1 queued: nothing is popped
-    assert ch.qsize() == 1
+        ch.get_batch(5, timeout=0.05)  # 3 + 1 fit but do not reach 5: nothing is popped
+    assert ch.qsize() == 2
     ch.put(5, weight=1)
-    assert ch.get_batch(2) == [4, 5]
+    assert ch.get_batch(5) == [3, 4, 5]
     with pytest.raises(InvalidArgument):
-        ch.get_batch(0)
+        ch.get_batch(-1)
     with pytest.raises(InvalidArgument):
         ch.put("x", weight=-1)
+    ch.close()
+
+
+def test_get_batch_allow_exceed_takes_the_fewest_that_reach(server, namespace, chan_client):
+    ch = Channel.create("wx", redis_url=server.url, namespace=namespace)
+    for i, w in enumerate([1, 2, 0.5, 3, 1]):
+        ch.put(i, weight=w)
+    assert ch.get_batch(3, allow_exceed=True) == [0, 1]
+    assert ch.get_batch(3.2, allow_exceed=True) == [2, 3]  # 0.5 + 3 exceeds 3.2
+    with pytest.raises(TimeoutError):
+        ch.get_batch(2, timeout=0.05, allow_exceed=True)  # only weight 1 queued
+    with pytest.raises(InvalidArgument):
+        ch.get_batch(0, allow_exceed=True)
+    assert ch.get_nowait() == 4
     ch.close()
 
 
@@ -84,10 +99,10 @@ def test_tensors_go_through_the_data_plane(server, namespace, chan_client):
     ch.put(big, weight=1)
     ch.put(td, weight=1)
     ch.put(TensorDict({"z": torch.zeros(3)}, []), weight=1)
-    entries = chan_client.redis.lrange(f"{namespace}:chan:{{t}}:q:default", 0, -1)
+    entries = chan_client.redis.lrange(f"{namespace}:chan:{{t}}:q:default_queue", 0, -1)
     assert max(len(e) for e in entries) < 500  # references only; the bytes are in the store
     assert len(list(chan_client.redis.scan_iter(match=f"{namespace}:*:d:*"))) > 0
-    got_big, got_td, got_scalar_td = ch.get_batch(3)
+    got_big, got_td, got_scalar_td = ch.get_batch(3)  # weights 1 + 1 + 1
     assert torch.equal(got_big, big)
     assert torch.equal(got_td["x"], td["x"]) and torch.equal(got_td["nested", "y"], td["nested", "y"])
     assert got_td["s"] == ["a", "b"] and got_td.batch_size == torch.Size([2])
