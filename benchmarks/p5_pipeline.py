@@ -4,11 +4,13 @@ One pipeline implementation, written against the API subset both systems share
 (``put(td, partition_id=...)``, ``put(td, metadata=meta)``, ``get_meta(fields, batch_size,
 partition_id, mode="fetch", task_name=...)``, ``get_data(meta)``, ``clear_partition``), runs
 as independent worker processes that attach to the running system
-(:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo.py``). One
-partition per training step, ``p5_step_<k>``; the stages:
+(:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo.py``), and doing
+the demo's work: the model, rewards, GRPO update and simulated costs are
+:mod:`tq_redis.demo_workload`'s, imported, not copied. One partition per training step,
+``p5_step_<k>``; the stages:
 
 * **feeder** (1 process) puts the step's ``--batch`` prompts, each repeated ``--n-samples``
-  times (one GRPO group), ``PROMPTS_PER_PUT`` prompts per ``put``; every row carries a ``uid``.
+  times (one GRPO group), ``demo_workload.PROMPTS_PER_PUT`` prompts per ``put``; every row carries a ``uid``.
   Step ``k`` is fed once the trainer has finished step ``k - --max-lag`` (the demo's policy lag).
 * **rollout** (``--workers`` processes) claims ``--stage-batch`` rows at a time and generates a
   variable-length response per row token by token with a tiny bigram policy (one real decode
@@ -35,6 +37,7 @@ excluded). Verified: every fed ``uid`` is trained exactly once, each response ar
 length its ``uid`` determines, and the log-prob fields match the responses.
 
 Run: ``python -m benchmarks.p5_pipeline [--systems ...] [--quick] [--steps 4 --batch 16 ...]``.
+(Slightly over 600 lines: one measure per file, runnable alone, as every ``benchmarks/p*.py``.)
 """
 
 from __future__ import annotations
@@ -49,21 +52,20 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
+
+import torch
+from tensordict import TensorDict
 
 from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
 from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
-from tq_redis.demo import _Burn, _generator  # the demo's seeded generator and simulated CPU work
+from tq_redis import demo_workload as wl
+from tq_redis.demo import STAGES
 
 MEASURE = "p5_pipeline"
-STAGES: tuple[str, ...] = ("feeder", "rollout", "reward", "ref", "trainer")
-VOCAB = 512
-DIM = 64
-PROMPTS_PER_PUT = 2
 UID_STEP = 1_000_000
 """``uid = step * UID_STEP + prompt * n_samples + k``."""
-COST = {"reward": 0.2, "ref": 0.35, "trainer": 0.5}
-"""Simulated work of each stage in decode-step units per token (as in ``tq_redis/demo.py``)."""
 TRAIN_FIELDS = ["prompts", "responses", "old_log_prob", "ref_log_prob", "advantages", "uid"]
 
 
@@ -106,59 +108,11 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Model and simulated work: the demo's seeded generator and bounded CPU work; a bigram policy
-# with the same shape as the demo's
+# Helpers over the demo's workload (tq_redis.demo_workload) and both systems' layouts
 # ----------------------------------------------------------------------------------------
-class _BigramLM:
-    """A tiny policy: next-token log-probs from the previous token only."""
-
-    def __init__(self, seed: int, trainable: bool = False) -> None:
-        import torch
-
-        g = _generator(seed, 1)
-        self.emb = (torch.randn(VOCAB, DIM, generator=g) / DIM**0.5).requires_grad_(trainable)
-        self.head = (torch.randn(DIM, VOCAB, generator=g) / DIM**0.5).requires_grad_(trainable)
-
-    def parameters(self) -> list[Any]:
-        return [self.emb, self.head]
-
-    def generate(self, last_token: int, length: int, gen: Any) -> tuple[Any, Any]:
-        """Sample ``length`` tokens one decode step at a time; returns (tokens, their log-probs)."""
-        import torch
-
-        tok = last_token
-        tokens, logps = [], []
-        with torch.no_grad():
-            for _ in range(length):
-                logp = torch.log_softmax(torch.tanh(self.emb[tok]) @ self.head, dim=-1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                tokens.append(tok)
-                logps.append(float(logp[tok]))
-        return torch.tensor(tokens, dtype=torch.int64), torch.tensor(logps, dtype=torch.float32)
-
-    def token_log_probs(self, prompts: list[Any], responses: list[Any]) -> Any:
-        """Log-probs of every response token given its predecessor, all rows in one pass (flat)."""
-        import torch
-
-        prev = torch.cat([torch.cat([p[-1:], r[:-1]]) for p, r in zip(prompts, responses)])
-        nxt = torch.cat(list(responses))
-        logp = torch.log_softmax(torch.tanh(self.emb[prev]) @ self.head, dim=-1)
-        return logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
-
-
 def _response_len(cfg: dict[str, Any], uid: int) -> int:
     """The response length of row ``uid`` (deterministic, so the trainer can check it)."""
-    import torch
-
-    lo, hi = cfg["response_len"]
-    u = float(torch.rand((), generator=_generator(cfg["seed"], uid, 1)))
-    return lo + int((hi - lo) * u * u)  # skewed: many short responses, a long tail
-
-
-def _jagged(rows: list[Any]) -> Any:
-    import torch
-
-    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+    return wl.response_length(wl.generator(cfg["seed"], uid, 1), cfg["response_len"])
 
 
 def _rows(value: Any) -> list[Any]:
@@ -223,6 +177,25 @@ class _Stage:
         self.claim_s += time.perf_counter() - t0
         return meta
 
+    def step_batches(
+        self, fields: list[str], batch_size: int, step: int, task: str
+    ) -> Iterator[tuple[Any, Any, float]]:
+        """Claim ``task``'s micro-batches of ``step`` until this worker has had all of the step's
+        samples; yields ``(meta, data, t0)``, ``t0`` taken when the claim returned."""
+        got = 0
+        while got < self.cfg["samples_per_step"]:
+            meta = self.claim(fields, batch_size, step, task)
+            if meta is None:
+                continue
+            got += meta.size
+            t0 = time.perf_counter()
+            yield meta, self.client.get_data(meta), t0
+
+    def store(self, meta: Any, t0: float, tokens: int, **outputs: Any) -> None:
+        """Put ``outputs`` (one row per sample of ``meta``) and count the micro-batch as done."""
+        self.client.put(TensorDict(outputs, batch_size=[meta.size]), metadata=meta)
+        self.done(t0, meta.size, tokens)
+
     def done(self, t0: float, n: int, tokens: int) -> None:
         self.busy_s += time.perf_counter() - t0
         self.batches += 1
@@ -242,12 +215,8 @@ class _Stage:
 
 
 def _stage_feeder(st: _Stage) -> dict[str, Any]:
-    import torch
-    from tensordict import TensorDict
-
     cfg, sh = st.cfg, st.sh
     n = cfg["n_samples"]
-    lo, hi = cfg["prompt_len"]
     fed: dict[int, list[int]] = {}
     for step in range(cfg["steps"]):
         with sh["cond"]:
@@ -255,20 +224,16 @@ def _stage_feeder(st: _Stage) -> dict[str, Any]:
                 st.check()
                 sh["cond"].wait(0.5)
         fed[step] = []
-        for first in range(0, cfg["batch"], PROMPTS_PER_PUT):
+        for first in range(0, cfg["batch"], wl.PROMPTS_PER_PUT):
             st.check()
             t0 = time.perf_counter()
-            pids = list(range(first, min(first + PROMPTS_PER_PUT, cfg["batch"])))
-            prompts = []
-            for pid in pids:
-                g = _generator(cfg["seed"], step, pid, 0)
-                length = int(torch.randint(lo, hi + 1, (1,), generator=g))
-                prompts.append(torch.randint(0, VOCAB, (length,), generator=g))
+            pids = list(range(first, min(first + wl.PROMPTS_PER_PUT, cfg["batch"])))
+            prompts = [wl.prompt(cfg["seed"], step, pid, cfg["prompt_len"]) for pid in pids]
             rows = [p for p in prompts for _ in range(n)]
             uids = [step * UID_STEP + pid * n + k for pid in pids for k in range(n)]
             td = TensorDict(
                 {
-                    "prompts": _jagged(rows),
+                    "prompts": wl.jagged(rows),
                     "prompt_id": torch.tensor(pids).repeat_interleave(n).unsqueeze(1),
                     "uid": torch.tensor(uids, dtype=torch.int64).unsqueeze(1),
                 },
@@ -281,10 +246,8 @@ def _stage_feeder(st: _Stage) -> dict[str, Any]:
 
 
 def _stage_rollout(st: _Stage) -> dict[str, Any]:
-    from tensordict import TensorDict
-
     cfg, sh = st.cfg, st.sh
-    policy = _BigramLM(cfg["seed"] + 1)
+    policy = wl.policy_model(cfg["seed"])
     total = cfg["samples_per_step"]
     rolled = sh["rolled"]
     for step in range(cfg["steps"]):
@@ -298,98 +261,60 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
             data = st.client.get_data(meta)
             responses, logps = [], []
             for uid, prompt in zip(_flat(data["uid"]).tolist(), _rows(data["prompts"])):
-                gen = _generator(cfg["seed"], uid, 2)
+                gen = wl.generator(cfg["seed"], uid, 2)
                 tokens, logp = policy.generate(int(prompt[-1]), _response_len(cfg, uid), gen)
                 responses.append(tokens)
                 logps.append(logp)
-            out = TensorDict({"responses": _jagged(responses), "old_log_prob": _jagged(logps)}, batch_size=[meta.size])
-            st.client.put(out, metadata=meta)
-            st.done(t0, meta.size, sum(len(r) for r in responses))
+            tokens = sum(len(r) for r in responses)
+            st.store(meta, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
     return {}
 
 
 def _stage_reward(st: _Stage) -> dict[str, Any]:
-    import torch
-    from tensordict import TensorDict
-
     cfg = st.cfg
-    burn = _Burn()
+    burn = wl.Burn()
     split_groups = 0
     for step in range(cfg["steps"]):
-        got = 0
-        while got < cfg["samples_per_step"]:
-            meta = st.claim(["prompt_id", "responses", "uid"], cfg["stage_batch"], step, "reward")
-            if meta is None:
-                continue
-            got += meta.size
-            t0 = time.perf_counter()
-            data = st.client.get_data(meta)
+        for meta, data, t0 in st.step_batches(["prompt_id", "responses", "uid"], cfg["stage_batch"], step, "reward"):
             responses = _rows(data["responses"])
             pids = _flat(data["prompt_id"])
             tokens = sum(len(r) for r in responses)
-            # a rule-based "verifier": the share of low token ids, minus a small length penalty
-            rewards = torch.stack([(r < VOCAB // 4).float().mean() - 1e-4 * len(r) for r in responses])
+            rewards = wl.rewards(responses)
             advantages = torch.zeros_like(rewards)
-            for pid in pids.unique():
+            for pid in pids.unique():  # normalised over each prompt's rows in the micro-batch
                 mask = pids == pid
                 if int(mask.sum()) != cfg["n_samples"]:
                     split_groups += 1
-                group = rewards[mask]
-                advantages[mask] = (group - group.mean()) / (group.std(correction=0) + 1e-6)
-            burn.run(tokens * COST["reward"])
-            out = TensorDict(
-                {"rewards": rewards.unsqueeze(1), "advantages": advantages.unsqueeze(1)}, batch_size=[meta.size]
-            )
-            st.client.put(out, metadata=meta)
-            st.done(t0, meta.size, tokens)
+                advantages[mask] = wl.group_advantages(rewards[mask])
+            burn.charge("reward", tokens)
+            st.store(meta, t0, tokens, rewards=rewards.unsqueeze(1), advantages=advantages.unsqueeze(1))
     return {"split_groups": split_groups}
 
 
 def _stage_ref(st: _Stage) -> dict[str, Any]:
-    import torch
-    from tensordict import TensorDict
-
     cfg = st.cfg
-    burn = _Burn()
-    ref = _BigramLM(cfg["seed"])
+    burn = wl.Burn()
+    ref = wl.reference_model(cfg["seed"])
     for step in range(cfg["steps"]):
-        got = 0
-        while got < cfg["samples_per_step"]:
-            meta = st.claim(["prompts", "responses"], cfg["stage_batch"], step, "ref")
-            if meta is None:
-                continue
-            got += meta.size
-            t0 = time.perf_counter()
-            data = st.client.get_data(meta)
-            prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
-            with torch.no_grad():
-                flat = ref.token_log_probs(prompts, responses)
-            sizes = [len(r) for r in responses]
-            burn.run(sum(sizes) * COST["ref"])
-            out = TensorDict({"ref_log_prob": _jagged(list(flat.split(sizes)))}, batch_size=[meta.size])
-            st.client.put(out, metadata=meta)
-            st.done(t0, meta.size, sum(sizes))
+        for meta, data, t0 in st.step_batches(["prompts", "responses"], cfg["stage_batch"], step, "ref"):
+            responses = _rows(data["responses"])
+            rows = wl.ref_log_probs(ref, _rows(data["prompts"]), responses)
+            tokens = sum(len(r) for r in responses)
+            burn.charge("ref", tokens)
+            st.store(meta, t0, tokens, ref_log_prob=wl.jagged(rows))
     return {}
 
 
 def _stage_trainer(st: _Stage) -> dict[str, Any]:
-    import torch
-
     cfg, sh = st.cfg, st.sh
-    burn = _Burn()
-    policy = _BigramLM(cfg["seed"] + 1, trainable=True)
-    opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    burn = wl.Burn()
+    learner = wl.GRPOLearner(cfg["seed"])
     trained: dict[int, list[int]] = {}
     step_done_at: list[float] = []
     bad: list[str] = []
     for step in range(cfg["steps"]):
         seen: list[int] = []
-        while len(seen) < cfg["samples_per_step"]:
-            meta = st.claim(TRAIN_FIELDS, cfg["micro_batch"], step, "train")
-            if meta is None:
-                continue
-            t0 = time.perf_counter()
-            data = st.client.get_data(meta)
+        for meta, data, t0 in st.step_batches(TRAIN_FIELDS, cfg["micro_batch"], step, "train"):
             uids = _flat(data["uid"]).tolist()
             seen.extend(uids)
             prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
@@ -401,19 +326,9 @@ def _stage_trainer(st: _Stage) -> dict[str, Any]:
             ref = _rows(data["ref_log_prob"])
             if [len(x) for x in old] != sizes or [len(x) for x in ref] != sizes:
                 bad.append(f"step {step}: log-prob lengths do not match the responses")
-            old_flat, ref_flat = torch.cat(old), torch.cat(ref)
-            adv = torch.repeat_interleave(_flat(data["advantages"]), torch.tensor(sizes))
-            # GRPO: clipped importance-weighted advantage plus a KL penalty to the reference
-            logp = policy.token_log_probs(prompts, responses)
-            ratio = torch.exp(logp - old_flat)
-            pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-            kl = torch.exp(ref_flat - logp) - (ref_flat - logp) - 1
-            loss = (pg + 0.01 * kl).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            learner.update(prompts, responses, torch.cat(old), torch.cat(ref), _flat(data["advantages"]))
             total = sum(len(p) for p in prompts) + sum(sizes)
-            burn.run(total * COST["trainer"])
+            burn.charge("trainer", total)
             st.done(t0, meta.size, total)
         st.client.clear_partition(_partition(step))
         trained[step] = seen
@@ -435,11 +350,7 @@ _STAGE_FUNCS = {
 
 def _warm_up(client: Any) -> None:
     """First calls pay for lazy imports and kernel set-up; do them before the clock starts."""
-    import torch
-
-    _BigramLM(0).generate(1, 2, _generator(0))
-    _Burn().run(2)
-    _jagged([torch.arange(2), torch.arange(3)]).unbind()
+    wl.warm_up()
     client.get_meta(["prompts"], 1, "p5_warmup", mode="fetch", task_name="warmup")
 
 
@@ -449,8 +360,6 @@ def _worker(stage: str, wid: int, name: str, spec: dict[str, Any], cfg: dict[str
     client = close = None
     st: _Stage | None = None
     try:
-        import torch
-
         torch.set_num_threads(1)
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a once-per-process notice
         client, close = attach(name, spec, attach_mode=cfg["attach_mode"])
@@ -656,8 +565,8 @@ def main() -> dict[str, Any]:
         "seed": args.seed,
         "timeout_s": args.timeout_s,
         "barrier_timeout_s": 300.0,
-        "prompts_per_put": PROMPTS_PER_PUT,
-        "stage_costs_per_token": COST,
+        "prompts_per_put": wl.PROMPTS_PER_PUT,
+        "stage_costs_per_token": wl.STAGE_COST,
         "process_model": "separate processes (forkserver), each attached to the running system",
     }
     cfg["samples_per_step"] = cfg["batch"] * cfg["n_samples"]
