@@ -483,10 +483,10 @@ class TransferDock:
         position = {row: k for k, row in enumerate(unique)}
         return res.meta(self.partition_id, columns, [position[r] for r in rows])
 
-    def _row_status(self, bitmaps: list[str]) -> Op:
+    def _row_status(self, bitmap_keys: list[str]) -> Op:
         """Per bitmap key, a 0/1 int32 tensor over the dock's rows (bit of each row's sample id)."""
         ids = yield Cmd(("HMGET", self._pk.kv, *[str(i) for i in range(self.max_len)]))
-        raws = (yield Pipe(tuple(Cmd(("GET", key)) for key in bitmaps))) if bitmaps else []
+        raws = (yield Pipe(tuple(Cmd(("GET", key)) for key in bitmap_keys))) if bitmap_keys else []
         rows = np.array([row for row, sid in enumerate(ids) if sid is not None], dtype=np.int64)
         sids = np.array([int(sid) for sid in ids if sid is not None], dtype=np.int64)
         out = []
