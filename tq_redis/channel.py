@@ -1075,7 +1075,9 @@ def _first(start: Start) -> Start:
 
 
 def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, str, bool]:
-    """(url, namespace, allow_pickle) from the arguments, ``tq_redis.init()`` or the environment."""
+    """(url, namespace, allow_pickle) from the arguments, ``tq_redis.init()``, the environment
+    or, inside a Ray job, the system the job published (see :mod:`tq_redis.ray_discovery`)."""
+    from tq_redis import ray_discovery
     from tq_redis.runtime import NotInitialized, get_client
 
     try:
@@ -1086,6 +1088,9 @@ def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, s
         return client.redis_url, namespace or client.namespace, client.context.allow_pickle
     url = redis_url or os.environ.get("TQ_REDIS_URL")
     if not url:
+        found = ray_discovery.lookup()
+        if found is not None:
+            return found["url"], namespace or os.environ.get("TQ_NAMESPACE") or found["namespace"], False
         raise ConfigError(
             "Channel needs the Redis URL: pass redis_url=, export TQ_REDIS_URL, or call tq_redis.init() first"
         )

@@ -339,7 +339,8 @@ class TransferDock:
         except ConfigError:
             raise ConfigError(
                 f"{type(self).__name__} needs the Redis URL: pass redis_url=, export TQ_REDIS_URL (for a Ray actor: "
-                f"options(runtime_env={{'env_vars': {{'TQ_REDIS_URL': ...}}}})), or call tq_redis.init() first"
+                f"options(runtime_env={{'env_vars': {{'TQ_REDIS_URL': ...}}}})), or call tq_redis.init() first "
+                f"(in this process, or in the Ray job's driver: its actors then find that system)"
             ) from None
         self.redis_url, self.namespace = url, ns
         self.partition_id = f"dock.{self.name}"

@@ -95,3 +95,24 @@ def _worker_init_url() -> str:
 def test_an_explicit_url_wins_over_the_published_one(driver_system, valkey):
     task = ray.remote(_worker_init_url).options(runtime_env={"env_vars": {"TQ_REDIS_URL": valkey.url}})
     assert ray.get(task.remote()) == valkey.url != driver_system["redis"]["url"]
+
+
+def test_a_dock_and_a_channel_in_ray_actors_find_the_jobs_system(driver_system):
+    """MindSpeed-RL builds ``ray.remote(GRPOTransferDock)`` with no Redis settings at all."""
+    import tq_redis as tq
+
+    dock = ray.remote(tq.GRPOTransferDock).remote(4, 1)
+    ray.get(dock.put_experience.remote(TensorDict({"prompts": torch.arange(8).reshape(4, 2)}, [4]),
+                                       indexes=[0, 1, 2, 3]))
+    batch, indexes = ray.get(dock.get_experience.remote("actor_rollout", ["prompts"], 4, get_n_samples=False))
+    assert sorted(indexes) == [0, 1, 2, 3] and batch["prompts"].shape == (4, 2)
+
+    @ray.remote
+    def produce() -> None:
+        channel = tq.Channel.create("from_ray")
+        channel.put({"step": 1}, weight=1)
+        channel.close()
+
+    ray.get(produce.remote())
+    assert tq.Channel.connect("from_ray").get_nowait() == {"step": 1}  # the driver sees it
+    ray.kill(dock)
