@@ -15,7 +15,11 @@
                                  target (or the queue is empty): nothing popped; XREAD the
                                  `puts` stream from last_puts_id to learn when to retry
     {-1}                         the channel does not exist
+  Touches:
+    <c>:meta  <c>:q:<key>  <c>:puts  <c>:gets
 ]]
+-- @include channel
+
 local function channel_pop_fit(KEYS, ARGV)
   local prefix = channel_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end

@@ -11,7 +11,11 @@
     {0, last_gets_id}            the queue holds maxsize entries; nothing written; XREAD the
                                  `gets` stream from last_gets_id to learn when to retry
     {-1}                         the channel does not exist
+  Touches:
+    <c>:meta  <c>:q:<key>  <c>:puts  <c>:gets
 ]]
+-- @include channel
+
 local function channel_put(KEYS, ARGV)
   local prefix = channel_prefix(KEYS[1])
   local maxsize = redis.call('HGET', KEYS[1], 'maxsize')

@@ -11,7 +11,12 @@
     {0}                          every id is alive and has every field
     {-1, id...}                  these ids are not alive (cleared or never inserted)
     {-2, field, id...}           the field is not produced for these ids
+  Touches:
+    <p>:alive  <p>:prod:<field>
 ]]
+-- @include bits
+-- @include prefix
+
 local function check_visible(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local ranges = parse_ranges(ARGV[1])

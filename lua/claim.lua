@@ -50,7 +50,23 @@
       deliveries                 delivery count per id (lease mode), else empty
       next_deadline_ms           earliest lease deadline of the task, -1 if none
       registered                 1 when the waiter was registered (BLPOP <prefix>wake:<task> next)
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include balance
+-- @include chunks
+-- @include events
+-- @include leases
+-- @include prefix
+-- @include ready
+-- @include samplers
+-- @include schemas
+-- @include tags
+-- @include waiters
+
 local function claim(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task, want = ARGV[1], tonumber(ARGV[2])

@@ -19,7 +19,20 @@
                                  0 for a sampled id that was not consumed; empty without lease)
     {0, id...}                   these ids were no longer free; nothing marked
     {-1}                         the partition does not exist
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
+    <p>:tagnames  <p>:tag:<name>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>
 ]]
+-- @include bits
+-- @include events
+-- @include leases
+-- @include prefix
+-- @include schemas
+-- @include tags
+-- @include waiters
+
 local function claim_ids(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task = ARGV[1]

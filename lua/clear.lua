@@ -10,7 +10,18 @@
     {cleared_ids, fields, older} ids that were alive (their data must be deleted), the
                                  partition's registered field names, and how many ids were in
                                  the trash before (bytes an earlier delete left behind)
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:tagnames  <p>:tag:<name>
+    <p>:trash  <p>:trashfields
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include bits
+-- @include chunks
+-- @include events
+-- @include prefix
+
 local function clear(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local older = redis.call('BITCOUNT', prefix .. 'trash')
@@ -32,8 +43,8 @@ local function clear(KEYS, ARGV)
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do
     set_bits(prefix .. 'cons:' .. tasks[i], alive, 0)
-    for from = 1, #alive, BITFIELD_CHUNK do
-      local part = {unpack(alive, from, math.min(#alive, from + BITFIELD_CHUNK - 1))}
+    for from = 1, #alive, CHUNK do
+      local part = {unpack(alive, from, math.min(#alive, from + CHUNK - 1))}
       redis.call('ZREM', prefix .. 'lease:' .. tasks[i], unpack(part))
       redis.call('HDEL', prefix .. 'dlv:' .. tasks[i], unpack(part))
       redis.call('SREM', prefix .. 'poison:' .. tasks[i], unpack(part))
@@ -41,8 +52,8 @@ local function clear(KEYS, ARGV)
   end
   local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
   for i = 1, #tagnames do
-    for from = 1, #alive, BITFIELD_CHUNK do
-      redis.call('HDEL', prefix .. 'tag:' .. tagnames[i], unpack(alive, from, math.min(#alive, from + BITFIELD_CHUNK - 1)))
+    for from = 1, #alive, CHUNK do
+      redis.call('HDEL', prefix .. 'tag:' .. tagnames[i], unpack(alive, from, math.min(#alive, from + CHUNK - 1)))
     end
   end
   redis.call('HINCRBY', KEYS[1], 'samples', -#alive)

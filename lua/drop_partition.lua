@@ -9,7 +9,18 @@
     {alive_bitmap, fields, older}  the alive bitmap as it was (the client deletes those samples'
                                  bytes), the registered field names ({false, {}} if unknown), and
                                  how many ids were in the trash before (an earlier delete's leftovers)
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx
+    <p>:kv  <p>:kvkeys
+    <p>:trash  <p>:trashfields
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include chunks
+-- @include events
+-- @include prefix
+
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local older = redis.call('BITCOUNT', prefix .. 'trash')
@@ -25,9 +36,10 @@ local function drop_partition(KEYS, ARGV)
   for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do
-    for _, kind in ipairs({'cons:', 'lease:', 'dlv:', 'poison:'}) do
-      doomed[#doomed + 1] = prefix .. kind .. tasks[i]
-    end
+    doomed[#doomed + 1] = prefix .. 'cons:' .. tasks[i]
+    doomed[#doomed + 1] = prefix .. 'lease:' .. tasks[i]
+    doomed[#doomed + 1] = prefix .. 'dlv:' .. tasks[i]
+    doomed[#doomed + 1] = prefix .. 'poison:' .. tasks[i]
   end
   local waiting = redis.call('SMEMBERS', prefix .. 'waittasks')
   for i = 1, #waiting do
@@ -38,8 +50,8 @@ local function drop_partition(KEYS, ARGV)
   doomed[#doomed + 1] = prefix .. 'waittasks'
   local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
   for i = 1, #tagnames do doomed[#doomed + 1] = prefix .. 'tag:' .. tagnames[i] end
-  for from = 1, #doomed, BITFIELD_CHUNK do
-    redis.call('DEL', unpack(doomed, from, math.min(#doomed, from + BITFIELD_CHUNK - 1)))
+  for from = 1, #doomed, CHUNK do
+    redis.call('DEL', unpack(doomed, from, math.min(#doomed, from + CHUNK - 1)))
   end
   -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')

@@ -13,7 +13,16 @@
     {1}                          samples alive, fields marked produced, `insert` event emitted
     {0, field, registered}       a schema conflict appeared since `reserve`; nothing written
     {-3}                         the partition was sealed since `reserve`; nothing written
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:groups
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include bits
+-- @include events
+-- @include prefix
+-- @include schemas
+
 local function insert(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local first, count = tonumber(ARGV[1]), tonumber(ARGV[2])

@@ -6,7 +6,15 @@
   Output:
     {keys, ids, tags}            tags = flat {tag name, {JSON value or false per key}, ...};
                                  {{}, {}, {}} if the partition does not exist
+  Touches:
+    <p>:meta  <p>:alive
+    <p>:tagnames  <p>:tag:<name>
+    <p>:kv
 ]]
+-- @include bits
+-- @include prefix
+-- @include tags
+
 local function kv_list(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}, {}} end

@@ -19,7 +19,17 @@
       tags                       flat {tag name, {JSON value or false per key}, ...}
     {0, field, registered}       a field's schema conflicts with the registered one; nothing written
     {-1}                         the partition does not exist (create = '0')
+  Touches:
+    <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:tagnames  <p>:tag:<name>
+    <p>:kv  <p>:kvkeys
 ]]
+-- @include bits
+-- @include chunks
+-- @include prefix
+-- @include schemas
+-- @include tags
+
 local function kv_resolve(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local create = ARGV[1] == '1'
@@ -67,7 +77,7 @@ local function kv_resolve(KEYS, ARGV)
       ids[missing[j]] = id
       fwd[#fwd + 1] = keys[missing[j]]; fwd[#fwd + 1] = id
       rev[#rev + 1] = id; rev[#rev + 1] = keys[missing[j]]
-      if #fwd >= 2 * BITFIELD_CHUNK then
+      if #fwd >= 2 * CHUNK then
         redis.call('HSET', prefix .. 'kv', unpack(fwd))
         redis.call('HSET', prefix .. 'kvkeys', unpack(rev))
         fwd, rev = {}, {}
@@ -77,8 +87,8 @@ local function kv_resolve(KEYS, ARGV)
       redis.call('HSET', prefix .. 'kv', unpack(fwd))
       redis.call('HSET', prefix .. 'kvkeys', unpack(rev))
     end
-    for from = 1, #stale, BITFIELD_CHUNK do
-      redis.call('HDEL', prefix .. 'kvkeys', unpack(stale, from, math.min(#stale, from + BITFIELD_CHUNK - 1)))
+    for from = 1, #stale, CHUNK do
+      redis.call('HDEL', prefix .. 'kvkeys', unpack(stale, from, math.min(#stale, from + CHUNK - 1)))
     end
     set_bit_range(prefix .. 'alive', first, created)
     redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[2])

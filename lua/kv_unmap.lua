@@ -7,7 +7,11 @@
     ARGV[2k-1], ARGV[2k]         user key, sample id (k = 1..)
   Output:
     number of keys removed
+  Touches:
+    <p>:kv  <p>:kvkeys
 ]]
+-- @include prefix
+
 local function kv_unmap(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local removed = 0

@@ -12,7 +12,16 @@
     {-1}                         the partition does not exist
     {-2, id...}                  these ids are not alive (never inserted or cleared); nothing written
     {0, field, registered}       a field's schema conflicts; nothing written
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include alive
+-- @include bits
+-- @include events
+-- @include prefix
+-- @include schemas
+
 local function produce(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end

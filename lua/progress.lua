@@ -15,7 +15,16 @@
       pending                    alive samples the task has not consumed for good (unclaimed,
                                  or claimed under a lease that is not acknowledged yet)
       ready                      unclaimed samples whose fields are all produced
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:cons:<task>  <p>:lease:<task>
+    <p>:tmp:ready  <p>:tmp:overlap  <p>:tmp:progress
+    <p>:events
 ]]
+-- @include events
+-- @include prefix
+-- @include ready
+
 local function progress(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task = ARGV[1]

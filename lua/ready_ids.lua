@@ -16,7 +16,17 @@
       last_event_id              stream id to XREAD BLOCK from if the sampler takes nothing
       ready_bitmap               bit i set = sample i is ready for the task ('' if none)
       next_deadline_ms           earliest lease deadline of the task, -1 if none
+  Touches:
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:tmp:ready  <p>:tmp:overlap
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include events
+-- @include leases
+-- @include prefix
+-- @include ready
+
 local function ready_ids(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task = ARGV[1]

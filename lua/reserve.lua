@@ -11,7 +11,12 @@
     {1, first_id}                ids first_id .. first_id + count - 1 are reserved
     {0, field, registered}       a field's schema conflicts; nothing allocated
     {-3}                         the partition is sealed (its producers promised no more samples)
+  Touches:
+    <p>:meta  <p>:seq  <p>:fields
 ]]
+-- @include prefix
+-- @include schemas
+
 local function reserve(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local count = tonumber(ARGV[1])

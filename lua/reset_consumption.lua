@@ -6,7 +6,14 @@
     ARGV[1]  task name, or '' for every task of the partition
   Output:
     1 if the partition exists (reset done), 0 if it does not
+  Touches:
+    <p>:meta  <p>:tasks
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include events
+-- @include prefix
+
 local function reset_consumption(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end

@@ -8,7 +8,13 @@
     ARGV[1]  now_ms              creation time if this call creates the partition
   Output:
     1 if this call sealed it, 0 if it was sealed already
+  Touches:
+    <p>:meta
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include events
+-- @include prefix
+
 local function seal_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[1])

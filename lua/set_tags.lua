@@ -10,7 +10,14 @@
     {1}                          written
     {-1}                         the partition does not exist
     {-2, id...}                  these ids are not alive; nothing written
+  Touches:
+    <p>:meta  <p>:alive
+    <p>:tagnames  <p>:tag:<name>
 ]]
+-- @include alive
+-- @include chunks
+-- @include prefix
+
 local function set_tags(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
@@ -32,7 +39,7 @@ local function set_tags(KEYS, ARGV)
       if value ~= '' then
         hargs[m + 1] = ids[j]; hargs[m + 2] = value
         m = m + 2
-        if m >= BITFIELD_CHUNK * 2 then redis.call('HSET', key, unpack(hargs, 1, m)); m = 0 end
+        if m >= CHUNK * 2 then redis.call('HSET', key, unpack(hargs, 1, m)); m = 0 end
       end
     end
     if m > 0 then redis.call('HSET', key, unpack(hargs, 1, m)) end

@@ -16,7 +16,15 @@
   Output:
     {settled, id...}             number of samples settled, then the ids that were not held
                                  (already acked, lapsed and re-leased, or never leased)
+  Touches:
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
+-- @include bits
+-- @include chunks
+-- @include events
+-- @include prefix
+
 local function settle(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task, action = ARGV[1], ARGV[2]
@@ -38,8 +46,8 @@ local function settle(KEYS, ARGV)
     end
   end
   if #held > 0 then
-    for from = 1, #held, BITFIELD_CHUNK do
-      local part = {unpack(held, from, math.min(#held, from + BITFIELD_CHUNK - 1))}
+    for from = 1, #held, CHUNK do
+      local part = {unpack(held, from, math.min(#held, from + CHUNK - 1))}
       if action == 'extend' then
         local zargs = {}
         for i = 1, #part do

@@ -10,7 +10,12 @@
     ARGV[2..]                    field names whose values the ids may have
   Output:
     number of ids now in the partition's trash
+  Touches:
+    <p>:trash  <p>:trashfields
 ]]
+-- @include bits
+-- @include prefix
+
 local function trash_add(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   set_ranges(prefix .. 'trash', ARGV[1], 1)

@@ -7,7 +7,12 @@
     ARGV[1]  ids as comma-separated ranges, e.g. "0-1023,2048"
   Output:
     number of ids still in the trash
+  Touches:
+    <p>:trash  <p>:trashfields
 ]]
+-- @include bits
+-- @include prefix
+
 local function trash_done(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   set_ranges(prefix .. 'trash', ARGV[1], 0)

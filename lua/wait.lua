@@ -12,7 +12,13 @@
   Output:
     1                            registered: BLPOP <prefix>wake:<task> next
     0                            an event arrived since the claim: claim again at once
+  Touches:
+    <p>:events  <p>:waittasks  <p>:waiters:<task>
 ]]
+-- @include events
+-- @include prefix
+-- @include waiters
+
 local function wait(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if last_event_id(prefix) ~= ARGV[4] then return 0 end

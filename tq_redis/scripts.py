@@ -1,23 +1,37 @@
 """Builds the Lua function library from ``lua/`` and loads it into Redis.
 
 Each ``lua/<name>.lua`` holds one state transition as ``local function <name>(KEYS, ARGV)``,
-with a header comment that is its contract; ``lua/includes/*.lua`` hold the shared helpers. The
-builder concatenates the includes and the scripts into one Redis Function library
+with a header comment that is its contract (``Input:``, ``Output:``, and ``Touches:``: every key
+kind it reads or writes, ``<p>:`` standing for the partition prefix ``<ns>:{<p>}:`` and ``<c>:``
+for a channel's). ``lua/includes/<name>.lua`` hold the shared helpers, each with a header saying
+what it ``Offers:``. A script or include names the includes it uses with ``-- @include <name>``
+lines below its header; :func:`include_order` resolves them transitively, so each include is
+loaded once and after the includes it depends on.
+
+The builder concatenates the resolved includes and the scripts into one Redis Function library
 (``#!lua name=tq_redis``), registers each script as ``tq_<name>`` and adds ``tq_version``, which
 returns a hash of the source so a client can tell whether the loaded library is its own.
-Clients call :func:`ensure_loaded` once per connection pool; a missing function (``SCRIPT
-FLUSH``/``FUNCTION FLUSH``, a restarted server without persistence) triggers a reload.
+The driver (``tq_redis/driver.py``, ``ensure_loaded``) loads it once per connection pool; a
+missing function (``SCRIPT FLUSH``/``FUNCTION FLUSH``, a restarted server without persistence)
+triggers a reload.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from importlib import resources
 
+from tq_redis.errors import TQError
+
 LIBRARY_NAME = "tq_redis"
-# Includes that others build on come first; any other include follows in name order.
-INCLUDE_ORDER = ("bits", "partition", "ready")
+INCLUDE_LINE = re.compile(r"^--\s*@include\s+(\S+)\s*$", re.MULTILINE)
+
+
+class IncludeError(TQError, ValueError):
+    """An ``-- @include`` names no file in ``lua/includes/``, or includes include each other."""
 
 
 def _lua_dir():
@@ -28,10 +42,46 @@ def _names(folder) -> list[str]:
     return sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".lua"))
 
 
-def includes() -> list[str]:
-    """Include names in load order."""
-    found = _names(_lua_dir().joinpath("includes"))
-    return [n for n in INCLUDE_ORDER if n in found] + [n for n in found if n not in INCLUDE_ORDER]
+def declared_includes(source: str) -> list[str]:
+    """The include names a Lua source declares with ``-- @include <name>`` lines, in order."""
+    return INCLUDE_LINE.findall(source)
+
+
+def include_order(wanted: Mapping[str, Sequence[str]], available: Mapping[str, Sequence[str]]) -> list[str]:
+    """Order the includes the scripts need: each once, every include after those it includes.
+
+    ``wanted`` maps a script name to the includes it declares; ``available`` maps every include
+    name to the includes it declares itself. Scripts are visited in name order and each one's
+    includes in declared order, so the result is deterministic. Raises :class:`IncludeError`
+    naming the declaring file for an include that does not exist, and the whole loop for a cycle.
+    """
+    order: list[str] = []
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(name: str, declared_by: str) -> None:
+        if name in done:
+            return
+        if name in path:
+            loop = " -> ".join([*path[path.index(name) :], name])
+            raise IncludeError(f"include cycle: {loop}; an include must not (even indirectly) include itself")
+        if name not in available:
+            known = ", ".join(sorted(available)) or "none"
+            raise IncludeError(
+                f"{declared_by} has '-- @include {name}' but there is no lua/includes/{name}.lua "
+                f"(known includes: {known})"
+            )
+        path.append(name)
+        for dep in available[name]:
+            visit(dep, f"lua/includes/{name}.lua")
+        path.pop()
+        done.add(name)
+        order.append(name)
+
+    for script in sorted(wanted):
+        for name in wanted[script]:
+            visit(name, f"lua/{script}.lua")
+    return order
 
 
 def script_names() -> list[str]:
@@ -39,15 +89,49 @@ def script_names() -> list[str]:
     return _names(_lua_dir())
 
 
+def _sources() -> tuple[dict[str, str], dict[str, str]]:
+    """``(scripts, includes)``: name -> source text of every ``lua/*.lua`` and ``lua/includes/*.lua``."""
+    root = _lua_dir()
+    scripts = {name: root.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in script_names()}
+    folder = root.joinpath("includes")
+    found = {name: folder.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in _names(folder)}
+    return scripts, found
+
+
+def include_graph() -> dict[str, list[str]]:
+    """Every script and include (includes as ``includes/<name>``) -> the includes it declares."""
+    scripts, found = _sources()
+    graph = {name: declared_includes(text) for name, text in scripts.items()}
+    graph.update({f"includes/{name}": declared_includes(text) for name, text in found.items()})
+    return graph
+
+
+def _resolved() -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """``(scripts, includes, load order of the includes)``."""
+    scripts, found = _sources()
+    order = include_order(
+        {name: declared_includes(text) for name, text in scripts.items()},
+        {name: declared_includes(text) for name, text in found.items()},
+    )
+    return scripts, found, order
+
+
+def includes() -> list[str]:
+    """Include names in load order (only those some script needs, directly or not)."""
+    return _resolved()[2]
+
+
 @lru_cache(maxsize=1)
 def library() -> tuple[str, str]:
-    """Return ``(source, version)`` of the function library."""
-    root = _lua_dir()
-    parts = [root.joinpath("includes", f"{name}.lua").read_text(encoding="utf-8") for name in includes()]
-    parts += [root.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in script_names()]
+    """Return ``(source, version)`` of the function library.
+
+    Raises :class:`IncludeError` when an ``-- @include`` cannot be resolved.
+    """
+    scripts, found, order = _resolved()
+    parts = [found[name] for name in order] + [scripts[name] for name in sorted(scripts)]
     body = "\n".join(parts)
     version = hashlib.sha1(body.encode()).hexdigest()[:16]
-    registrations = [f"redis.register_function('tq_{name}', {name})" for name in script_names()]
+    registrations = [f"redis.register_function('tq_{name}', {name})" for name in sorted(scripts)]
     registrations.append(f"redis.register_function('tq_version', function() return '{version}' end)")
     source = f"#!lua name={LIBRARY_NAME}\n{body}\n" + "\n".join(registrations) + "\n"
     return source, version

@@ -1,7 +1,19 @@
 --[[
-  Bitmap helpers shared by the scripts. Redis numbers bits from the most significant bit of byte 0,
-  so sample id i lives at bit offset i. Written without the `bit` library (fakeredis lacks it).
+  bits: bitmap helpers. Redis numbers bits from the most significant bit of byte 0, so sample id i
+  lives at bit offset i. Written without the `bit` library (fakeredis lacks it).
+
+  Offers:
+    SET_BITS[b]                       offsets (0..7, MSB first) of the set bits of byte value b
+    set_bits(key, ids, value)         set (1) or clear (0) the bits of ids (BITFIELD)
+    get_bits(key, ids)                the bits of ids, 0/1 aligned with ids
+    set_bit_range(key, first, count, value)  bits [first, first + count) to value (default 1)
+    parse_ranges(text)                "0-1023,2048" -> {{0, 1023}, {2048, 2048}}
+    set_ranges(key, text, value)      set_bit_range over every range of the text
+    set_id_bits(key, ids)             set the bits of ids (any order); runs go by SETRANGE
+  Touches:
+    nothing of its own (keys come from the caller)
 ]]
+-- @include chunks
 
 -- SET_BITS[b] lists the offsets (0..7, MSB first) of the set bits of byte value b.
 local SET_BITS = {}
@@ -17,16 +29,13 @@ for b = 0, 255 do
   SET_BITS[b] = offsets
 end
 
--- BITFIELD takes one op per id; cap ops per call so unpack() stays within Lua's C stack.
-local BITFIELD_CHUNK = 1000
-
 -- Set (value 1) or clear (value 0) the bits of `ids` in `key`.
 local function set_bits(key, ids, value)
   local args, n = {}, 0
   for i = 1, #ids do
     args[n + 1] = 'SET'; args[n + 2] = 'u1'; args[n + 3] = ids[i]; args[n + 4] = value
     n = n + 4
-    if n >= BITFIELD_CHUNK * 4 then
+    if n >= CHUNK * 4 then
       redis.call('BITFIELD', key, unpack(args, 1, n))
       n = 0
     end
@@ -46,7 +55,7 @@ local function get_bits(key, ids)
   for i = 1, #ids do
     args[n + 1] = 'GET'; args[n + 2] = 'u1'; args[n + 3] = ids[i]
     n = n + 3
-    if n >= BITFIELD_CHUNK * 3 then flush() end
+    if n >= CHUNK * 3 then flush() end
   end
   if n > 0 then flush() end
   return out
@@ -92,41 +101,33 @@ local function set_ranges(key, text, value)
   end
 end
 
--- Offsets of the first `want` set bits of `key` (fewer if the bitmap has fewer).
--- Cost: BITPOS skips zero runs in C; GETRANGE chunks are decoded with SET_BITS.
-local function first_set_bits(key, want)
-  local out, n = {}, 0
-  if want <= 0 then return out end
-  local pos = redis.call('BITPOS', key, 1)
-  if pos < 0 then return out end
-  local len = redis.call('STRLEN', key)
-  local byte = math.floor(pos / 8)
-  while n < want and byte < len do
-    local chunk_end = math.min(len - 1, byte + math.max(128, want - n))
-    local s = redis.call('GETRANGE', key, byte, chunk_end)
-    for i = 1, #s do
-      local b = string.byte(s, i)
-      if b ~= 0 then
-        local base = (byte + i - 1) * 8
-        local offsets = SET_BITS[b]
-        for k = 1, #offsets do
-          n = n + 1
-          out[n] = base + offsets[k]
-          if n >= want then return out end
-        end
-      end
-    end
-    byte = chunk_end + 1
-    if byte < len then
-      pos = redis.call('BITPOS', key, 1, byte)
-      if pos < 0 then break end
-      byte = math.floor(pos / 8)
+-- Set the bits of `ids` (any order) in `key`: whole bytes of consecutive runs with SETRANGE,
+-- the rest with BITFIELD. A sequential claim of 1024 ids is a handful of calls.
+local function set_id_bits(key, ids)
+  local sorted = ids
+  for i = 2, #ids do
+    if ids[i] < ids[i - 1] then
+      sorted = {}
+      for j = 1, #ids do sorted[j] = ids[j] end
+      table.sort(sorted)
+      break
     end
   end
-  return out
-end
-
--- Every set bit of `key`, in order.
-local function all_set_bits(key)
-  return first_set_bits(key, redis.call('BITCOUNT', key))
+  local edges = {}
+  local i = 1
+  while i <= #sorted do
+    local j = i
+    while j < #sorted and sorted[j + 1] == sorted[j] + 1 do j = j + 1 end
+    local first, last = sorted[i], sorted[j]
+    local byte_from, byte_to = math.ceil(first / 8), math.floor((last + 1) / 8) - 1
+    if byte_to >= byte_from then
+      redis.call('SETRANGE', key, byte_from, string.rep('\255', byte_to - byte_from + 1))
+      for id = first, byte_from * 8 - 1 do edges[#edges + 1] = id end
+      for id = (byte_to + 1) * 8, last do edges[#edges + 1] = id end
+    else
+      for id = first, last do edges[#edges + 1] = id end
+    end
+    i = j + 1
+  end
+  if #edges > 0 then set_bits(key, edges, 1) end
 end

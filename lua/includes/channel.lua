@@ -1,7 +1,17 @@
 --[[
-  Channel helpers: every channel script receives KEYS[1] = "<ns>:chan:{<name>}:meta" and derives
-  the channel's other keys from that prefix (one hash slot). A queue entry is the string
-  "<weight>|<payload>", so scripts read weights without decoding payloads (no cmsgpack needed).
+  channel: RLinf's Channel queues. Every channel script receives KEYS[1] = "<ns>:chan:{<name>}:meta"
+  and derives the channel's other keys from its prefix "<ns>:chan:{<name>}:" (written <c>: in the
+  Touches sections; one hash slot). A queue entry is the string "<weight>|<payload>", so scripts
+  read weights without decoding payloads (no cmsgpack needed).
+
+  Offers:
+    channel_prefix(meta_key)     "<ns>:chan:{<name>}:meta" -> "<ns>:chan:{<name>}:"
+    stream_last_id(key)          newest id of a stream ("0-0" when empty)
+    entry_weight(entry)          the weight of a "<weight>|<payload>" entry
+    channel_after_pop(meta, prefix, qkey, wfield, removed_weight)
+                                 account for popped entries; a `gets` event if the channel is bounded
+  Touches:
+    <c>:gets                     (channel_after_pop; the meta and queue keys come from the caller)
 ]]
 
 local function channel_prefix(meta_key)

@@ -1,14 +1,21 @@
 --[[
-  The ready set of a task: alive AND every requested field produced AND NOT consumed by the task.
-
-  Two ways to read it:
+  ready: the ready set of a task: alive AND every requested field produced AND NOT consumed by the
+  task. Two ways to read it:
   - `ready_scanner` streams ready ids in ascending order straight from the bitmaps, a window at a
     time; BITPOS skips (in C) every run that cannot hold a ready id, so a claim costs
     O(ids examined + words skipped), whatever the partition size. The claim script uses it.
-  - `compute_ready` materialises the whole ready bitmap with BITOP (O(partition)); only the
-    user-sampler path, which must hand the full ready list to Python, uses it.
-  Plus the lease bookkeeping shared by the claim scripts.
+  - `compute_ready` materialises the whole ready bitmap with BITOP (O(partition)); the
+    user-sampler path, which must hand the full ready list to Python, and `progress` use it.
+
+  Offers:
+    ready_scanner(prefix, task, fields, on_fill)  a stream of ready ids: next / unread / take
+    compute_ready(prefix, task, fields)           scratch key holding the ready bitmap, or nil
+    byte_and(a, b), BYTE_BIT, SCAN_MIN_BYTES, SCAN_MAX_BYTES   their parts
+  Touches:
+    <p>:alive  <p>:prod:<field>  <p>:cons:<task>  <p>:fields
+    <p>:tmp:ready  <p>:tmp:overlap               (compute_ready; the caller DELs tmp:ready)
 ]]
+-- @include bits
 
 -- BYTE_BIT[o] is the value of bit offset o (0 = most significant) within a byte.
 local BYTE_BIT = {}
@@ -172,111 +179,4 @@ local function ready_scanner(prefix, task, fields, on_fill)
     return count
   end
   return scanner
-end
-
--- Set the bits of `ids` (any order) in `key`: whole bytes of consecutive runs with SETRANGE,
--- the rest with BITFIELD. A sequential claim of 1024 ids is a handful of calls.
-local function set_id_bits(key, ids)
-  local sorted = ids
-  for i = 2, #ids do
-    if ids[i] < ids[i - 1] then
-      sorted = {}
-      for j = 1, #ids do sorted[j] = ids[j] end
-      table.sort(sorted)
-      break
-    end
-  end
-  local edges = {}
-  local i = 1
-  while i <= #sorted do
-    local j = i
-    while j < #sorted and sorted[j + 1] == sorted[j] + 1 do j = j + 1 end
-    local first, last = sorted[i], sorted[j]
-    local byte_from, byte_to = math.ceil(first / 8), math.floor((last + 1) / 8) - 1
-    if byte_to >= byte_from then
-      redis.call('SETRANGE', key, byte_from, string.rep('\255', byte_to - byte_from + 1))
-      for id = first, byte_from * 8 - 1 do edges[#edges + 1] = id end
-      for id = (byte_to + 1) * 8, last do edges[#edges + 1] = id end
-    else
-      for id = first, last do edges[#edges + 1] = id end
-    end
-    i = j + 1
-  end
-  if #edges > 0 then set_bits(key, edges, 1) end
-end
-
--- Mark `ids` consumed by the task; with a lease (lease_ms > 0) also put them in flight until
--- now_ms + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
-local function mark_claimed(prefix, task, ids, now_ms, lease_ms)
-  if #ids == 0 then return {} end
-  set_id_bits(prefix .. 'cons:' .. task, ids)
-  if lease_ms <= 0 then return {} end
-  local dlv_key = prefix .. 'dlv:' .. task
-  local before = hmget_many(dlv_key, ids)
-  local deliveries, zargs, hargs = {}, {}, {}
-  local deadline = now_ms + lease_ms
-  for i = 1, #ids do
-    deliveries[i] = (tonumber(before[i]) or 0) + 1
-    zargs[#zargs + 1] = deadline
-    zargs[#zargs + 1] = ids[i]
-    hargs[#hargs + 1] = ids[i]
-    hargs[#hargs + 1] = deliveries[i]
-    if #zargs >= 2 * BITFIELD_CHUNK then
-      redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
-      redis.call('HSET', dlv_key, unpack(hargs))
-      zargs, hargs = {}, {}
-    end
-  end
-  if #zargs > 0 then
-    redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
-    redis.call('HSET', dlv_key, unpack(hargs))
-  end
-  return deliveries
-end
-
--- Put samples aside for a task for good: consumed, and listed in its poison set (`status`
--- shows them). Used for samples past max_deliveries and for stale samples dropped on request.
-local function poison_ids(prefix, task, ids)
-  if #ids == 0 then return end
-  set_id_bits(prefix .. 'cons:' .. task, ids)
-  for from = 1, #ids, BITFIELD_CHUNK do
-    redis.call('SADD', prefix .. 'poison:' .. task, unpack(ids, from, math.min(#ids, from + BITFIELD_CHUNK - 1)))
-  end
-end
-
--- Earliest lease deadline of the task (ms), -1 if none is in flight.
-local function next_lease_deadline(prefix, task)
-  local first = redis.call('ZRANGE', prefix .. 'lease:' .. task, 0, 0, 'WITHSCORES')
-  if #first == 0 then return -1 end
-  return tonumber(first[2])
-end
-
--- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,
--- or move them to the poison set once they reached max_deliveries (0 = unlimited).
-local function release_lapsed(prefix, task, now_ms, max_deliveries)
-  local lease = prefix .. 'lease:' .. task
-  local lapsed = redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms)
-  if #lapsed == 0 then return 0 end
-  for from = 1, #lapsed, BITFIELD_CHUNK do
-    redis.call('ZREM', lease, unpack(lapsed, from, math.min(#lapsed, from + BITFIELD_CHUNK - 1)))
-  end
-  local release, poison = {}, {}
-  if max_deliveries > 0 then
-    local counts = hmget_many(prefix .. 'dlv:' .. task, lapsed)
-    for i = 1, #lapsed do
-      if tonumber(counts[i] or 0) >= max_deliveries then
-        poison[#poison + 1] = tonumber(lapsed[i])
-      else
-        release[#release + 1] = tonumber(lapsed[i])
-      end
-    end
-  else
-    for i = 1, #lapsed do release[i] = tonumber(lapsed[i]) end
-  end
-  if #poison > 0 then poison_ids(prefix, task, poison) end
-  if #release > 0 then
-    set_bits(prefix .. 'cons:' .. task, release, 0)
-    emit(prefix, 'released', 'task', task, 'count', #release)
-  end
-  return #release
 end

@@ -1,5 +1,5 @@
 --[[
-  The built-in samplers, run inside the claim script on the stream of ready ids (ready.lua).
+  samplers: the built-in samplers, run inside the claim script on the stream of ready ids (ready.lua).
 
   Every built-in is one selection over that stream, in ascending id order:
     examine    each ready id pulled from the stream is examined once: it is eligible unless
@@ -19,78 +19,24 @@
   RankAware and SeqlenBalanced wrap this selection with a per-(task, dp_rank, batch_index)
   cache of the first caller's choice, kept under a key of the partition's slot.
   tests/unit/test_samplers.py holds a pure-Python model of exactly these rules.
+
+  Offers:
+    select_units(prefix, task, fields, want, opts)   the selection above; returns ids, tags, aside
+    parse_alive_ids(prefix, text)                    ids of a cached choice, nil if one is gone
+    TOKEN_LOOKAHEAD                                  units in a row that may miss the budget
+  Touches:
+    <p>:alive  <p>:prod:<field>  <p>:cons:<task>              (the ready stream, parse_alive_ids)
+    <p>:tagnames  <p>:tag:<name>  <p>:dlv:<task>              (what examine reads)
+    <p>:groups  <p>:groupidx                                  (GRPO units by insert)
+    <p>:poison:<task>                                         (samples put aside)
 ]]
+-- @include alive
+-- @include chunks
+-- @include groups
+-- @include leases
+-- @include ready
 
 local TOKEN_LOOKAHEAD = 64
-
--- The inserts of a partition by first id, mirrored from the `groups` HASH (first id -> count)
--- into the ZSET `<prefix>groupidx`, so the insert holding an id is one ZREVRANGEBYSCORE away.
--- Synced lazily by walking forward from the newest known insert; rebuilt from the HASH when
--- the walk cannot account for every insert (out-of-order or failed inserts, a dropped and
--- re-created partition). The TTL lets the mirror of a dropped partition go away by itself.
-local GROUPIDX_TTL_MS = 86400000
-
-local function rebuild_group_index(prefix)
-  local idx = prefix .. 'groupidx'
-  redis.call('DEL', idx)
-  local firsts = redis.call('HKEYS', prefix .. 'groups')
-  local zargs = {}
-  for i = 1, #firsts do
-    zargs[#zargs + 1] = firsts[i]
-    zargs[#zargs + 1] = firsts[i]
-    if #zargs >= 2 * BITFIELD_CHUNK then
-      redis.call('ZADD', idx, unpack(zargs))
-      zargs = {}
-    end
-  end
-  if #zargs > 0 then redis.call('ZADD', idx, unpack(zargs)) end
-  redis.call('PEXPIRE', idx, GROUPIDX_TTL_MS)
-end
-
-local function sync_group_index(prefix)
-  local groups, idx = prefix .. 'groups', prefix .. 'groupidx'
-  local hlen, zcard = redis.call('HLEN', groups), redis.call('ZCARD', idx)
-  if hlen == zcard then return end
-  if zcard == 0 or zcard > hlen then return rebuild_group_index(prefix) end
-  local last = tonumber(redis.call('ZREVRANGE', idx, 0, 0)[1])
-  local count = tonumber(redis.call('HGET', groups, last))
-  if not count then return rebuild_group_index(prefix) end
-  local nxt = last + count
-  while zcard < hlen do
-    count = tonumber(redis.call('HGET', groups, nxt))
-    if not count then return rebuild_group_index(prefix) end
-    redis.call('ZADD', idx, nxt, nxt)
-    zcard = zcard + 1
-    nxt = nxt + count
-  end
-  redis.call('PEXPIRE', idx, GROUPIDX_TTL_MS)
-end
-
--- A lookup of the insert {first, count} holding an id (nil if none), caching the last hit.
-local function insert_finder(prefix)
-  sync_group_index(prefix)
-  local first, count = -1, 0
-  local rebuilt = false
-  local function find(x)
-    if x >= first and x < first + count then return first, count end
-    for _ = 1, 2 do
-      local got = redis.call('ZREVRANGEBYSCORE', prefix .. 'groupidx', x, '-inf', 'LIMIT', 0, 1)
-      if #got > 0 then
-        local f = tonumber(got[1])
-        local c = tonumber(redis.call('HGET', prefix .. 'groups', f))
-        if c and x < f + c then
-          first, count = f, c
-          return f, c
-        end
-      end
-      if rebuilt then return nil end
-      rebuild_group_index(prefix) -- the mirror is stale; rebuild once per claim
-      rebuilt = true
-    end
-    return nil
-  end
-  return find
-end
 
 --[[
   Select units from the ready stream. opts:
@@ -255,100 +201,4 @@ local function parse_alive_ids(prefix, text)
   if #ids == 0 then return ids end
   if #missing_ids(prefix, ids) > 0 then return nil end
   return ids
-end
-
---[[
-  Karmarkar-Karp largest differencing into k parts with an equal number of items each
-  (#weights must be a multiple of k), as the reference SeqlenBalancedSampler does at the group
-  level. Ties are broken by a total order, so the result is deterministic:
-    a set is ordered by (sum, item count, smallest item); a state's sets are kept largest first
-    states are merged largest spread first, then largest first set, then smallest first item.
-  Returns k lists of item indexes (1-based, ascending), heaviest part first.
-]]
-local function set_less(a, b)
-  if a.sum ~= b.sum then return a.sum < b.sum end
-  if #a.items ~= #b.items then return #a.items < #b.items end
-  return a.low < b.low
-end
-
-local function state_first(a, b) -- true if state a is merged before state b
-  if a.spread ~= b.spread then return a.spread > b.spread end
-  local sa, sb = a.sets[1], b.sets[1]
-  if set_less(sa, sb) or set_less(sb, sa) then return set_less(sb, sa) end
-  return a.low < b.low
-end
-
-local function state_settle(st)
-  table.sort(st.sets, function(x, y) return set_less(y, x) end)
-  st.spread = st.sets[1].sum - st.sets[#st.sets].sum
-  local low = st.sets[1].low
-  for i = 2, #st.sets do
-    if st.sets[i].low < low then low = st.sets[i].low end
-  end
-  st.low = low
-end
-
-local function kk_partition(weights, k)
-  local order = {}
-  for i = 1, #weights do order[i] = i end
-  table.sort(order, function(a, b)
-    if weights[a] ~= weights[b] then return weights[a] < weights[b] end
-    return a < b
-  end)
-  local heap = {}
-  local function push(st)
-    heap[#heap + 1] = st
-    local i = #heap
-    while i > 1 do
-      local p = math.floor(i / 2)
-      if state_first(heap[i], heap[p]) then
-        heap[i], heap[p] = heap[p], heap[i]
-        i = p
-      else
-        break
-      end
-    end
-  end
-  local function pop()
-    local top = heap[1]
-    heap[1] = heap[#heap]
-    heap[#heap] = nil
-    local i = 1
-    while true do
-      local l, r, best = 2 * i, 2 * i + 1, i
-      if l <= #heap and state_first(heap[l], heap[best]) then best = l end
-      if r <= #heap and state_first(heap[r], heap[best]) then best = r end
-      if best == i then break end
-      heap[i], heap[best] = heap[best], heap[i]
-      i = best
-    end
-    return top
-  end
-  for from = 1, #order, k do
-    local st = {sets = {}}
-    for j = 0, k - 1 do
-      local item = order[from + j]
-      st.sets[j + 1] = {sum = weights[item], items = {item}, low = item}
-    end
-    state_settle(st)
-    push(st)
-  end
-  while #heap > 1 do
-    local a, b = pop(), pop()
-    for i = 1, k do
-      local s, t = a.sets[i], b.sets[k + 1 - i]
-      for j = 1, #t.items do s.items[#s.items + 1] = t.items[j] end
-      s.sum = s.sum + t.sum
-      if t.low < s.low then s.low = t.low end
-    end
-    state_settle(a)
-    push(a)
-  end
-  local parts = {}
-  for i = 1, k do
-    local items = heap[1].sets[i].items
-    table.sort(items)
-    parts[i] = items
-  end
-  return parts
 end

@@ -1,0 +1,28 @@
+--[[
+  events: the partition's event stream. Every change appends an event (tools and the wrappers
+  that follow a partition read it) and wakes waiting consumers; a client that found nothing keeps
+  the newest event id and waits from exactly the state it saw.
+
+  Offers:
+    last_event_id(prefix)        newest event id of the partition ("0-0" when none)
+    emit(prefix, kind, ...)      append an event {type = kind, ...} and wake waiting consumers
+  Touches:
+    <p>:events, and through wake_waiters: <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>
+    <p>:wakebudget:<task>
+]]
+-- @include waiters
+
+-- Newest event id of the partition's stream ("0-0" when there is none), so a waiting client
+-- can XREAD BLOCK from exactly the state this script saw.
+local function last_event_id(prefix)
+  local last = redis.call('XREVRANGE', prefix .. 'events', '+', '-', 'COUNT', 1)
+  if #last == 0 then return '0-0' end
+  return last[1][1]
+end
+
+-- Append an event and wake waiting consumers; the stream is capped, it serves tools and the
+-- wrappers that follow a partition (dock, streaming) as well.
+local function emit(prefix, kind, ...)
+  redis.call('XADD', prefix .. 'events', 'MAXLEN', '~', 1000, '*', 'type', kind, ...)
+  wake_waiters(prefix)
+end

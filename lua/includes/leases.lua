@@ -1,0 +1,96 @@
+--[[
+  leases: what a claim marks, and the lease bookkeeping of the claim scripts. A claimed sample is
+  consumed by the task (its bit in <p>:cons:<task>); with a lease it is also in flight until a
+  deadline (<p>:lease:<task>) and counts one more delivery (<p>:dlv:<task>). Lapsed leases are
+  handed back by the next claim (no reaper process); samples delivered too often are put aside
+  in <p>:poison:<task>.
+
+  Offers:
+    mark_claimed(prefix, task, ids, now_ms, lease_ms)  consumed (and leased); delivery counts
+    poison_ids(prefix, task, ids)                      consumed for good, listed as poison
+    next_lease_deadline(prefix, task)                  earliest lease deadline (ms), -1 if none
+    release_lapsed(prefix, task, now_ms, max_deliveries)  hand lapsed leases back (or poison them)
+  Touches:
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    and through emit (a `released` event): <p>:events  <p>:waittasks  <p>:waiters:<task>
+    <p>:wake:<task>  <p>:wakebudget:<task>
+]]
+-- @include bits
+-- @include chunks
+-- @include events
+
+-- Mark `ids` consumed by the task; with a lease (lease_ms > 0) also put them in flight until
+-- now_ms + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
+local function mark_claimed(prefix, task, ids, now_ms, lease_ms)
+  if #ids == 0 then return {} end
+  set_id_bits(prefix .. 'cons:' .. task, ids)
+  if lease_ms <= 0 then return {} end
+  local dlv_key = prefix .. 'dlv:' .. task
+  local before = hmget_many(dlv_key, ids)
+  local deliveries, zargs, hargs = {}, {}, {}
+  local deadline = now_ms + lease_ms
+  for i = 1, #ids do
+    deliveries[i] = (tonumber(before[i]) or 0) + 1
+    zargs[#zargs + 1] = deadline
+    zargs[#zargs + 1] = ids[i]
+    hargs[#hargs + 1] = ids[i]
+    hargs[#hargs + 1] = deliveries[i]
+    if #zargs >= 2 * CHUNK then
+      redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
+      redis.call('HSET', dlv_key, unpack(hargs))
+      zargs, hargs = {}, {}
+    end
+  end
+  if #zargs > 0 then
+    redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
+    redis.call('HSET', dlv_key, unpack(hargs))
+  end
+  return deliveries
+end
+
+-- Put samples aside for a task for good: consumed, and listed in its poison set (`status`
+-- shows them). Used for samples past max_deliveries and for stale samples dropped on request.
+local function poison_ids(prefix, task, ids)
+  if #ids == 0 then return end
+  set_id_bits(prefix .. 'cons:' .. task, ids)
+  for from = 1, #ids, CHUNK do
+    redis.call('SADD', prefix .. 'poison:' .. task, unpack(ids, from, math.min(#ids, from + CHUNK - 1)))
+  end
+end
+
+-- Earliest lease deadline of the task (ms), -1 if none is in flight.
+local function next_lease_deadline(prefix, task)
+  local first = redis.call('ZRANGE', prefix .. 'lease:' .. task, 0, 0, 'WITHSCORES')
+  if #first == 0 then return -1 end
+  return tonumber(first[2])
+end
+
+-- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,
+-- or move them to the poison set once they reached max_deliveries (0 = unlimited).
+local function release_lapsed(prefix, task, now_ms, max_deliveries)
+  local lease = prefix .. 'lease:' .. task
+  local lapsed = redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms)
+  if #lapsed == 0 then return 0 end
+  for from = 1, #lapsed, CHUNK do
+    redis.call('ZREM', lease, unpack(lapsed, from, math.min(#lapsed, from + CHUNK - 1)))
+  end
+  local release, poison = {}, {}
+  if max_deliveries > 0 then
+    local counts = hmget_many(prefix .. 'dlv:' .. task, lapsed)
+    for i = 1, #lapsed do
+      if tonumber(counts[i] or 0) >= max_deliveries then
+        poison[#poison + 1] = tonumber(lapsed[i])
+      else
+        release[#release + 1] = tonumber(lapsed[i])
+      end
+    end
+  else
+    for i = 1, #lapsed do release[i] = tonumber(lapsed[i]) end
+  end
+  if #poison > 0 then poison_ids(prefix, task, poison) end
+  if #release > 0 then
+    set_bits(prefix .. 'cons:' .. task, release, 0)
+    emit(prefix, 'released', 'task', task, 'count', #release)
+  end
+  return #release
+end

@@ -1,0 +1,22 @@
+--[[
+  tags: per-sample tags (custom meta). Tag `name` of sample i is the JSON value of field i in the
+  HASH <p>:tag:<name>; <p>:tagnames lists the names in use.
+
+  Offers:
+    read_tags(prefix, ids)       flat {name1, {JSON value or false per id}, name2, ...}
+  Touches:
+    <p>:tagnames  <p>:tag:<name>
+]]
+-- @include chunks
+
+-- Per-sample tags of `ids`: flat {name1, {json...}, name2, {json...}, ...}.
+local function read_tags(prefix, ids)
+  local out = {}
+  if #ids == 0 then return out end
+  local names = redis.call('SMEMBERS', prefix .. 'tagnames')
+  for i = 1, #names do
+    out[#out + 1] = names[i]
+    out[#out + 1] = hmget_many(prefix .. 'tag:' .. names[i], ids)
+  end
+  return out
+end
