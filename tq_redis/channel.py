@@ -26,7 +26,7 @@ are one key, as in a dict; see :func:`key_token`). Without a key, calls use RLin
 ``"default_queue"``. **Local channels** (``Channel.create(name, local=True)``) keep their queues in
 this process's memory and take any hashable key; see :meth:`Channel.create`.
 
-Items may be any value the safe object encoding (:func:`tq_redis.codec.encode_object`) holds;
+Items may be any value the safe object encoding (:func:`tq_redis.objects.encode_object`) holds;
 pickle is used only with ``allow_pickle=True`` (it is not safe on a network). Items are encoded
 when the call is made, so changing an object after an async put does not change what lands. A
 ``torch.Tensor`` or ``TensorDict`` item goes through the data plane instead: its bytes are stored
@@ -73,7 +73,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from tq_redis import codec, ops
+from tq_redis import codec, objects, ops
 from tq_redis.driver import AsyncDriver, Cmd, FCall, Offload, Pipe, Wait
 from tq_redis.errors import ChannelClosed, ChannelNotFound, ConfigError, DataMissing, InvalidArgument
 from tq_redis.keys import ChannelKeys
@@ -712,7 +712,7 @@ def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], Any]]:
 def encode_item(item: Any, allow_pickle: bool) -> _Encoded:
     """Encode ``item`` now (objects inline, tensors as fields for the data plane)."""
     if not _tensor_like(item):
-        return _Encoded(_OBJECT + codec.encode_object(item, allow_pickle=allow_pickle))
+        return _Encoded(_OBJECT + objects.encode_object(item, allow_pickle=allow_pickle))
     if isinstance(item, torch.Tensor):
         ref: dict[str, Any] = {"kind": "tensor", "bs": [], "paths": [["t"]]}
         rows, leaves = 1, [(("t",), item.unsqueeze(0))]
@@ -724,7 +724,7 @@ def encode_item(item: Any, allow_pickle: bool) -> _Encoded:
         if rows == 0 or not leaves:  # nothing per sample: keep the (empty) leaves inline
             ref["kind"] = "td-inline"
             ref["values"] = [v for _, v in leaves]
-            return _Encoded(_REF + codec.encode_object(ref, allow_pickle=allow_pickle))
+            return _Encoded(_REF + objects.encode_object(ref, allow_pickle=allow_pickle))
     fields = {
         f"f{j}": codec.encode_field(f"f{j}", value, rows, allow_pickle=allow_pickle)[1]
         for j, (_, value) in enumerate(leaves)
@@ -750,7 +750,7 @@ def store_item(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded) -> Op:
     ref = dict(enc.ref, ids=list(range(first, first + enc.rows)))
     store = yield from _storage(ctx)
     yield Offload(store.put, (_data_keys(ctx, ck), ref["ids"], enc.fields))
-    return _REF + codec.encode_object(ref, allow_pickle=ctx.allow_pickle)
+    return _REF + objects.encode_object(ref, allow_pickle=ctx.allow_pickle)
 
 
 def _data_keys(ctx: ops.Context, ck: ChannelKeys):
@@ -768,9 +768,9 @@ def load_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes], consume:
     for entry in entries:
         tag, body = _payload(entry)
         if tag == _OBJECT:
-            items.append(codec.decode_object(body, allow_pickle=ctx.allow_pickle))
+            items.append(objects.decode_object(body, allow_pickle=ctx.allow_pickle))
             continue
-        ref = codec.decode_object(body, allow_pickle=ctx.allow_pickle)
+        ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
         if ref["kind"] == "td-inline":
             items.append(_tensordict(ref["bs"], ref["paths"], ref["values"]))
             continue
@@ -806,7 +806,7 @@ def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
         tag, body = _payload(entry)
         if tag != _REF:
             continue
-        ref = codec.decode_object(body, allow_pickle=ctx.allow_pickle)
+        ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
         if ref.get("ids"):
             store = yield from _storage(ctx)
             names = [f"f{j}" for j in range(len(ref["paths"]))]

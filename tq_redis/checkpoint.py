@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tq_redis import bitmaps, codec, ops
+from tq_redis import bitmaps, objects, ops
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.keys import config_key, partitions_key, storage_nodes_key
 
@@ -102,7 +102,7 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
                 columns[field] = {"ids": ids, "values": [bytes(v) for v in values]}
                 saved += len(ids)
         if columns:
-            blob = codec.encode_object({"partition": pid, "columns": columns})
+            blob = objects.encode_object({"partition": pid, "columns": columns})
             (target / f"{n:06d}.msgpack").write_bytes(blob)
     return saved
 
@@ -138,7 +138,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
             got = _read_key(r, key)
             if got is not None:
                 records.append([_text(key)[len(ns) + 1 :], *got])
-        (tmp / KEYS_FILE).write_bytes(codec.encode_object(records))
+        (tmp / KEYS_FILE).write_bytes(objects.encode_object(records))
         info = {
             "format": FORMAT, "namespace": ns, "backend": store.backend, "saved_at": time.time(),
             "storage_saved": include_storage or store.backend == "redis", "values_saved": saved,
@@ -180,11 +180,11 @@ def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
     if data_files and store.backend == "redis":
         raise ConfigError(f"the checkpoint holds {info['backend']} store data but this namespace uses the redis store")
     for path in data_files:  # data first, then the bits that make it visible
-        part = codec.decode_object(path.read_bytes())
+        part = objects.decode_object(path.read_bytes())
         pk = client.context.keys(part["partition"])
         for field, column in part["columns"].items():
             store.put(pk, column["ids"], {field: [[v] for v in column["values"]]})
-    records = codec.decode_object((final / KEYS_FILE).read_bytes())
+    records = objects.decode_object((final / KEYS_FILE).read_bytes())
     keep = {f"{ns}:{suffix}" for suffix, *_ in records}
     stale = [k for k in _namespace_keys(r, ns) if _text(k) not in keep]
     pipe = r.pipeline(transaction=False)

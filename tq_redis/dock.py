@@ -91,12 +91,13 @@ import torch
 from tensordict import TensorDict
 from torch.nn.utils.rnn import pad_sequence
 
-from tq_redis import bitmaps, codec, kv, ops, streaming
+from tq_redis import bitmaps, kv, objects, ops, streaming
 from tq_redis.channel import resolve_target
 from tq_redis.driver import Cmd, FCall, Pipe, Wait
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
 from tq_redis.metadata import BatchMeta
 from tq_redis.samplers import karmarkar_karp
+from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.sync import TransferQueueClient
 
 Op = ops.Op
@@ -639,7 +640,7 @@ class GRPOTransferDock(TransferDock):
                 f"update_metrics({key!r}, {value!r:.60}, cumulate={cumulate}) is rejected by the metrics object "
                 f"({exc}); with cumulate=True give a list (or a dict of lists)"
             ) from exc
-        entry = codec.encode_object([key, value, bool(cumulate)], allow_pickle=self._ctx.allow_pickle)
+        entry = objects.encode_object([key, value, bool(cumulate)], allow_pickle=self._ctx.allow_pickle)
         self._cmd("RPUSH", self._metrics_key, entry)
 
     def get_metrics(self) -> Any:
@@ -647,7 +648,7 @@ class GRPOTransferDock(TransferDock):
         entries = self._cmd("LRANGE", self._metrics_key, 0, -1)
         out = self._new_metrics()
         for raw in entries:
-            key, value, cumulate = codec.decode_object(raw, allow_pickle=self._ctx.allow_pickle)
+            key, value, cumulate = objects.decode_object(raw, allow_pickle=self._ctx.allow_pickle)
             out.update(key, value, cumulate=cumulate)
         return out
 
@@ -835,7 +836,7 @@ class GRPOTransferDock(TransferDock):
                     row[name.decode() if isinstance(name, bytes) else name] = json.loads(raw)
         return BatchMeta.from_columns(
             [int(i) for i in ids], self.partition_id,
-            {n: codec.to_batchmeta_schema(json.loads(s)) for n, s in zip(names, schemas[1::2])},
+            {n: to_batchmeta_schema(json.loads(s)) for n, s in zip(names, schemas[1::2])},
             production_status=1, custom_meta=custom,
         )
 
@@ -863,7 +864,7 @@ class GRPOTransferDock(TransferDock):
             )
         meta = BatchMeta.from_columns(
             ids, self.partition_id,
-            {c: codec.to_batchmeta_schema(json.loads(s)) for c, s in zip(seqlen_columns, schemas)},
+            {c: to_batchmeta_schema(json.loads(s)) for c, s in zip(seqlen_columns, schemas)},
             production_status=1,
         )
         td = yield from ops.get_data(self._ctx, meta)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import codec, ops
+from tq_redis import ops
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, FCall, Pipe
 from tq_redis.errors import (
@@ -49,6 +49,7 @@ from tq_redis.keys import PartitionKeys, check_name, partitions_key
 from tq_redis.metadata import BatchMeta, KVBatchMeta
 from tq_redis.ops import _custom_meta as _tags_by_position
 from tq_redis.ops import _pairs, _text
+from tq_redis.schemas import check_compatible, describe_field, to_batchmeta_schema
 
 Op = ops.Op
 
@@ -134,7 +135,7 @@ def _schema_pairs(ctx: ops.Context, td: TensorDict | None) -> list[str]:
     flat: list[str] = []
     for name in td.keys():
         check_name("field name", name)
-        flat += [name, mark + ops.canonical(codec.describe_field(name, td.get(name), n))]
+        flat += [name, mark + ops.canonical(describe_field(name, td.get(name), n))]
     return flat
 
 
@@ -156,7 +157,7 @@ class Resolved:
         self, partition_id: str, fields: Sequence[str], positions: Sequence[int] | None = None
     ) -> BatchMeta:
         pos = list(range(len(self.ids))) if positions is None else list(positions)
-        schema = {f: codec.to_batchmeta_schema(json.loads(self.schemas[f])) for f in fields}
+        schema = {f: to_batchmeta_schema(json.loads(self.schemas[f])) for f in fields}
         return BatchMeta.from_columns(
             [self.ids[i] for i in pos],
             partition_id,
@@ -185,7 +186,7 @@ def resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, 
     if code == 0:
         field, registered = _text(reply[1]), _text(reply[2])
         offered = dict(zip(schemas[::2], schemas[1::2]))[field].removeprefix(ops.STRICT_MARK)
-        codec.check_compatible(field, json.loads(registered), json.loads(offered))
+        check_compatible(field, json.loads(registered), json.loads(offered))
         raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {registered}")
     _, ids, created, common, tags = reply
     return Resolved(

@@ -20,7 +20,7 @@ Field schema entries (``BatchMeta.field_schema[name]``) hold:
 ``is_nested``      ``True`` for nested-tensor fields (samples may differ in shape)
 ``is_non_tensor``  ``True`` for values stored next to tensors (strings, dicts, numpy arrays ...)
 ``per_sample_shapes``  only for nested fields: one shape tuple per sample, in batch order
-``kind``           one of the ``KIND_*`` constants below (the vocabulary ``tq_redis.codec`` uses)
+``kind``           one of the ``KIND_*`` constants (defined in ``tq_redis.schemas``, importable here)
 """
 
 from __future__ import annotations
@@ -33,14 +33,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase, is_non_tensor
+from tensordict import TensorDictBase
 
 from tq_redis.errors import (
     BatchSizeMismatch,
     InvalidArgument,
     KeyNotInBatch,
     UnknownField,
-    UnsupportedValue,
+)
+from tq_redis.schemas import (
+    KIND_JAGGED,
+    KIND_NDARRAY,
+    KIND_OBJECT,
+    KIND_STRIDED,
+    KIND_TENSOR,
+    batchmeta_schema_of,
 )
 
 __all__ = [
@@ -55,17 +62,6 @@ __all__ = [
     "extract_field_schema",
     "field_kind",
 ]
-
-KIND_TENSOR = "tensor"
-"""A regular (dense) tensor field: every sample has the same shape."""
-KIND_JAGGED = "jagged"
-"""A nested tensor with ``torch.jagged`` layout; see ``per_sample_shapes``."""
-KIND_STRIDED = "strided"
-"""A nested tensor with the older ``torch.strided`` nested layout; see ``per_sample_shapes``."""
-KIND_NDARRAY = "ndarray"
-"""A numpy array that TensorDict keeps as non-tensor data (strings, objects)."""
-KIND_OBJECT = "object"
-"""A field of arbitrary Python objects (strings, dicts, ...)."""
 
 READY = 1
 """Value of ``BatchMeta.production_status`` for a sample whose fields are all stored."""
@@ -185,28 +181,18 @@ def _short_list(values: Sequence[Any]) -> str:
     return f"[{head}, ..., {values[-1]!r}]"
 
 
-def _per_sample_shapes(value: torch.Tensor) -> list[tuple[int, ...]]:
-    """Shapes of the samples of a nested tensor, without materialising each sample if avoidable."""
-    if value.layout == torch.jagged and getattr(value, "_ragged_idx", None) == 1:
-        # One ragged dim right after the batch dim: lengths are the offsets' differences.
-        lengths = value.offsets().diff().tolist()
-        tail = tuple(value.shape[2:])
-        return [(n, *tail) for n in lengths]
-    if value.layout == torch.strided:
-        return [tuple(s) for s in value._nested_tensor_size().tolist()]
-    return [tuple(t.shape) for t in value.unbind()]
-
-
 def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
     """Describe each field of a TensorDict as a field-schema entry (see the module docstring).
 
     The first batch dimension of ``data`` is the sample dimension. Dense tensors record their
     per-sample shape (a 1-D tensor has per-sample shape ``()``); nested tensors record
     ``is_nested=True`` and ``per_sample_shapes`` (``shape`` only if every sample has the same
-    one); non-tensor values record ``is_non_tensor=True``.
+    one); non-tensor values record ``is_non_tensor=True``. Each entry is
+    :func:`tq_redis.schemas.batchmeta_schema_of`'s.
 
     Raises:
         InvalidArgument: ``data`` has no batch dimension.
+        BatchSizeMismatch: a nested tensor does not have one sample per row.
         UnsupportedValue: a field holds a sub-TensorDict (flatten it with ``data.flatten_keys()``).
     """
     if not isinstance(data, TensorDictBase):
@@ -214,51 +200,7 @@ def extract_field_schema(data: TensorDictBase) -> dict[str, dict[str, Any]]:
     if len(data.batch_size) == 0:
         raise InvalidArgument("the TensorDict has no batch dimension; build it with batch_size=[num_samples]")
     n = int(data.batch_size[0])
-    schema: dict[str, dict[str, Any]] = {}
-    for name, value in data.items():
-        if is_non_tensor(value):
-            array = getattr(value, "data", None)
-            if isinstance(array, np.ndarray) and array.ndim >= 1 and array.shape[0] == n:
-                dtype, shape, kind = array.dtype, tuple(array.shape[1:]), KIND_NDARRAY
-            else:
-                dtype, shape, kind = None, None, KIND_OBJECT
-            schema[name] = {
-                "dtype": dtype,
-                "shape": shape,
-                "is_nested": False,
-                "is_non_tensor": True,
-                "kind": kind,
-            }
-        elif isinstance(value, torch.Tensor) and value.is_nested:
-            shapes = _per_sample_shapes(value)
-            if len(shapes) != n:
-                raise BatchSizeMismatch(
-                    f"field {name!r} is a nested tensor of {len(shapes)} samples but the batch has {n}"
-                )
-            uniform = shapes[0] if shapes and all(s == shapes[0] for s in shapes) else None
-            schema[name] = {
-                "dtype": value.dtype,
-                "shape": uniform,
-                "is_nested": True,
-                "is_non_tensor": False,
-                "per_sample_shapes": shapes,
-                "kind": KIND_JAGGED if value.layout == torch.jagged else KIND_STRIDED,
-            }
-        elif isinstance(value, torch.Tensor):
-            schema[name] = {
-                "dtype": value.dtype,
-                "shape": tuple(value.shape[1:]),
-                "is_nested": False,
-                "is_non_tensor": False,
-                "kind": KIND_TENSOR,
-            }
-        elif isinstance(value, TensorDictBase):
-            raise UnsupportedValue(
-                f"field {name!r} is a nested TensorDict; flatten it first with td.flatten_keys('.')"
-            )
-        else:
-            raise UnsupportedValue(f"field {name!r} holds an unsupported {type(value).__name__}")
-    return schema
+    return {name: batchmeta_schema_of(name, value, n) for name, value in data.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from tq_redis.errors import (
 )
 from tq_redis.keys import PartitionKeys, check_name, config_key, partitions_key
 from tq_redis.metadata import BatchMeta
+from tq_redis.schemas import check_compatible, to_batchmeta_schema
 from tq_redis.storage import KVStorageManager
 
 Op = Generator[Any, Any, Any]
@@ -156,7 +157,7 @@ def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, lis
 
 
 def _raise_conflict(field_name: str, registered: Any, offered: str) -> None:
-    codec.check_compatible(field_name, json.loads(_text(registered)), json.loads(offered))
+    check_compatible(field_name, json.loads(_text(registered)), json.loads(offered))
     # check_compatible raises for every real difference; equal JSON would not have conflicted
     raise InvalidArgument(f"field {field_name!r}: schema {offered} conflicts with registered {_text(registered)}")
 
@@ -165,13 +166,13 @@ STRICT_MARK = "!"
 
 
 def _flat_schemas(ctx: Context, schemas: dict[str, str]) -> list[str]:
-    """``field, schema`` pairs for a script; strict schemas carry a leading ``!`` (see partition.lua)."""
+    """``field, schema`` pairs for a script; strict schemas carry a leading ``!`` (see lua/includes/schemas.lua)."""
     mark = STRICT_MARK if ctx.strict_schema else ""
     return [x for name, schema in schemas.items() for x in (name, mark + schema)]
 
 
 def _batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
-    return {name: codec.to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
+    return {name: to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
 
 
 def put(
@@ -577,7 +578,7 @@ def _tag_rows(tags: list, n: int) -> list[dict[str, Any]]:
 
 def _claimed_meta(partition_id: str, ids: list, schemas: list, tags: list, deliveries: list) -> BatchMeta:
     n = len(ids)
-    field_schema = {name: codec.to_batchmeta_schema(json.loads(s)) for name, s in _pairs(schemas) if s}
+    field_schema = {name: to_batchmeta_schema(json.loads(s)) for name, s in _pairs(schemas) if s}
     custom = _tag_rows(tags, n) if tags else None
     meta = BatchMeta.from_columns(
         [int(i) for i in ids],
@@ -619,7 +620,7 @@ def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, u
                 raise UnknownField(
                     f"field {name!r} was never put in partition {pk.partition!r}; known fields come from put()"
                 )
-            schema[name] = codec.to_batchmeta_schema(json.loads(raw))
+            schema[name] = to_batchmeta_schema(json.loads(raw))
         for raw in replies[4:]:
             bits = bitmaps.unpack(raw)
             produced = np.zeros(len(alive), dtype=bool)

@@ -172,8 +172,8 @@ class TestConstruction:
         assert field_kind({"is_non_tensor": True, "dtype": np.dtype("<U3")}) == KIND_NDARRAY
 
     def test_kind_vocabulary_matches_codec(self):
-        codec = pytest.importorskip("tq_redis.codec")
-        assert {KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT} == set(codec.KINDS)
+        schemas = pytest.importorskip("tq_redis.schemas")
+        assert {KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT} == set(schemas.KINDS)
 
     def test_numpy_global_indexes_become_python_ints(self):
         m = BatchMeta(np.arange(3, dtype=np.int64), ["p"] * 3)

@@ -485,9 +485,14 @@ def test_python_sample_matches_model(ready, n, groups):
         for k in range(groups):
             block = chosen[k * n:(k + 1) * n]
             assert block == list(range(block[0], block[0] + n))
+    # Balanced, stand-alone: the GRPO runs for both ranks (as the reference), split by the KK model.
     balanced = SeqlenBalancedSampler(n, dp_size=2)
-    world.lengths = {i: (i * 7) % 11 + 1 for i in ready}
-    parts = model_balance(world, n * groups, n, 2)
+    lengths = {i: (i * 7) % 11 + 1 for i in ready}
+    both, _ = GRPOGroupNSampler(n).sample(ready, n * groups * 2)
+    runs = [both[g * n:(g + 1) * n] for g in range(len(both) // n)]
+    weights = [sum(lengths[x] for x in run) for run in runs]
+    parts = [[x for g in part for x in runs[g]] for part in kk_model(weights, 2)] if both else []
+    world.lengths = lengths
     for rank in (1, 0):
         got, _ = balanced.sample(ready, n * groups, "t", "p", dp_rank=rank, batch_index=3, total_lengths=world.lengths)
         assert got == (parts[rank] if parts else [])
