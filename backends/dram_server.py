@@ -1,19 +1,21 @@
-"""A DRAM storage node: holds data-plane values in memory for the ``dram`` store.
+"""A DRAM storage node process: serves a :class:`~tq_redis.backends.dram_node.StorageNode` over sockets.
 
 Run one with ``python -m tq_redis.backends.dram_server --redis URL --capacity 4GiB`` (or
 ``tq-redis storage-unit``). It registers itself in Redis (``<ns>:storage:nodes``), heartbeats
 every second with its used bytes, and deregisters on SIGTERM / SIGINT.
 
-Memory is a set of *slabs*: ``memfd`` files, allocated (zeroed) by the node when created and kept
-mapped, so writes never take first-touch page faults. A put batch gets one contiguous *extent*
-in a slab (values at 64-byte alignment, in order); the extent is reference-counted by the keys
-that live in it and *pinned* while a reader may see it, and its space returns to the slab's free
-list when both reach zero. Empty slabs beyond ``--keep-warm`` bytes are released at once.
-
 Same-host clients connect over an abstract Unix socket and receive slab fds (``SCM_RIGHTS``); they
 write values straight into reserved extents and read them in place. Remote clients use TCP, and
 the node moves payloads between the socket and its slabs with scatter/gather syscalls. The wire
-protocol lives in :mod:`tq_redis.backends.dram`.
+protocol lives in :mod:`tq_redis.backends.dram_protocol`; each connection is a :class:`_Session`
+served by its own thread.
+
+**Stopping** (SIGTERM, SIGINT, or the parent that spawned the node exiting) is orderly: the node
+stops accepting, lets every session finish the request it is serving (idle ones end at once),
+waits for those threads and for the heartbeat, deregisters, and only then frees its memory and
+removes its spill directory, so no request can still be using them.
+
+Spawning nodes from Python (``tq-redis up``, ``init()``, tests) is :mod:`tq_redis.backends.dram_launcher`.
 """
 
 from __future__ import annotations
@@ -22,31 +24,22 @@ import argparse
 import contextlib
 import gc
 import hmac
-import itertools
 import json
 import logging
-import mmap
 import os
-import re
-import select
 import selectors
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
-from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 import redis
-from tq_redis.backends.dram import (
+from tq_redis.backends.dram_node import Refused, StorageNode, Txn
+from tq_redis.backends.dram_protocol import (
     OP_ABORT,
     OP_ALLOC,
     OP_COMMIT,
@@ -59,433 +52,26 @@ from tq_redis.backends.dram import (
     PROTOCOL_VERSION,
     ST_AUTH,
     ST_BAD,
-    ST_FULL,
     ST_INTERNAL,
     ST_OK,
     drain,
     format_size,
-    layout,
-    parse_size,
     recv_header,
     recv_into_buffers,
     recv_meta,
     send_frame,
 )
-from tq_redis.backends.dram_spill import SpillTier
 
-from tq_redis.errors import StorageUnavailable
+from tq_redis.config import parse_size
 from tq_redis.keys import storage_nodes_key
 
 log = logging.getLogger("tq_redis.dram_server")
 
-__all__ = ["LocalNodes", "StorageNode", "main", "spawn_node", "start_local_nodes"]
+# LocalNodes, spawn_node and start_local_nodes resolve through __getattr__ (see the end of the module)
+__all__ = ["LocalNodes", "StorageNode", "main", "spawn_node", "start_local_nodes"]  # noqa: F822
 
-PAGE = mmap.PAGESIZE
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class _Refused(Exception):
-    """A request the node turns down with a status code (the connection stays usable)."""
-
-    def __init__(self, code: int, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
-
-
-class _Slab:
-    """One memfd-backed region of node memory with a first-fit free list."""
-
-    __slots__ = ("id", "size", "fd", "mm", "view", "free", "used", "dedicated")
-
-    def __init__(self, sid: int, size: int, dedicated: bool) -> None:
-        self.id, self.size, self.dedicated = sid, size, dedicated
-        self.fd = os.memfd_create(f"tq-dram-slab-{sid}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, size)
-            # allocate the pages now: a client's first write must not pay for zero-filling them
-            os.posix_fallocate(self.fd, 0, size)
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self.view = memoryview(self.mm)
-        self.free: list[list[int]] = [[0, size]]  # sorted [offset, length] blocks
-        self.used = 0
-
-    def take(self, size: int) -> int | None:
-        for j, block in enumerate(self.free):
-            off, length = block
-            if length >= size:
-                if length == size:
-                    del self.free[j]
-                else:
-                    block[0] += size
-                    block[1] -= size
-                self.used += size
-                return off
-        return None
-
-    def give(self, off: int, size: int) -> None:
-        free = self.free
-        j = bisect_left(free, [off, 0])
-        if j and free[j - 1][0] + free[j - 1][1] == off:  # merge with the block before
-            j -= 1
-            free[j][1] += size
-        else:
-            free.insert(j, [off, size])
-        if j + 1 < len(free) and free[j][0] + free[j][1] == free[j + 1][0]:  # and after
-            free[j][1] += free.pop(j + 1)[1]
-        self.used -= size
-
-    def close(self) -> None:
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a stray view: unmapped when it is collected
-            self.mm.close()
-        os.close(self.fd)
-
-
-class _Extent:
-    """A contiguous allocation holding the values of one put batch (or one value)."""
-
-    __slots__ = ("id", "slab", "off", "size", "refs", "pins", "reserved")
-
-    def __init__(self, eid: int, slab: _Slab, off: int, size: int) -> None:
-        self.id, self.slab, self.off, self.size = eid, slab, off, size
-        self.refs = 0  # keys stored in it
-        self.pins = 0  # readers that may still see it
-        self.reserved = True  # written but not committed
-
-
-@dataclass
-class _Txn:
-    """Reserved, not yet visible values of one put."""
-
-    keys: list[str]
-    chunks: list[tuple[_Extent, int, int]]  # (extent, first value index, value count)
-    items: list[tuple[str, tuple]] = field(default_factory=list)
-    spilled: bool = False  # the values go to the spill tier (entries (0, -1, file id, length))
-
-
-class StorageNode:
-    """The node's memory and index; every method is thread-safe."""
-
-    def __init__(
-        self,
-        node_id: str,
-        capacity: int,
-        *,
-        slab_size: int | None = None,
-        keep_warm: int = 128 << 20,
-        spill: str | None = None,
-    ) -> None:
-        self.node_id = node_id
-        self.instance = uuid.uuid4().hex
-        self.capacity = capacity
-        self.slab_limit = _round_up(capacity, PAGE)
-        auto = min(max(64 << 20, capacity // 64), 1 << 30)
-        self.slab_size = _round_up(min(slab_size or auto, self.slab_limit), PAGE)
-        self.keep_warm = keep_warm
-        owner = re.sub(r"[^A-Za-z0-9._-]", "_", node_id) + "-" + self.instance[:12]
-        self.spill = SpillTier(spill, owner) if spill else None
-        self.lock = threading.Lock()
-        # key -> (extent id, slab id, offset, length): ints only, so the garbage collector stops
-        # tracking these tuples and a node holding millions of keys has no long GC pauses.
-        # A spilled value is (0, -1, file id, length).
-        self.entries: dict[str, tuple[int, int, int, int]] = {}
-        self.extents: dict[int, _Extent] = {}
-        self._extent_ids = itertools.count(1)
-        self.slabs: dict[int, _Slab] = {}
-        self.slab_bytes = 0
-        self.used = 0
-        self._slab_ids = itertools.count(1)
-        self._pin_ids = itertools.count(1)
-        self._txn_ids = itertools.count(1)
-        self.pins: dict[int, tuple[str, list[_Extent]]] = {}
-        self.client_pins: dict[str, set[int]] = {}
-        self.client_conns: dict[str, int] = {}
-
-    # -- allocation (lock held) ---------------------------------------------------------------
-    def _alloc(self, size: int) -> _Extent | None:
-        for slab in self.slabs.values():
-            off = slab.take(size)
-            if off is not None:
-                return self._extent(slab, off, size)
-        slab = self._new_slab(size)
-        if slab is None:
-            return None
-        return self._extent(slab, slab.take(size), size)  # type: ignore[arg-type]
-
-    def _extent(self, slab: _Slab, off: int, size: int) -> _Extent:
-        self.used += size
-        ext = _Extent(next(self._extent_ids), slab, off, size)
-        self.extents[ext.id] = ext
-        return ext
-
-    def _new_slab(self, size: int) -> _Slab | None:
-        dedicated = size > self.slab_size
-        want = _round_up(size, PAGE) if dedicated else self.slab_size
-        if self.slab_bytes + want > self.slab_limit:
-            for s in [s for s in self.slabs.values() if s.used == 0]:  # make room: drop empty slabs
-                self._drop_slab(s)
-                if self.slab_bytes + want <= self.slab_limit:
-                    break
-        room = self.slab_limit - self.slab_bytes
-        if want > room:
-            want = room // PAGE * PAGE
-            if want < size:
-                return None
-        try:
-            slab = _Slab(next(self._slab_ids), want, dedicated)
-        except OSError as exc:
-            log.warning("could not allocate a %s memory slab: %s", format_size(want), exc)
-            return None
-        self.slabs[slab.id] = slab
-        self.slab_bytes += want
-        return slab
-
-    def _drop_slab(self, slab: _Slab) -> None:
-        del self.slabs[slab.id]
-        self.slab_bytes -= slab.size
-        slab.close()
-
-    def _release(self, ext: _Extent) -> None:
-        """Give an extent's space back once nothing stores, reserves or pins it."""
-        if ext.refs or ext.pins or ext.reserved:
-            return
-        slab = ext.slab
-        slab.give(ext.off, ext.size)
-        self.used -= ext.size
-        del self.extents[ext.id]
-        if slab.used == 0 and slab.id in self.slabs:
-            warm = sum(s.size for s in self.slabs.values() if s.used == 0 and not s.dedicated)
-            if slab.dedicated or warm > self.keep_warm:
-                self._drop_slab(slab)
-
-    def _alloc_each(self, aligned: np.ndarray) -> list[tuple[_Extent, int, int]]:
-        """Fragmented memory: one extent per value, all or none."""
-        chunks: list[tuple[_Extent, int, int]] = []
-        for i, a in enumerate(aligned.tolist()):
-            ext = self._alloc(max(a, 64))
-            if ext is None:
-                for e, _i, _n in chunks:
-                    e.reserved = False
-                    self._release(e)
-                return []
-            chunks.append((ext, i, 1))
-        return chunks
-
-    # -- operations ---------------------------------------------------------------------------
-    def reserve(self, keys: list[str], sizes: np.ndarray) -> _Txn:
-        """Reserve space for a batch (all or nothing); raises ``_Refused(ST_FULL)``."""
-        aligned = (sizes + 63) & ~63
-        total = max(int(aligned.sum()), 64)
-        with self.lock:
-            chunks: list[tuple[_Extent, int, int]] = []
-            if self.used + total <= self.capacity:
-                ext = self._alloc(total)
-                if ext is not None:
-                    chunks.append((ext, 0, len(keys)))
-                else:
-                    chunks = self._alloc_each(aligned)
-            if not chunks and self.spill is not None:
-                return self._spill_txn(keys, sizes)
-            if not chunks:
-                raise _Refused(
-                    ST_FULL,
-                    f"DRAM storage node {self.node_id!r} is full: a put of {format_size(total)} does not "
-                    f"fit ({format_size(self.used)} of {format_size(self.capacity)} in use, "
-                    f"{len(self.entries)} keys). Restart it with a larger --capacity, add storage nodes, "
-                    f"or clear consumed partitions.",
-                )
-        txn = _Txn(keys, chunks)
-        for ext, start, count in chunks:
-            offs, _ = layout(sizes[start : start + count])
-            txn.items.extend(
-                zip(
-                    keys[start : start + count],
-                    zip(repeat(ext.id), repeat(ext.slab.id), (offs + ext.off).tolist(),
-                        sizes[start : start + count].tolist()),
-                )
-            )  # fmt: skip
-        return txn
-
-    def _spill_txn(self, keys: list[str], sizes: np.ndarray) -> _Txn:
-        ids = self.spill.new_ids(len(keys))  # type: ignore[union-attr]
-        return _Txn(keys, [], list(zip(keys, zip(repeat(0), repeat(-1), ids, sizes.tolist()))), spilled=True)
-
-    def spill_write(self, txn: _Txn, values: list[memoryview]) -> None:
-        """Write a spilled put's values to the tier; raises ``_Refused(ST_FULL)`` if it refuses."""
-        spill = self.spill
-        assert spill is not None
-        try:
-            for (_key, ent), value in zip(txn.items, values):
-                spill.write(ent[2], value)
-        except OSError as exc:
-            self.abort(txn)
-            raise _Refused(
-                ST_FULL,
-                f"DRAM storage node {self.node_id!r} is full and its spill tier {spill.url!r} refused "
-                f"the overflow ({exc}). Free space there, add storage nodes, or clear consumed partitions.",
-            ) from None
-
-    def value_views(self, txn: _Txn) -> list[memoryview]:
-        """Writable views of every reserved value, in key order."""
-        return [self.slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for _k, ent in txn.items]
-
-    def commit(self, txn: _Txn) -> None:
-        gone: list[tuple[int, int]] = []
-        with self.lock:
-            for ext, _start, count in txn.chunks:
-                ext.reserved = False
-                ext.refs += count
-            entries = self.entries
-            for k in entries.keys() & set(txn.keys):  # overwrites release the old values
-                self._forget(entries[k], gone)
-            entries.update(txn.items)
-        if gone:
-            self.spill.remove(gone)  # type: ignore[union-attr]
-
-    def _forget(self, ent: tuple[int, int, int, int], spilled: list[tuple[int, int]]) -> None:
-        """Drop one stored value's claim on its memory (lock held); spilled files are collected."""
-        if ent[0] == 0:
-            spilled.append((ent[2], ent[3]))
-            return
-        ext = self.extents[ent[0]]
-        ext.refs -= 1
-        self._release(ext)
-
-    def abort(self, txn: _Txn) -> None:
-        if txn.spilled:
-            self.spill.remove([(ent[2], ent[3]) for _k, ent in txn.items])  # type: ignore[union-attr]
-            return
-        with self.lock:
-            for ext, _start, _count in txn.chunks:
-                ext.reserved = False
-                self._release(ext)
-
-    def lookup(self, keys: list[str], owner: str | None) -> tuple[list[tuple], list[int], int, list[_Extent]]:
-        """Entries of present keys, indexes of missing ones, and a pin on their extents.
-
-        With ``owner`` the pin is registered (id > 0) until ``unpin``; otherwise the caller
-        must ``unpin_extents`` the returned extents itself.
-        """
-        with self.lock:
-            ents = list(map(self.entries.get, keys))
-            missing = [i for i, e in enumerate(ents) if e is None] if None in ents else []
-            present = [e for e in ents if e is not None] if missing else ents
-            exts = [self.extents[i] for i in {e[0] for e in present} - {0}]  # 0: spilled, unpinned
-            for x in exts:
-                x.pins += 1
-            pin = 0
-            if owner is not None and exts:
-                pin = next(self._pin_ids)
-                self.pins[pin] = (owner, exts)
-                self.client_pins.setdefault(owner, set()).add(pin)
-        return present, missing, pin, exts  # type: ignore[return-value]
-
-    def unpin_extents(self, exts: Sequence[_Extent]) -> None:
-        with self.lock:
-            for x in exts:
-                x.pins -= 1
-                self._release(x)
-
-    def unpin(self, pins: Sequence[int]) -> None:
-        with self.lock:
-            for pin in pins:
-                rec = self.pins.pop(pin, None)
-                if rec is None:
-                    continue
-                owner, exts = rec
-                self.client_pins.get(owner, set()).discard(pin)
-                for x in exts:
-                    x.pins -= 1
-                    self._release(x)
-
-    def delete(self, keys: list[str]) -> int:
-        n = 0
-        gone: list[tuple[int, int]] = []
-        with self.lock:
-            pop = self.entries.pop
-            for k in keys:
-                ent = pop(k, None)
-                if ent is not None:
-                    n += 1
-                    self._forget(ent, gone)
-        if gone:
-            self.spill.remove(gone)  # type: ignore[union-attr]
-        return n
-
-    def read_spilled(self, entries: Sequence[tuple[int, int, int, int]]) -> list[bytes]:
-        """The bytes of spilled values; a file that vanished is reported, not papered over."""
-        out = []
-        for ent in entries:
-            try:
-                data = self.spill.read(ent[2])  # type: ignore[union-attr]
-            except OSError as exc:
-                raise _Refused(
-                    ST_INTERNAL, f"DRAM storage node {self.node_id!r} lost a spilled value ({exc})"
-                ) from None
-            if len(data) != ent[3]:
-                raise _Refused(
-                    ST_INTERNAL,
-                    f"DRAM storage node {self.node_id!r}: a spilled value has {len(data)} bytes, not {ent[3]}",
-                )
-            out.append(data)
-        return out
-
-    def client_connected(self, client: str) -> None:
-        with self.lock:
-            self.client_conns[client] = self.client_conns.get(client, 0) + 1
-
-    def client_disconnected(self, client: str) -> None:
-        """When a client's last connection closes, its pins go with it."""
-        with self.lock:
-            left = self.client_conns.get(client, 1) - 1
-            if left > 0:
-                self.client_conns[client] = left
-                return
-            self.client_conns.pop(client, None)
-            pins = list(self.client_pins.pop(client, ()))
-        self.unpin(pins)
-
-    def live_slabs(self) -> list[int]:
-        with self.lock:
-            return list(self.slabs)
-
-    def slab_fds(self, sids: Sequence[int]) -> tuple[list[int], list[list[int]]]:
-        with self.lock:
-            found = [self.slabs[s] for s in sids if s in self.slabs]
-            return [s.fd for s in found], [[s.id, s.size] for s in found]
-
-    def stats(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "node_id": self.node_id,
-                "instance": self.instance,
-                "used": self.used,
-                "capacity": self.capacity,
-                "keys": len(self.entries),
-                "slabs": len(self.slabs),
-                "slab_bytes": self.slab_bytes,
-                "pins": len(self.pins),
-                "clients": len(self.client_conns),
-                "pinned_extents": sum(1 for _o, ex in self.pins.values() for _ in ex),
-                "spill": self.spill.url if self.spill else None,
-                "spilled_keys": self.spill.files if self.spill else 0,
-                "spilled_bytes": self.spill.bytes if self.spill else 0,
-            }
-
-    def close(self) -> None:
-        with self.lock:
-            for slab in list(self.slabs.values()):
-                self._drop_slab(slab)
-            self.entries.clear()
-            self.extents.clear()
-        if self.spill is not None:
-            self.spill.close()
+#: how long a stopping node waits for its sessions to finish the requests they are serving
+DRAIN_S = 5.0
 
 
 class _Session:
@@ -498,10 +84,33 @@ class _Session:
         self.shm = False
         self.authed = token is None
         self.client: str | None = None
-        self.txns: dict[int, _Txn] = {}
+        self.txns: dict[int, Txn] = {}
         self.sent_slabs: set[int] = set()
+        self._state = threading.Lock()
+        self._busy = False  # serving a request (between its header and its reply)
+        self._ending = False  # the node is stopping: end after the current request
+
+    def end(self, now: bool = False) -> None:
+        """Ask the session to end: at once if it waits for a request (or ``now``), else after its reply."""
+        with self._state:
+            self._ending = True
+            idle = not self._busy
+        if idle or now:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on this socket
+
+    def _begin(self) -> bool:
+        with self._state:
+            self._busy = not self._ending
+            return self._busy
+
+    def _done(self) -> bool:
+        with self._state:
+            self._busy = False
+            return not self._ending
 
     def run(self) -> None:
+        """Serve requests until the client disconnects or :meth:`end` is called."""
         sock = self.sock
         try:
             while True:
@@ -509,11 +118,15 @@ class _Session:
                     op, mlen, plen, _fds = recv_header(sock)
                 except (ConnectionError, OSError):
                     return
+                if not self._begin():
+                    return
                 meta = recv_meta(sock, mlen)
                 try:
                     self._dispatch(op, meta, plen)
-                except _Refused as exc:
+                except Refused as exc:
                     send_frame(sock, exc.code, {"msg": str(exc)})
+                if not self._done():
+                    return
         except (ConnectionError, OSError):
             pass
         except Exception:  # a bug: report it to the client and drop the connection
@@ -534,7 +147,7 @@ class _Session:
             return self._hello(meta)
         if not self.authed:
             drain(self.sock, plen)
-            raise _Refused(
+            raise Refused(
                 ST_AUTH,
                 f"DRAM storage node {node.node_id!r} requires a token: set the store option "
                 f"'token' or TQ_STORAGE_TOKEN to the value the node was started with",
@@ -545,7 +158,7 @@ class _Session:
             return self._put(meta, plen)
         if plen:
             drain(self.sock, plen)
-            raise _Refused(ST_BAD, f"request {op} carries no payload")
+            raise Refused(ST_BAD, f"request {op} carries no payload")
         if op == OP_GET:
             return self._get(meta)
         if op == OP_ALLOC:
@@ -556,7 +169,7 @@ class _Session:
                 if txn is not None:
                     (node.commit if op == OP_COMMIT else node.abort)(txn)
                 elif op == OP_COMMIT:
-                    raise _Refused(ST_BAD, f"unknown transaction {t} (reservation lost?)")
+                    raise Refused(ST_BAD, f"unknown transaction {t} (reservation lost?)")
             return send_frame(self.sock, ST_OK)
         if op == OP_DEL:
             reply: dict[str, Any] = {"deleted": node.delete(list(meta.get("keys") or ()))}
@@ -567,16 +180,16 @@ class _Session:
             return self._reply_with_slabs({}, list(meta.get("slabs") or ()), force=True)
         if op == OP_STATS:
             return send_frame(self.sock, ST_OK, node.stats())
-        raise _Refused(ST_BAD, f"unknown request {op}")
+        raise Refused(ST_BAD, f"unknown request {op}")
 
     def _hello(self, meta: dict[str, Any]) -> None:
         node = self.node
         if meta.get("v") != PROTOCOL_VERSION:
-            raise _Refused(ST_BAD, f"protocol version {meta.get('v')} is not {PROTOCOL_VERSION}")
+            raise Refused(ST_BAD, f"protocol version {meta.get('v')} is not {PROTOCOL_VERSION}")
         if self.token is not None:
             given = meta.get("token") or ""
             if not hmac.compare_digest(given.encode(), self.token.encode()):
-                raise _Refused(
+                raise Refused(
                     ST_AUTH,
                     f"DRAM storage node {node.node_id!r} rejected the token: set the store option "
                     f"'token' or TQ_STORAGE_TOKEN to the value the node was started with",
@@ -594,18 +207,18 @@ class _Session:
         keys = meta.get("keys")
         sizes = np.frombuffer(meta.get("sizes") or b"", dtype="<i8")
         if not isinstance(keys, list) or len(keys) != len(sizes) or (sizes < 0).any():
-            raise _Refused(ST_BAD, "malformed put: keys and sizes disagree")
+            raise Refused(ST_BAD, "malformed put: keys and sizes disagree")
         if len(set(keys)) != len(keys):
-            raise _Refused(ST_BAD, "put got the same key twice in one batch")
+            raise Refused(ST_BAD, "put got the same key twice in one batch")
         return keys, sizes
 
     def _put(self, meta: dict[str, Any], plen: int) -> None:
         try:
             keys, sizes = self._batch(meta)
             if int(sizes.sum()) != plen:
-                raise _Refused(ST_BAD, "malformed put: payload length is not the sum of the sizes")
+                raise Refused(ST_BAD, "malformed put: payload length is not the sum of the sizes")
             txn = self.node.reserve(keys, sizes)
-        except _Refused:
+        except Refused:
             drain(self.sock, plen)
             raise
         if txn.spilled:
@@ -623,18 +236,18 @@ class _Session:
         if meta.get("commit", True):
             self.node.commit(txn)
             return send_frame(self.sock, ST_OK)
-        t = next(self.node._txn_ids)
+        t = self.node.next_txn_id()
         self.txns[t] = txn
         send_frame(self.sock, ST_OK, {"txn": t})
 
     def _alloc(self, meta: dict[str, Any]) -> None:
         if not self.shm:
-            raise _Refused(ST_BAD, "ALLOC needs a shared-memory connection")
+            raise Refused(ST_BAD, "ALLOC needs a shared-memory connection")
         keys, sizes = self._batch(meta)
         txn = self.node.reserve(keys, sizes)
         if txn.spilled:  # no room in memory: the client sends these values inline (OP_PUT)
             return send_frame(self.sock, ST_OK, {"inline": True})
-        t = next(self.node._txn_ids)
+        t = self.node.next_txn_id()
         self.txns[t] = txn
         chunks = [[ext.slab.id, ext.off, start, count] for ext, start, count in txn.chunks]
         self._reply_with_slabs({"txn": t, "chunks": chunks}, [c[0] for c in chunks])
@@ -656,7 +269,7 @@ class _Session:
     def _get(self, meta: dict[str, Any]) -> None:
         keys = meta.get("keys")
         if not isinstance(keys, list):
-            raise _Refused(ST_BAD, "malformed get: no keys")
+            raise Refused(ST_BAD, "malformed get: no keys")
         node = self.node
         shm = self.shm and bool(meta.get("shm"))
         present, missing, pin, exts = node.lookup(keys, self.client if shm else None)
@@ -667,7 +280,7 @@ class _Session:
         spilled = [i for i, sid in enumerate(sids) if sid < 0] if -1 in sids else []
         try:
             inline = node.read_spilled([present[i] for i in spilled])
-        except _Refused:
+        except Refused:
             if pin:
                 node.unpin([pin])
             else:
@@ -699,7 +312,6 @@ class _Session:
         finally:
             node.unpin_extents(exts)
 
-
 # --------------------------------------------------------------------------------------------
 # Process: listeners, registration, heartbeat
 # --------------------------------------------------------------------------------------------
@@ -714,33 +326,45 @@ class _Server:
         self.token: str | None = args.token or os.environ.get("TQ_STORAGE_TOKEN") or None
         host, _, port = args.listen.rpartition(":")
         self.tcp = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False, backlog=128)
-        bound_port = self.tcp.getsockname()[1]
-        adv = args.advertise
-        if not adv:
-            adv_host = host if host not in ("", "0.0.0.0", "::", "[::]") else socket.gethostname()
-            adv = f"{adv_host}:{bound_port}"
-        self.address = adv
-        node_id = args.node_id or adv
-        self.node = StorageNode(
-            node_id,
-            parse_size(args.capacity),
-            slab_size=parse_size(args.slab_size) if args.slab_size else None,
-            keep_warm=parse_size(args.keep_warm) if args.keep_warm not in ("0", 0) else 0,
-            spill=args.spill,
-        )
         self.uds: socket.socket | None = None
         self.uds_name: str | None = None
-        if args.shm:
-            self.uds_name = f"tq-dram-{self.node.instance}"
-            self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.uds.bind("\0" + self.uds_name)
-            self.uds.listen(128)
+        self._wake_r, self._wake_w = socket.socketpair()  # wakes the accept loop when stopping
+        node: StorageNode | None = None
+        try:
+            bound_port = self.tcp.getsockname()[1]
+            adv = args.advertise
+            if not adv:
+                adv_host = host if host not in ("", "0.0.0.0", "::", "[::]") else socket.gethostname()
+                adv = f"{adv_host}:{bound_port}"
+            self.address = adv
+            node = StorageNode(
+                args.node_id or adv,
+                parse_size(args.capacity),
+                slab_size=parse_size(args.slab_size) if args.slab_size else None,
+                keep_warm=parse_size(args.keep_warm, allow_zero=True),
+                spill=args.spill,
+            )
+            if args.shm:
+                self.uds_name = f"tq-dram-{node.instance}"
+                self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.uds.bind("\0" + self.uds_name)
+                self.uds.listen(128)
+        except BaseException:
+            self._close_sockets()
+            if node is not None:
+                node.close()  # removes the spill directory it made
+            raise
+        self.node = node
         self.redis = redis.Redis.from_url(args.redis, socket_timeout=5, socket_connect_timeout=5)
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
         self.registered = False
+        self._sessions: dict[_Session, threading.Thread] = {}
+        self._sessions_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
     def info(self, now: float) -> dict[str, Any]:
+        """The registration written to Redis: address, capacity and usage, heartbeat time, ..."""
         st = self.node.stats()
         return {
             "node_id": self.node.node_id,
@@ -762,13 +386,23 @@ class _Server:
         }
 
     def beat(self) -> dict[str, Any]:
-        sec, usec = self.redis.time()  # Redis's clock, so clients on other hosts agree on staleness
+        """Write the registration (with Redis's clock, so clients on other hosts agree on staleness)."""
+        sec, usec = self.redis.time()
         info = self.info(sec + usec / 1e6)
         self.redis.hset(self.key, self.node.node_id, json.dumps(info))
         self.registered = True
         return info
 
-    def heartbeat_loop(self) -> None:
+    def start(self, parent_fd: int | None = None) -> None:
+        """Start the heartbeat and accept threads (and the parent watch when ``parent_fd`` is given)."""
+        for target, name in ((self._heartbeat_loop, "dram-heartbeat"), (self._accept_loop, "dram-accept")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)  # close() waits for these
+        if parent_fd is not None:
+            threading.Thread(target=self._watch_parent, args=(parent_fd,), name="dram-parent", daemon=True).start()
+
+    def _heartbeat_loop(self) -> None:
         failing = False
         while not self.stop.wait(self.args.heartbeat_s):
             try:
@@ -781,7 +415,7 @@ class _Server:
                     log.warning("heartbeat to Redis failed (will keep trying): %s", exc)
                 failing = True
 
-    def deregister(self) -> None:
+    def _deregister(self) -> None:
         if not self.registered:
             return
         try:
@@ -791,24 +425,41 @@ class _Server:
         except (redis.RedisError, ValueError) as exc:
             log.warning("could not deregister from Redis: %s", exc)
 
-    def accept_loop(self) -> None:
+    def _accept_loop(self) -> None:
         sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
         sel.register(self.tcp, selectors.EVENT_READ, False)
         if self.uds is not None:
             sel.register(self.uds, selectors.EVENT_READ, True)
-        while not self.stop.is_set():
-            for key, _ev in sel.select(timeout=0.5):
-                try:
-                    conn, _addr = key.fileobj.accept()  # type: ignore[union-attr]
-                except OSError:
-                    continue
-                local = bool(key.data)
-                if not local:
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                session = _Session(self.node, conn, local, self.token, self.uds is not None)
-                threading.Thread(target=session.run, name="dram-session", daemon=True).start()
+        with sel:
+            while not self.stop.is_set():
+                for key, _ev in sel.select():
+                    if key.data is None or self.stop.is_set():
+                        return
+                    try:
+                        conn, _addr = key.fileobj.accept()  # type: ignore[union-attr]
+                    except OSError:
+                        continue
+                    self._serve(conn, local=bool(key.data))
 
-    def watch_parent(self, fd: int) -> None:
+    def _serve(self, conn: socket.socket, local: bool) -> None:
+        """Start a session thread for an accepted connection."""
+        if not local:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session = _Session(self.node, conn, local, self.token, self.uds is not None)
+        thread = threading.Thread(target=self._run_session, args=(session,), name="dram-session", daemon=True)
+        with self._sessions_lock:
+            self._sessions[session] = thread
+        thread.start()
+
+    def _run_session(self, session: _Session) -> None:
+        try:
+            session.run()
+        finally:
+            with self._sessions_lock:
+                self._sessions.pop(session, None)
+
+    def _watch_parent(self, fd: int) -> None:
         """Stop when the parent that spawned us goes away (its end of the pipe closes)."""
         with contextlib.suppress(OSError):
             while os.read(fd, 1):
@@ -816,14 +467,40 @@ class _Server:
         log.warning("parent process exited; stopping")
         self.stop.set()
 
-    def close(self) -> None:
-        self.stop.set()
-        self.deregister()
-        for s in (self.tcp, self.uds):
+    def _end_sessions(self) -> None:
+        """Let every session finish the request it is serving, then wait for its thread."""
+        with self._sessions_lock:
+            running = dict(self._sessions)
+        for session in running:
+            session.end()
+        deadline = time.monotonic() + DRAIN_S
+        for thread in running.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [s for s, t in running.items() if t.is_alive()]
+        if late:
+            log.warning("%d request(s) still running after %.0f s; closing their connections", len(late), DRAIN_S)
+            for session in late:
+                session.end(now=True)
+            for session in late:
+                running[session].join(1.0)
+
+    def _close_sockets(self) -> None:
+        for s in (self.tcp, self.uds, self._wake_r, self._wake_w):
             if s is not None:
                 with contextlib.suppress(OSError):
                     s.close()
-        self.node.close()
+
+    def close(self) -> None:
+        """Stop in order: accepting, sessions, heartbeat, registration; then free memory and spill files."""
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        for thread in self._threads:  # accept returns on the wake byte, heartbeat on the event
+            thread.join()
+        self._close_sockets()  # no new connections from here on
+        self._end_sessions()
+        self._deregister()  # after the heartbeat's last beat, which would register the node again
+        self.node.close()  # no request is using the memory or the spill tier any more
         self.redis.close()
 
 
@@ -889,10 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the garbage collector's full passes, which otherwise stall requests for tens of milliseconds.
     gc.collect()
     gc.freeze()
-    threading.Thread(target=server.heartbeat_loop, name="dram-heartbeat", daemon=True).start()
-    threading.Thread(target=server.accept_loop, name="dram-accept", daemon=True).start()
-    if args.parent_fd is not None:
-        threading.Thread(target=server.watch_parent, args=(args.parent_fd,), daemon=True).start()
+    server.start(args.parent_fd)
     log.info(
         "storage node %s listening on %s (capacity %s, shared memory %s)",
         info["node_id"], server.address, format_size(server.node.capacity),
@@ -909,234 +583,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------
-# Spawning local nodes (tq-redis up, init() without a URL, tests)
-# --------------------------------------------------------------------------------------------
+# The launcher lived in this module; its names stay importable from here without this module
+# (which runs inside every node process) importing it.
+_LAUNCHER_NAMES = frozenset({"LocalNodes", "NodeProcess", "spawn_node", "start_local_nodes"})
 
 
-@dataclass
-class NodeProcess:
-    """A spawned node process and its registration."""
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCHER_NAMES:
+        from tq_redis.backends import dram_launcher
 
-    proc: subprocess.Popen
-    info: dict[str, Any]
-    parent_fd: int
-    log_file: Any
-
-    @property
-    def address(self) -> str:
-        return self.info["address"]
-
-    @property
-    def node_id(self) -> str:
-        return self.info["node_id"]
-
-    def stop(self, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int:
-        """Signal the process (SIGTERM: clean exit) and wait for it; SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.parent_fd >= 0:
-            os.close(self.parent_fd)
-            self.parent_fd = -1
-        if self.log_file is not None:
-            self.log_file.close()
-            self.log_file = None
-        return self.proc.returncode
-
-
-def _log_tail(f: Any) -> str:
-    try:
-        f.seek(0)
-        return f.read().decode(errors="replace")[-2000:]
-    except (OSError, ValueError):
-        return ""
-
-
-# Runs the node without executing ``tq_redis/__init__`` (which imports torch: seconds per node).
-_BOOT = (
-    "import importlib.util, sys, types\n"
-    "spec = importlib.util.find_spec('tq_redis')\n"
-    "pkg = types.ModuleType('tq_redis')\n"
-    "pkg.__path__ = list(spec.submodule_search_locations)\n"
-    "pkg.__spec__ = spec\n"
-    "sys.modules['tq_redis'] = pkg\n"
-    "from tq_redis.backends.dram_server import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
-def _launch(
-    redis_url: str,
-    namespace: str,
-    *,
-    listen: str,
-    capacity: str,
-    token: str | None,
-    node_id: str | None,
-    shm: bool,
-    extra_args: Sequence[str],
-    log_level: str,
-) -> tuple[NodeProcess, int]:
-    """Start a node process; returns it with the read end of its readiness pipe."""
-    ready_r, ready_w = os.pipe()
-    watch_r, watch_w = os.pipe()
-    args = [
-        sys.executable, "-c", _BOOT, "--redis", redis_url,
-        "--namespace", namespace, "--listen", listen, "--capacity", str(capacity),
-        "--ready-fd", str(ready_w), "--parent-fd", str(watch_r), "--log-level", log_level,
-        "--shm" if shm else "--no-shm", *extra_args,
-    ]  # fmt: skip
-    if node_id:
-        args += ["--node-id", node_id]
-    env = dict(os.environ)
-    if token is not None:
-        env["TQ_STORAGE_TOKEN"] = token  # not on the command line, where `ps` would show it
-    else:
-        env.pop("TQ_STORAGE_TOKEN", None)
-    log_file = tempfile.TemporaryFile()
-    try:
-        proc = subprocess.Popen(
-            args, pass_fds=(ready_w, watch_r), stdin=subprocess.DEVNULL, stdout=log_file,
-            stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    except BaseException:
-        for fd in (ready_r, watch_w):
-            os.close(fd)
-        log_file.close()
-        raise
-    finally:
-        os.close(ready_w)
-        os.close(watch_r)
-    return NodeProcess(proc, {}, watch_w, log_file), ready_r
-
-
-def _await_ready(node: NodeProcess, ready_r: int, deadline: float) -> None:
-    """Wait for the node's registration line on its readiness pipe (closes the pipe)."""
-    try:
-        line = b""
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([ready_r], [], [], left)[0]:
-                raise StorageUnavailable(
-                    f"storage node did not register in time:\n{_log_tail(node.log_file)}"
-                )
-            chunk = os.read(ready_r, 65536)
-            if not chunk:
-                node.proc.wait()
-                raise StorageUnavailable(
-                    f"storage node exited with status {node.proc.returncode} before registering:\n"
-                    f"{_log_tail(node.log_file)}"
-                )
-            line += chunk
-        node.info = json.loads(line)
-    finally:
-        os.close(ready_r)
-
-
-def spawn_node(
-    redis_url: str,
-    namespace: str,
-    *,
-    listen: str = "127.0.0.1:0",
-    capacity: str = "2GiB",
-    token: str | None = None,
-    node_id: str | None = None,
-    shm: bool = True,
-    extra_args: Sequence[str] = (),
-    timeout: float = 30.0,
-    log_level: str = "WARNING",
-) -> NodeProcess:
-    """Start one node process and return once it is registered (it signals readiness on a pipe)."""
-    node, ready_r = _launch(
-        redis_url, namespace, listen=listen, capacity=capacity, token=token, node_id=node_id,
-        shm=shm, extra_args=extra_args, log_level=log_level,
-    )  # fmt: skip
-    try:
-        _await_ready(node, ready_r, time.monotonic() + timeout)
-    except BaseException:
-        node.stop(timeout=5, sig=signal.SIGKILL)
-        raise
-    return node
-
-
-class LocalNodes:
-    """Handle on storage-node processes spawned by :func:`start_local_nodes`."""
-
-    def __init__(self, nodes: list[NodeProcess]) -> None:
-        self.nodes = nodes
-
-    @property
-    def addresses(self) -> list[str]:
-        return [n.address for n in self.nodes]
-
-    @property
-    def node_ids(self) -> list[str]:
-        return [n.node_id for n in self.nodes]
-
-    @property
-    def pids(self) -> list[int]:
-        return [n.proc.pid for n in self.nodes]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every node cleanly (SIGTERM; SIGKILL after ``timeout``) and wait for them."""
-        for n in self.nodes:
-            if n.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    n.proc.terminate()
-        for n in self.nodes:
-            n.stop(timeout)
-
-    def __enter__(self) -> LocalNodes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def start_local_nodes(
-    redis_url: str,
-    namespace: str,
-    n: int = 2,
-    capacity: str = "2GiB",
-    token: str | None = None,
-    *,
-    host: str = "127.0.0.1",
-    shm: bool = True,
-    timeout: float = 30.0,
-    spill: str | None = None,
-) -> LocalNodes:
-    """Spawn ``n`` storage-node processes on ``host`` (ephemeral ports) and wait until all registered.
-
-    The nodes also stop by themselves if this process dies. Call ``.stop()`` (or use the handle as a
-    context manager) to shut them down. ``spill`` is an fsspec URL for values beyond ``capacity``
-    (each node uses its own directory under it; see :mod:`tq_redis.backends.dram_spill`).
-    """
-    launched: list[tuple[NodeProcess, int]] = []
-    waited = 0
-    try:
-        for _ in range(n):
-            launched.append(
-                _launch(
-                    redis_url, namespace, listen=f"{host}:0", capacity=capacity, token=token,
-                    node_id=None, shm=shm, extra_args=("--spill", spill) if spill else (), log_level="WARNING",
-                )
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        for node, ready_r in launched:  # they start in parallel; collect each readiness in turn
-            waited += 1  # _await_ready closes the pipe whatever happens
-            _await_ready(node, ready_r, deadline)
-    except BaseException:
-        for _node, ready_r in launched[waited:]:
-            os.close(ready_r)
-        LocalNodes([nd for nd, _r in launched]).stop(timeout=5)
-        raise
-    return LocalNodes([nd for nd, _r in launched])
+        return getattr(dram_launcher, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -30,9 +31,12 @@ log = logging.getLogger("tq_redis.dram_server")
 
 __all__ = ["SpillTier"]
 
+#: how long :meth:`SpillTier.close` waits for reads and writes still running
+CLOSE_WAIT_S = 30.0
+
 
 class SpillTier:
-    """One node's directory on an fsspec filesystem; thread-safe."""
+    """One node's directory on an fsspec filesystem; thread-safe, :meth:`close` included."""
 
     def __init__(self, url: str, owner: str, storage_options: dict[str, Any] | None = None) -> None:
         try:
@@ -49,6 +53,9 @@ class SpillTier:
             raise ConfigError(f"--spill {url!r}: cannot create {self.root!r} there: {exc}") from None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0  # reads / writes / removals in progress
+        self._closed = False
         self.files = 0
         self.bytes = 0
 
@@ -67,7 +74,23 @@ class SpillTier:
                 log.info("removing %s, left by an earlier run of this storage node", path)
                 fs.rm(path, recursive=True)
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """One file operation; refused (``OSError``) once :meth:`close` has begun."""
+        with self._lock:
+            if self._closed:
+                raise OSError(f"the spill tier {self.root!r} is closed: the storage node is stopping")
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._idle.notify_all()
+
     def new_ids(self, n: int) -> list[int]:
+        """``n`` fresh file ids."""
         with self._lock:
             return [next(self._ids) for _ in range(n)]
 
@@ -76,30 +99,43 @@ class SpillTier:
 
     def write(self, file_id: int, data: Any) -> None:
         """Write one value; raises ``OSError`` when the tier refuses it (full, gone, ...)."""
-        with self.fs.open(self._path(file_id), "wb") as f:
+        with self._using(), self.fs.open(self._path(file_id), "wb") as f:
             f.write(data)
         with self._lock:
             self.files += 1
             self.bytes += memoryview(data).nbytes
 
     def read(self, file_id: int) -> bytes:
-        return self.fs.cat_file(self._path(file_id))
+        """One value's bytes; raises ``OSError`` when the file cannot be read."""
+        with self._using():
+            return self.fs.cat_file(self._path(file_id))
 
     def remove(self, files: list[tuple[int, int]]) -> None:
         """Remove ``(file id, length)`` files; one that is already gone is not an error."""
         for file_id, length in files:
             try:
-                self.fs.rm_file(self._path(file_id))
+                with self._using():
+                    self.fs.rm_file(self._path(file_id))
             except FileNotFoundError:
                 continue
             except OSError as exc:  # still owned by us: the directory goes when the node exits
-                log.warning("could not remove spilled value %s: %s", self._path(file_id), exc)
+                if not self._closed:
+                    log.warning("could not remove spilled value %s: %s", self._path(file_id), exc)
                 continue
             with self._lock:
                 self.files -= 1
                 self.bytes -= length
 
     def close(self) -> None:
-        """Remove the node's whole directory (its values die with the node's memory)."""
+        """Remove the node's whole directory (its values die with the node's memory).
+
+        Operations still running finish first and later ones are refused, so no file can be
+        written into (or removed from) the directory while it is being removed.
+        """
+        with self._lock:
+            self._closed = True
+            if not self._idle.wait_for(lambda: not self._running, CLOSE_WAIT_S):
+                log.warning("spill tier %s: %d operation(s) still running after %.0f s; removing it anyway",
+                            self.root, self._running, CLOSE_WAIT_S)  # fmt: skip
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.root, recursive=True)

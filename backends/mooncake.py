@@ -121,7 +121,7 @@ def _size(name: str, value: Any) -> int:
     """A byte count from an int or a string such as ``"4GiB"``; 0 is allowed."""
     if value in (0, "0", None):
         return 0
-    from tq_redis.backends.dram import parse_size
+    from tq_redis.config import parse_size
 
     try:
         return parse_size(value)

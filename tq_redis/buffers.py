@@ -43,7 +43,7 @@ def _parse_limit(text: str | None) -> int:
         return 1 << 30
     if text.strip().lower() in ("0", "off", "none"):
         return 0
-    from tq_redis.backends.dram import parse_size  # the one size parser
+    from tq_redis.config import parse_size  # the one size parser
     from tq_redis.errors import ConfigError
 
     try:

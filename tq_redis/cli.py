@@ -15,7 +15,7 @@ import redis
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tq_redis.backends.dram_server import start_local_nodes
+    from tq_redis.backends.dram_launcher import start_local_nodes
     from tq_redis.embedded import EmbeddedServer
 
     server = EmbeddedServer(

@@ -111,7 +111,7 @@ def _start_embedded(cfg: dict[str, Any]) -> tuple[EmbeddedServer, Any]:
     nodes = None
     try:
         if storage["backend"] == "dram":
-            from tq_redis.backends.dram_server import start_local_nodes
+            from tq_redis.backends.dram_launcher import start_local_nodes
 
             nodes = start_local_nodes(
                 cfg["redis"]["url"], cfg["namespace"], n=int(storage["units"]),

@@ -197,7 +197,7 @@ def _redis(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
 
 
 def _dram(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
-    from tq_redis.backends.dram_server import start_local_nodes
+    from tq_redis.backends.dram_launcher import start_local_nodes
 
     nodes = start_local_nodes(session.redis_url, namespace, n=2, capacity="256MiB")
     return StoreSetup("dram", "dram", {}, session.redis_url, namespace, stop=nodes.stop)

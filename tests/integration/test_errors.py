@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_server import spawn_node
+from tq_redis.backends.dram_launcher import spawn_node
 
 from tests.conftest import make_client
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_server import NodeProcess, spawn_node
+from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
 from tq_redis.keys import config_key, storage_nodes_key
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_server import NodeProcess, spawn_node
+from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
 from tests.soak.helpers import LEAN_NODE_ARGS, node_stats, poll, spawn_lean_nodes, stop_nodes, use_store, wait_until
 from tq_redis import TransferQueueClient

@@ -96,11 +96,45 @@ def test_bad_config(bad, match):
         config.load(bad)
 
 
-@pytest.mark.parametrize("text, expected", [("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1024", 1024), (7, 7)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # IEC: powers of 1024, with or without the B
+        ("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1KiB", 1024), ("2TiB", 2 * 2**40),
+        ("4Gi", 4 * 2**30), ("3Mi", 3 * 2**20), ("1Ki", 1024), ("1Ti", 2**40),
+        # SI: powers of 1000, the bare suffixes included
+        ("512MB", 512 * 10**6), ("4GB", 4 * 10**9), ("2kB", 2000), ("1TB", 10**12),
+        ("4G", 4 * 10**9), ("512M", 512 * 10**6), ("2k", 2000), ("2K", 2000), ("1T", 10**12),
+        # bytes, letter case, spaces, fractions (rounded down), exponents, ints and floats
+        ("1024", 1024), ("1024B", 1024), ("4gib", 4 * 2**30), ("4 GiB", 4 * 2**30), (" 512 mb ", 512 * 10**6),
+        ("1.5KiB", 1536), (".5MiB", 2**19), ("1.5G", 1_500_000_000), ("2.5B", 2), ("1e9", 10**9),
+        (7, 7), (4e9, 4 * 10**9),
+    ],
+)  # fmt: skip
 def test_parse_size(text, expected):
     assert config.parse_size(text) == expected
 
 
-def test_parse_size_error():
-    with pytest.raises(ConfigError, match="4GiB"):
-        config.parse_size("lots")
+def test_parse_size_is_the_one_parser_the_dram_store_uses():
+    from tq_redis.backends import dram, dram_server
+
+    assert dram.parse_size is config.parse_size and dram_server.parse_size is config.parse_size
+
+
+@pytest.mark.parametrize("bad", ["lots", "four gigs", "4GiBs", "4 Gb/s", "-1", "4e", "", "GiB", "1e400", True, None])
+def test_parse_size_names_the_text_and_shows_examples(bad):
+    with pytest.raises(ConfigError, match=r"cannot read size .*e\.g\. 4GiB, 512MiB, 512MB") as err:
+        config.parse_size(bad)
+    assert repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["0", "0GiB", 0, -5])
+def test_parse_size_wants_a_positive_size(bad):
+    with pytest.raises(ConfigError, match=rf"size {bad!r} must be positive; write e\.g\. 4GiB"):
+        config.parse_size(bad)
+
+
+def test_parse_size_takes_zero_where_allowed():
+    assert config.parse_size("0", allow_zero=True) == 0 and config.parse_size("0MiB", allow_zero=True) == 0
+    with pytest.raises(ConfigError, match="must be non-negative"):
+        config.parse_size(-1, allow_zero=True)

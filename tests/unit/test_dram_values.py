@@ -1,17 +1,17 @@
-"""How the dram store reads a put batch's values (``backends/dram.py`` ``_Values``): sizes and bytes."""
+"""How the dram store reads a put batch's values (``backends/dram_values.py`` ``PutValues``): sizes and bytes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from tq_redis.backends.batches import RowBlock, ValueChain
-from tq_redis.backends.dram import _Values
+from tq_redis.backends.dram_values import PutValues
 
 from tq_redis import fastcopy
 from tq_redis.errors import InvalidArgument
 
 
-def _bytes_of(vals: _Values, i: int) -> bytes:
+def _bytes_of(vals: PutValues, i: int) -> bytes:
     out = bytearray(int(vals.sizes[i]))
     vals.copy_into(memoryview(out), np.array([i]), np.array([0]))
     return bytes(out)
@@ -22,7 +22,7 @@ def test_codec_shaped_values_take_the_fast_path_and_copy_exactly() -> None:
     payload = memoryview(rows.reshape(-1).view(np.uint8))
     header = b"HDR!"
     values = [[header, payload[i * 32 : (i + 1) * 32]] for i in range(3)]
-    vals = _Values(values)
+    vals = PutValues(values)
     assert vals.sizes.tolist() == [36, 36, 36]
     for i in range(3):
         assert _bytes_of(vals, i) == header + rows[i].tobytes()
@@ -32,7 +32,7 @@ def test_mixed_buffers_are_normalised_to_their_byte_sizes() -> None:
     wide = memoryview(np.arange(3, dtype=np.int64))  # format 'q': len 3, 24 bytes
     two_d = memoryview(np.ones((2, 2), dtype=np.uint8))
     values = [b"abc", bytearray(b"de"), [wide], [b"x", two_d], memoryview(b"")]
-    vals = _Values(values)
+    vals = PutValues(values)
     assert vals.sizes.tolist() == [3, 2, 24, 5, 0]
     assert _bytes_of(vals, 2) == np.arange(3, dtype=np.int64).tobytes()
     assert _bytes_of(vals, 3) == b"x\x01\x01\x01\x01"
@@ -41,7 +41,7 @@ def test_mixed_buffers_are_normalised_to_their_byte_sizes() -> None:
 def test_a_non_contiguous_segment_is_refused_with_a_fix() -> None:
     strided = memoryview(np.arange(8, dtype=np.uint8)[::2])
     with pytest.raises(InvalidArgument, match="contiguous"):
-        _Values([[b"h", strided]])
+        PutValues([[b"h", strided]])
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
@@ -53,7 +53,7 @@ def test_row_blocks_and_lists_in_one_chain_copy_and_send_exactly(impl, monkeypat
     block = RowBlock(b"HEAD", memoryview(rows.reshape(-1).view(np.uint8)), 64, 5)
     listed = [[b"o", b"bj0"], [b"obj1"], [memoryview(b"")]]
     chain = ValueChain([block, listed, block[2:4]])
-    vals = _Values(chain)
+    vals = PutValues(chain)
     expected = [b"HEAD" + r.tobytes() for r in rows] + [b"obj0", b"obj1", b""]
     expected += [b"HEAD" + rows[2].tobytes(), b"HEAD" + rows[3].tobytes()]
     assert vals.sizes.tolist() == list(map(len, expected))

@@ -1,0 +1,194 @@
+"""The wire protocol between the ``dram`` store client and its storage nodes.
+
+Both sides import this module and nothing else of each other: :mod:`tq_redis.backends.dram` (the
+client) and :mod:`tq_redis.backends.dram_server` (the node).
+
+A message is a 16-byte :data:`HEADER` (op or status code, flags, reserved, header-map length,
+payload length), then a msgpack *header map*, then the payload: raw values, concatenated. Senders
+gather the buffers into ``sendmsg`` calls straight from the caller's memory; receivers scatter
+into their destination with ``recvmsg_into``. Memory-slab file descriptors travel with the first
+byte of a reply as ``SCM_RIGHTS`` ancillary data (Unix sockets only).
+
+Requests (``OP_*``) and replies (``ST_*``) are listed below; :func:`layout` is where a batch's
+values sit inside a reserved extent, which the client and the node must agree on.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+from tq_redis.backends.base import Buffer
+
+__all__ = [
+    "ALIGN", "HEADER", "PROTOCOL_VERSION", "OP_ABORT", "OP_ALLOC", "OP_COMMIT", "OP_DEL", "OP_FDS",
+    "OP_GET", "OP_HELLO", "OP_PUT", "OP_STATS", "ST_AUTH", "ST_BAD", "ST_FULL", "ST_INTERNAL", "ST_OK",
+    "aligned", "drain", "format_size", "layout", "recv_header", "recv_into", "recv_into_buffers", "recv_meta",
+    "send_frame", "set_blocking_timeout",
+]  # fmt: skip
+
+PROTOCOL_VERSION = 1
+#: op (request) or status (reply), flags, reserved, header-map length, payload length
+HEADER = struct.Struct("<BBHIQ")
+
+OP_HELLO, OP_PUT, OP_ALLOC, OP_COMMIT, OP_ABORT, OP_GET, OP_DEL, OP_STATS, OP_FDS = range(1, 10)
+ST_OK, ST_BAD, ST_AUTH, ST_FULL, ST_INTERNAL = range(5)
+
+#: values are laid out at this alignment inside a node's slabs (keeps tensor data aligned)
+ALIGN = 64
+MAX_IOV = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+MAX_FDS = 200  # per message; below the kernel's SCM_MAX_FD (253)
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_DRAIN = memoryview(bytearray(1 << 20))
+
+
+def aligned(sizes: np.ndarray) -> np.ndarray:
+    """Each value's size rounded up to ``ALIGN`` (the room it takes in an extent)."""
+    return (sizes + (ALIGN - 1)) & ~(ALIGN - 1)
+
+
+def layout(sizes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Offsets of values packed at ``ALIGN`` inside one extent, and the extent's size."""
+    room = aligned(sizes)
+    ends = np.cumsum(room)
+    total = int(ends[-1]) if len(ends) else 0
+    return ends - room, total
+
+
+def pack_meta(meta: dict[str, Any] | None) -> bytes:
+    """The msgpack header map of a message (empty when there is nothing to say)."""
+    return msgpack.packb(meta, use_bin_type=True) if meta else b""
+
+
+def send_frame(
+    sock: socket.socket,
+    code: int,
+    meta: dict[str, Any] | None = None,
+    payload: Sequence[Buffer] = (),
+    payload_len: int | None = None,
+    fds: Sequence[int] = (),
+) -> None:
+    """Send one message: header, header map, payload buffers (and ``fds`` with the first byte)."""
+    mb = pack_meta(meta)
+    if payload_len is None:
+        payload_len = sum(len(b) for b in payload)
+    bufs: list[Buffer] = [HEADER.pack(code, 0, 0, len(mb), payload_len) + mb]
+    bufs.extend(payload)
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else None
+    send_buffers(sock, bufs, anc)
+
+
+def send_buffers(sock: socket.socket, bufs: list[Buffer], anc: list | None = None) -> None:
+    """``sendall`` for a list of byte buffers (``len`` must be the byte length), gathered."""
+    n = len(bufs)
+    i = 0
+    while i < n:
+        chunk = bufs[i : i + MAX_IOV]
+        sent = sock.sendmsg(chunk, anc) if anc else sock.sendmsg(chunk)
+        anc = None
+        while i < n and sent >= len(bufs[i]):
+            sent -= len(bufs[i])
+            i += 1
+        if sent:
+            bufs[i] = memoryview(bufs[i])[sent:]
+
+
+def recv_into_buffers(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every (byte) view in order from the socket, scattered, in as few syscalls as the kernel allows."""
+    views = [v for v in views if len(v)]
+    n = len(views)
+    i = 0
+    while i < n:
+        got = sock.recvmsg_into(views[i : i + MAX_IOV], 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        while i < n and got >= len(views[i]):
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely from the socket."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+
+
+def set_blocking_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket whose sends/receives give up after ``seconds`` without progress.
+
+    Kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO) instead of Python's, which make the socket
+    non-blocking and so split every large send/receive into many short syscalls.
+    """
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """The next ``n`` bytes of the stream."""
+    buf = bytearray(n)
+    if n:
+        recv_into(sock, memoryview(buf))
+    return buf
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes (keeps the stream in step after a refused payload)."""
+    while n:
+        k = sock.recv_into(_DRAIN[: min(n, len(_DRAIN))])
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        n -= k
+
+
+def recv_header(sock: socket.socket, want_fds: bool = False) -> tuple[int, int, int, list[int]]:
+    """Read a message header: (code, header-map length, payload length, received fds)."""
+    buf = bytearray(HEADER.size)
+    mv = memoryview(buf)
+    got = 0
+    fds: list[int] = []
+    while got < HEADER.size:
+        if want_fds:
+            k, anc, _flags, _addr = sock.recvmsg_into([mv[got:]], _ANC_SPACE)
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                    fds.extend(a)
+        else:
+            k = sock.recv_into(mv[got:])
+        if k == 0:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("connection closed by peer")
+        got += k
+    code, _flags, _res, mlen, plen = HEADER.unpack(buf)
+    return code, mlen, plen, fds
+
+
+def recv_meta(sock: socket.socket, mlen: int) -> dict[str, Any]:
+    """Read and decode a message's header map of ``mlen`` bytes."""
+    return msgpack.unpackb(recv_exact(sock, mlen), raw=False) if mlen else {}
+
+
+
+def format_size(n: int | float) -> str:
+    """A byte count for people, in powers of 1024: ``1536 -> '1.5 KiB'`` (node logs and error messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
