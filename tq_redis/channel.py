@@ -73,8 +73,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from tq_redis import codec, objects, ops
-from tq_redis.driver import AsyncDriver, Cmd, FCall, Offload, Pipe, Wait
+from tq_redis import codec, objects, ops, transitions
+from tq_redis.driver import AsyncDriver, Cmd, Offload, Pipe, Wait
 from tq_redis.errors import ChannelClosed, ChannelNotFound, ConfigError, DataMissing, InvalidArgument
 from tq_redis.keys import ChannelKeys
 
@@ -858,15 +858,14 @@ def put(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded, weight: Any, qkey: str
     entry = _entry(weight, (yield from store_item(ctx, ck, enc)))
     try:
         while True:
-            reply = yield FCall("channel_put", (ck.meta,), (qkey, entry))
-            code = int(reply[0])
-            if code == 1:
+            put = yield from transitions.channel_put(ck, qkey, entry).call()
+            if put.appended:
                 return
-            if code == -1:
+            if put.missing:
                 raise ChannelNotFound(f"channel {ck.name!r} was deleted")
             if not block:
                 raise asyncio.QueueFull(f"channel {ck.name!r} queue {qkey!r} is full")
-            yield from _wait(ck.gets, reply[1], deadline, f"channel {ck.name!r} queue {qkey!r} stayed full")
+            yield from _wait(ck.gets, put.last_gets_id, deadline, f"channel {ck.name!r} queue {qkey!r} stayed full")
     except Exception:
         yield from drop_items(ctx, ck, [entry])  # never queued: nobody will read its bytes
         raise
@@ -876,18 +875,19 @@ def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, 
         deadline: float | None = None) -> Op:
     """Pop one item (``mode="one"``) or head items by weight (``"fit"``: RLinf's rule; ``"exceed"``:
     the fewest that reach ``target``); FIFO. Returns the items, oldest first."""
-    name = "channel_pop_fit" if mode == _FIT else "channel_pop"
-    arg = "" if mode == _ONE else repr(target)
     while True:
-        reply = yield FCall(name, (ck.meta,), (qkey, arg))
-        code = int(reply[0])
-        if code == 1:
-            return (yield from load_items(ctx, ck, list(reply[1])))
-        if code == -1:
+        if mode == _FIT:
+            got = yield from transitions.channel_pop_fit(ck, qkey, target).call()
+        else:
+            got = yield from transitions.channel_pop(ck, qkey, None if mode == _ONE else target).call()
+        if got.popped:
+            return (yield from load_items(ctx, ck, got.entries))
+        if got.missing:
             raise ChannelNotFound(f"channel {ck.name!r} does not exist (deleted?)")
         if not block:
             raise asyncio.QueueEmpty(f"channel {ck.name!r} queue {qkey!r} is empty")
-        yield from _wait(ck.puts, reply[1], deadline, f"not enough arrived in channel {ck.name!r} queue {qkey!r}")
+        what = f"not enough arrived in channel {ck.name!r} queue {qkey!r}"
+        yield from _wait(ck.puts, got.last_puts_id, deadline, what)
 
 
 def peek(ctx: ops.Context, ck: ChannelKeys, qkey: str) -> Op:

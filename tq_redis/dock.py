@@ -93,7 +93,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from tq_redis import bitmaps, kv, objects, ops, streaming
 from tq_redis.channel import resolve_target
-from tq_redis.driver import Cmd, FCall, Pipe, Wait
+from tq_redis.driver import Cmd, Pipe, Wait
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
 from tq_redis.metadata import BatchMeta
 from tq_redis.samplers import karmarkar_karp
@@ -804,13 +804,8 @@ class GRPOTransferDock(TransferDock):
         n = self.n_samples_per_prompt if grouped else 1
         want = count // n
         seqlen_columns = self.batch_seqlen_balance_mapper[consumer]
-        for _ in range(_CLAIM_RETRIES):
-            _, bitmap, _ = yield FCall(
-                "ready_ids", (self._pk.meta,), (consumer, int(time.time() * 1000), 0, len(columns), *columns)
-            )
-            ready = bitmaps.set_ids(bitmap)
-            if len(ready) < count:
-                return None
+
+        def choose(ready: list[int]) -> Op:
             units = yield from self._units(ready, n)
             if len(units) < want:
                 return None
@@ -819,26 +814,10 @@ class GRPOTransferDock(TransferDock):
                 weights = yield from self._unit_lengths(units, seqlen_columns)
                 chosen = [units[i] for i in karmarkar_karp(weights, len(units) // want)[0]]
             ids = [i for unit in chosen for i in unit]
-            reply = yield FCall(
-                "claim_ids", (self._pk.meta,),
-                (consumer, int(time.time() * 1000), 0, len(ids), *ids, len(ids), *ids, len(columns), *columns),
-            )
-            if int(reply[0]) == 1:
-                return self._claimed(reply[2], reply[3], reply[4])
-        return None
+            return ids, ids
 
-    def _claimed(self, ids: list, schemas: list, tags: list) -> BatchMeta:
-        names = [n.decode() if isinstance(n, bytes) else n for n in schemas[::2]]
-        custom: list[dict[str, Any]] = [{} for _ in ids]
-        for name, values in zip(tags[::2], tags[1::2]):
-            for row, raw in zip(custom, values):
-                if raw is not None:
-                    row[name.decode() if isinstance(name, bytes) else name] = json.loads(raw)
-        return BatchMeta.from_columns(
-            [int(i) for i in ids], self.partition_id,
-            {n: to_batchmeta_schema(json.loads(s)) for n, s in zip(names, schemas[1::2])},
-            production_status=1, custom_meta=custom,
-        )
+        got = yield from ops.claim_choice(self._pk, consumer, columns, count, choose, attempts=_CLAIM_RETRIES)
+        return got.meta  # None also when other consumers kept taking the choice: the caller waits
 
     def _units(self, ready: list[int], n: int) -> Op:
         """Ready ids as claimable units: single rows, or the complete prompts (groups of n)."""

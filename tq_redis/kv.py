@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import ops
+from tq_redis import ops, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
-from tq_redis.driver import Cmd, FCall, Pipe
+from tq_redis.driver import Cmd, Pipe
 from tq_redis.errors import (
     BatchSizeMismatch,
     DataNotReady,
@@ -47,9 +47,8 @@ from tq_redis.errors import (
 )
 from tq_redis.keys import PartitionKeys, check_name, partitions_key
 from tq_redis.metadata import BatchMeta, KVBatchMeta
-from tq_redis.ops import _custom_meta as _tags_by_position
-from tq_redis.ops import _pairs, _text
-from tq_redis.schemas import check_compatible, describe_field, to_batchmeta_schema
+from tq_redis.schemas import describe_field, to_batchmeta_schema
+from tq_redis.transitions import text
 
 Op = ops.Op
 
@@ -127,16 +126,12 @@ def _batch(fields: Any, n: int) -> TensorDict:
     return td  # type: ignore[return-value]
 
 
-def _schema_pairs(ctx: ops.Context, td: TensorDict | None) -> list[str]:
+def _schemas(td: TensorDict | None) -> dict[str, str]:
+    """``{field: canonical schema JSON}`` of the fields a put offers (none without fields)."""
     if td is None:
-        return []
+        return {}
     n = td.batch_size[0]
-    mark = ops.STRICT_MARK if ctx.strict_schema else ""
-    flat: list[str] = []
-    for name in td.keys():
-        check_name("field name", name)
-        flat += [name, mark + ops.canonical(describe_field(name, td.get(name), n))]
-    return flat
+    return {check_name("field name", name): ops.canonical(describe_field(name, td.get(name), n)) for name in td.keys()}
 
 
 # ------------------------------------------------------------------ resolution
@@ -167,41 +162,26 @@ class Resolved:
         )
 
 
-def resolve(ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: list[str]) -> Op:
+def resolve(
+    ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: Mapping[str, str] | None = None
+) -> Op:
     """Run ``lua/kv_resolve.lua``: a :class:`Resolved`, or None if the partition does not exist
-    (``create=False``). ``schemas`` (field, schema JSON pairs) are checked before creating."""
-    args = (1 if create else 0, int(time.time() * 1000), len(keys), *keys, *schemas)
+    (``create=False``). ``schemas`` (field -> schema JSON) are checked before creating."""
+    call = transitions.kv_resolve(pk, keys, create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema)
     if create:
-        reply, _ = yield Pipe(
-            (
-                FCall("kv_resolve", (pk.meta,), args),
-                Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
-            )
+        got, _ = yield from transitions.pipeline(
+            call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
         )
     else:
-        reply = yield FCall("kv_resolve", (pk.meta,), args)
-    code = int(reply[0])
-    if code == -1:
-        return None
-    if code == 0:
-        field, registered = _text(reply[1]), _text(reply[2])
-        offered = dict(zip(schemas[::2], schemas[1::2]))[field].removeprefix(ops.STRICT_MARK)
-        check_compatible(field, json.loads(registered), json.loads(offered))
-        raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {registered}")
-    _, ids, created, common, tags = reply
-    return Resolved(
-        [int(i) for i in ids],
-        int(created),
-        {name: _text(s) for name, s in _pairs(common)},
-        _tags_by_position(tags, len(ids)),
-    )
+        got = yield from call.call()
+    return None if got is None else Resolved(*got)
 
 
 def retrieve_meta(ctx: ops.Context, keys: Any, partition_id: str, create: bool = False) -> Op:
     """``BatchMeta`` of the keys found (created with ``create=True``), with the fields every one has."""
     keys = _key_list(keys, "kv_retrieve_meta")
     pk = ctx.keys(partition_id)
-    res = yield from resolve(ctx, pk, keys, create, [])
+    res = yield from resolve(ctx, pk, keys, create)
     if res is None:
         return BatchMeta.empty()
     found = [i for i, sid in enumerate(res.ids) if sid >= 0]
@@ -223,7 +203,7 @@ def retrieve_keys(ctx: ops.Context, global_indexes: Any, partition_id: str) -> O
         raise SampleNotFound(
             f"samples {missing[:10]} of partition {partition_id!r} have no key (cleared, or not put by key)"
         )
-    return [_text(k) for k in keys]
+    return [text(k) for k in keys]
 
 
 # ------------------------------------------------------------------ put
@@ -262,8 +242,7 @@ def batch_put(
         if data_parser is not None:
             td = apply_data_parser(td, data_parser)
     pk = ctx.keys(partition_id)
-    schemas = _schema_pairs(ctx, td)
-    res = yield from resolve(ctx, pk, keys, True, schemas)
+    res = yield from resolve(ctx, pk, keys, True, _schemas(td))
     meta = res.meta(partition_id, list(res.schemas))
     merged = meta.get_all_custom_meta()
     for row, new in zip(merged, tags or ()):
@@ -299,15 +278,10 @@ def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -
     if not pairs:
         return
     ids = [i for _, i in pairs]
-    (cleared, fields, _older), _ = yield Pipe(
-        (
-            FCall("clear", (pk.meta,), tuple(ids)),
-            FCall("kv_unmap", (pk.meta,), tuple(x for k, i in pairs for x in (k, i))),
-        )
-    )
-    if cleared:
+    cleared, _ = yield from transitions.pipeline(transitions.clear(pk, ids), transitions.kv_unmap(pk, pairs))
+    if cleared.ids:
         store = yield from ops.storage(ctx)
-        yield from ops.delete_bytes(store, pk, [int(i) for i in cleared], [_text(f) for f in fields])
+        yield from ops.delete_bytes(store, pk, cleared.ids, cleared.fields)
 
 
 # ------------------------------------------------------------------ get, list, clear
@@ -320,7 +294,7 @@ def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any
     pk = ctx.keys(partition_id)
     dropped: set[str] = set()
     while True:
-        res = yield from resolve(ctx, pk, keys, False, [])
+        res = yield from resolve(ctx, pk, keys, False)
         if res is None:
             raise UnknownKey(
                 f"kv_batch_get: keys {keys[:10]} not found: partition {partition_id!r} does not exist "
@@ -389,20 +363,19 @@ def list_keys(ctx: ops.Context, partition_id: str | None = None) -> Op:
     """``{partition: {key: tags}}`` of one partition (``{}`` if unknown) or of all of them."""
     if partition_id is None:
         names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
-        partitions = [_text(n) for n in names]
+        partitions = [text(n) for n in names]
     else:
         partitions = [partition_id]
     if not partitions:
         return {}
-    replies = yield Pipe(tuple(FCall("kv_list", (ctx.keys(p).meta,), ()) for p in partitions))
+    listings = yield from transitions.pipeline(*(transitions.kv_list(ctx.keys(p)) for p in partitions))
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for pid, (keys, ids, tags) in zip(partitions, replies):
+    for pid, (keys, ids, rows) in zip(partitions, listings):
         exists = keys or partition_id is None
         if not exists:
             continue
-        rows = _tags_by_position(tags, len(ids))
-        order = sorted(range(len(ids)), key=lambda j: int(ids[j]))  # creation order
-        out[pid] = {_text(keys[j]): rows[j] for j in order}
+        order = sorted(range(len(ids)), key=lambda j: ids[j])  # creation order
+        out[pid] = {keys[j]: rows[j] for j in order}
     if partition_id is not None and partition_id not in out:
         exists = yield Cmd(("EXISTS", ctx.keys(partition_id).meta))
         if exists:
@@ -414,7 +387,7 @@ def clear(ctx: ops.Context, keys: Any, partition_id: str) -> Op:
     """Remove keys, their samples and bytes. Unknown keys are ignored (idempotent)."""
     keys = _key_list(keys, "kv_clear")
     pk = ctx.keys(partition_id)
-    res = yield from resolve(ctx, pk, keys, False, [])
+    res = yield from resolve(ctx, pk, keys, False)
     if res is None:
         return
     yield from _forget(ctx, pk, [(k, i) for k, i in zip(keys, res.ids) if i >= 0])

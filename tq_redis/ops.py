@@ -11,25 +11,24 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import bitmaps, codec, samplers
+from tq_redis import bitmaps, codec, samplers, transitions
 from tq_redis.backends.base import StoreContext
 from tq_redis.data_parser import DataParser, apply_data_parser
-from tq_redis.driver import Cmd, FCall, Offload, Pipe, WaitToken
+from tq_redis.driver import Cmd, Offload, Pipe, WaitToken
 from tq_redis.errors import (
     BatchSizeMismatch,
     DataMissing,
     DataNotReady,
     EmptyBatch,
     InvalidArgument,
-    PartitionSealed,
     SampleNotFound,
     UnknownField,
     UnknownPartition,
@@ -37,8 +36,10 @@ from tq_redis.errors import (
 )
 from tq_redis.keys import PartitionKeys, check_name, config_key, partitions_key
 from tq_redis.metadata import BatchMeta
-from tq_redis.schemas import check_compatible, to_batchmeta_schema
+from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.storage import KVStorageManager
+from tq_redis.transitions import ClaimReply, text
+from tq_redis.transitions import id_ranges as id_ranges  # re-exported: ops.id_ranges predates transitions
 
 Op = Generator[Any, Any, Any]
 
@@ -68,29 +69,9 @@ class Context:
         return pk
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def canonical(schema: dict[str, Any]) -> str:
     """The schema JSON exactly as Redis stores and compares it."""
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray | torch.Tensor):
-        return value.tolist()
-    raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
-
-
-def encode_tag(value: Any) -> str:
-    return json.dumps(value, default=_json_default, separators=(",", ":"))
 
 
 # ------------------------------------------------------------------ data plane
@@ -156,21 +137,6 @@ def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, lis
     return schemas, values
 
 
-def _raise_conflict(field_name: str, registered: Any, offered: str) -> None:
-    check_compatible(field_name, json.loads(_text(registered)), json.loads(offered))
-    # check_compatible raises for every real difference; equal JSON would not have conflicted
-    raise InvalidArgument(f"field {field_name!r}: schema {offered} conflicts with registered {_text(registered)}")
-
-
-STRICT_MARK = "!"
-
-
-def _flat_schemas(ctx: Context, schemas: dict[str, str]) -> list[str]:
-    """``field, schema`` pairs for a script; strict schemas carry a leading ``!`` (see lua/includes/schemas.lua)."""
-    mark = STRICT_MARK if ctx.strict_schema else ""
-    return [x for name, schema in schemas.items() for x in (name, mark + schema)]
-
-
 def _batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {name: to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
 
@@ -211,26 +177,16 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     pk = ctx.keys(partition_id)
     n = td.batch_size[0]
     schemas, values = _encode(ctx, td)
-    flat = _flat_schemas(ctx, schemas)
-    reply = yield FCall("reserve", (pk.meta,), (n, *flat))
-    _check_not_sealed(reply, partition_id)
-    if reply[0] == 0:
-        _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
-    first = int(reply[1])
+    first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
     ids = list(range(first, first + n))
     store = yield from storage(ctx)
     try:
         # A put that fails may still have written part of the batch (on the nodes that took it).
         yield Offload(store.put, (pk, ids, values))
-        reply, _ = yield Pipe(
-            (
-                FCall("insert", (pk.meta,), (first, n, _now_ms(), len(schemas), *flat)),
-                Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
-            )
+        yield from transitions.pipeline(
+            transitions.insert(pk, first, n, schemas, ctx.strict_schema),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
         )
-        _check_not_sealed(reply, partition_id)
-        if reply[0] == 0:
-            _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
     except Exception as exc:
         # Leave no orphaned bytes; if even that fails they wait in the trash for the next clear.
         note = yield from discard_bytes(store, pk, ids, list(schemas))
@@ -246,16 +202,11 @@ def _allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) ->
     """``mode="insert"``: ``count`` new samples with no field produced yet, for a later
     ``put(data, metadata=...)``. They are alive (listed, clearable) but no task can claim them
     before their fields are put."""
-    reply = yield FCall("reserve", (pk.meta,), (count,))
-    _check_not_sealed(reply, pk.partition)
-    first = int(reply[1])
-    reply, _ = yield Pipe(
-        (
-            FCall("insert", (pk.meta,), (first, count, _now_ms(), 0)),
-            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
-        )
+    first = yield from transitions.reserve(pk, count).call()
+    yield from transitions.pipeline(
+        transitions.insert(pk, first, count),
+        Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
     )
-    _check_not_sealed(reply, pk.partition)
     placeholder = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False, "kind": None}
     return BatchMeta.from_columns(
         list(range(first, first + count)), pk.partition, {f: dict(placeholder) for f in fields},
@@ -263,35 +214,25 @@ def _allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) ->
     )
 
 
-def _check_not_sealed(reply: list, partition_id: str) -> None:
-    if int(reply[0]) == -3:
-        raise PartitionSealed(
-            f"partition {partition_id!r} is sealed: no more samples were promised; insert into a new partition"
-        )
-
-
 def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
     schemas, values = _encode(ctx, td)
-    flat = _flat_schemas(ctx, schemas)
     store = yield from storage(ctx)
     groups = _group_by_partition(metadata)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
-    checks = []
+    checks: list[Any] = []
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        checks.append(Cmd(("EXISTS", pk.meta)))
-        checks.append(Cmd(("HMGET", pk.fields, *schemas)))
-        checks.append(FCall("check_visible", (pk.meta,), (id_ranges(ids),)))
-    replies = yield Pipe(tuple(checks))
+        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, ids)]
+    replies = yield from transitions.pipeline(*checks)
     for k, pid in enumerate(groups):
         exists, registered, visible = replies[3 * k : 3 * k + 3]
         if not exists:
             raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
         for name, reg in zip(schemas, registered):
-            if ctx.strict_schema and reg is not None and _text(reg) != schemas[name]:
-                _raise_conflict(name, reg, schemas[name])
-        gone = [int(i) for i in visible[1:11]]
+            if ctx.strict_schema and reg is not None and text(reg) != schemas[name]:
+                transitions.raise_schema_conflict(name, reg, schemas[name])
+        gone = visible.not_alive[:10]
         if gone:
             raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
     if any(metadata.custom_meta):  # tags first: a consumer may claim the samples once their bits flip
@@ -301,8 +242,7 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         ids = [metadata.global_indexes[i] for i in positions]
         part = {name: [vals[i] for i in positions] for name, vals in values.items()}
         yield Offload(store.put, (pk, ids, part))
-        reply = yield FCall("produce", (pk.meta,), (len(schemas), *flat, *ids))
-        _check_produce_reply(reply, pid, schemas)
+        yield from transitions.produce(pk, ids, schemas, ctx.strict_schema).call()
     result = metadata.copy()
     result.field_schema.update(_batchmeta_schema(schemas))
     result.production_status[:] = 1
@@ -314,16 +254,6 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         extra_info=result.extra_info,
         custom_meta=result.custom_meta,
     )
-
-
-def _check_produce_reply(reply: list, pid: str, schemas: dict[str, str]) -> None:
-    code = int(reply[0])
-    if code == -1:
-        raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
-    if code == -2:
-        raise SampleNotFound(f"samples {[int(x) for x in reply[1:11]]} of partition {pid!r} were cleared")
-    if code == 0:
-        _raise_conflict(_text(reply[1]), reply[2], schemas[_text(reply[1])])
 
 
 def _group_by_partition(metadata: BatchMeta) -> dict[str, list[int]]:
@@ -415,10 +345,10 @@ def get_meta(
             return meta
         if not registered:  # the user-sampler path: register unless something changed meanwhile
             wait_ms = max(1, int(remaining * 1000))
-            registered = int((yield FCall("wait", (pk.meta,), (task_name, waiter, wait_ms, _text(last_id))))) == 1
+            registered = yield from transitions.wait(pk, task_name, waiter, wait_ms, last_id).call()
             user_registered = user_registered or registered
-        if int(next_deadline) >= 0:  # a lease of this task lapses sooner: re-check then
-            remaining = min(remaining, max(0.001, (int(next_deadline) - _now_ms()) / 1000))
+        if next_deadline >= 0:  # a lease of this task lapses sooner: re-check then
+            remaining = min(remaining, max(0.001, (next_deadline - transitions.clock_ms()) / 1000))
         if registered:
             yield WaitToken(pk.wake(task_name), remaining)
 
@@ -452,16 +382,11 @@ def _builtin_claim(
     last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself."""
 
     def attempt(waiter: str | None, wait_ms: int) -> Op:
-        waiting = (waiter, wait_ms) if waiter else ()
-        reply = yield FCall(
-            "claim",
-            (pk.meta,),
-            (task, plan.batch_size, _now_ms(), lease_ms, max_deliveries, *plan.args(), len(fields), *fields,
-             *waiting),
-        )  # fmt: skip
-        last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
-        meta = _claimed_meta(pk.partition, ids, schemas, tags, deliveries) if ids else None
-        return meta, last_id, next_deadline, bool(rest and int(rest[0]))
+        got = yield from transitions.claim(
+            pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms
+        ).call()
+        meta = _claimed_meta(pk.partition, got) if got.ids else None
+        return meta, got.last_event_id, got.next_deadline_ms, got.registered
 
     return attempt
 
@@ -483,6 +408,62 @@ def _checked_choice(name: str, chosen: Any, ready: set[int], sampler: samplers.B
     return ids
 
 
+Chooser = Callable[[list[int]], Op]
+"""Picks from a task's ready ids (ascending): a generator, which may yield effects, returning
+``(sampled, consumed)`` (see :meth:`tq_redis.samplers.BaseSampler.sample`) or None to take nothing."""
+
+
+class ChoiceClaim(NamedTuple):
+    """What :func:`claim_choice` got."""
+
+    meta: BatchMeta | None  # the claimed batch, None if nothing was claimed
+    last_event_id: str  # what to wait from when nothing was claimed
+    next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
+    exhausted: bool  # every attempt's choice was taken by other consumers first
+    lost: list[int]  # then: the ids the last attempt lost
+
+
+def claim_choice(
+    pk: PartitionKeys,
+    task: str,
+    fields: list[str],
+    batch_size: int,
+    choose: Chooser,
+    *,
+    lease_ms: int = 0,
+    max_deliveries: int = 0,
+    attempts: int = 0,
+) -> Op:
+    """Claim for ``task`` what ``choose`` picks from the samples ready for it, if still free.
+
+    Reads the ready set (``lua/ready_ids.lua``); with fewer than ``batch_size`` ready, or a
+    choice of nothing, claims nothing. The choice is claimed only if every id is still free
+    (``lua/claim_ids.lua``); when another consumer took one first, the loop starts over with a
+    fresh ready set, at most ``attempts`` times (0: :data:`USER_SAMPLER_ATTEMPTS`). Returns a
+    :class:`ChoiceClaim`; the caller decides what running out of attempts means.
+    """
+    last_id, next_deadline, lost = "", -1, []
+    for _ in range(attempts or USER_SAMPLER_ATTEMPTS):
+        ready = yield from transitions.ready_ids(pk, task, fields, max_deliveries=max_deliveries).call()
+        last_id, next_deadline = ready.last_event_id, ready.next_deadline_ms
+        if len(ready.ids) < batch_size:
+            break
+        choice = yield from choose(ready.ids)
+        if choice is None or not choice[0]:
+            break
+        sampled, consumed = choice
+        got = yield from transitions.claim_ids(pk, task, sampled, consumed, fields, lease_ms=lease_ms).call()
+        if got.claimed is not None:
+            done = got.claimed
+            return ChoiceClaim(_claimed_meta(pk.partition, done), done.last_event_id, done.next_deadline_ms, False, [])
+        if got.partition_missing:
+            break
+        lost = got.taken
+    else:
+        return ChoiceClaim(None, last_id, next_deadline, True, lost)
+    return ChoiceClaim(None, last_id, next_deadline, False, [])
+
+
 def _user_claim(
     pk: PartitionKeys,
     sampler: samplers.BaseSampler,
@@ -493,102 +474,46 @@ def _user_claim(
     max_deliveries: int,
     fields: list[str],
 ):
-    """One claim with a user's Python sampler: read the ready set, let the sampler choose, and
-    claim the choice only if every id is still free (``lua/claim_ids.lua``); on a conflict,
-    try again with a fresh ready set, up to :data:`USER_SAMPLER_ATTEMPTS` times."""
+    """One claim with a user's Python sampler (:func:`claim_choice`): read the ready set, let the
+    sampler choose, and claim the choice only if every id is still free; on a conflict, try
+    again with a fresh ready set, up to :data:`USER_SAMPLER_ATTEMPTS` times, then raise."""
     kwargs = {k: v for k, v in config.items() if k not in ("sampler", "max_deliveries")}
     kwargs.update(task_name=task, partition_id=pk.partition)
 
-    def attempt(waiter: str | None, wait_ms: int) -> Op:  # waiting is registered by get_meta (`wait`)
-        meta, last_id, next_deadline = yield from choose_and_claim()
-        return meta, last_id, next_deadline, False
+    def choose(ready: list[int]) -> Op:
+        yield from ()  # the sampler runs here, with no Redis call
+        sampled, consumed = sampler.sample(ready, batch_size, **kwargs)
+        ready_set = set(ready)
+        sampled = _checked_choice("sampled", sampled, ready_set, sampler)
+        consumed = _checked_choice("consumed", consumed, ready_set, sampler)
+        return sampled, consumed
 
-    def choose_and_claim() -> Op:
-        taken: list[int] = []
-        for _ in range(USER_SAMPLER_ATTEMPTS):
-            last_id, bitmap, next_deadline = yield FCall(
-                "ready_ids", (pk.meta,), (task, _now_ms(), max_deliveries, len(fields), *fields)
-            )
-            ready = bitmaps.set_ids(bitmap)
-            if len(ready) < batch_size:
-                return None, last_id, next_deadline
-            sampled, consumed = sampler.sample(ready, batch_size, **kwargs)
-            ready_set = set(ready)
-            sampled = _checked_choice("sampled", sampled, ready_set, sampler)
-            consumed = _checked_choice("consumed", consumed, ready_set, sampler)
-            if not sampled:
-                return None, last_id, next_deadline
-            reply = yield FCall(
-                "claim_ids",
-                (pk.meta,),
-                (task, _now_ms(), lease_ms, len(sampled), *sampled, len(consumed), *consumed, len(fields), *fields),
-            )
-            code = int(reply[0])
-            if code == 1:
-                _, last_id, ids, schemas, tags, deliveries, next_deadline = reply
-                return _claimed_meta(pk.partition, ids, schemas, tags, deliveries), last_id, next_deadline
-            if code == -1:
-                return None, last_id, next_deadline
-            taken = [int(i) for i in reply[1:]]
-        raise samplers.SamplerError(
-            f"{type(sampler).__name__} lost its choice to other consumers {USER_SAMPLER_ATTEMPTS} times in a row "
-            f"(last taken: {taken[:10]}); make it pick less contended samples, e.g. spread choices at random"
+    def attempt(waiter: str | None, wait_ms: int) -> Op:  # waiting is registered by get_meta (`wait`)
+        got = yield from claim_choice(
+            pk, task, fields, batch_size, choose, lease_ms=lease_ms, max_deliveries=max_deliveries
         )
+        if got.exhausted:
+            raise samplers.SamplerError(
+                f"{type(sampler).__name__} lost its choice to other consumers {USER_SAMPLER_ATTEMPTS} times in a "
+                f"row (last taken: {got.lost[:10]}); make it pick less contended samples, e.g. spread choices at "
+                f"random"
+            )
+        return got.meta, got.last_event_id, got.next_deadline_ms, False
 
     return attempt
 
 
-def _pairs(flat: list) -> list[tuple[str, Any]]:
-    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
-
-
-def _custom_meta(tags: list, n: int) -> list[dict[str, Any]]:
-    custom: list[dict[str, Any]] = [{} for _ in range(n)]
-    for name, values in _pairs(tags):
-        for i, raw in enumerate(values):
-            if raw is not None:
-                custom[i][name] = json.loads(raw)
-    return custom
-
-
-def _tag_rows(tags: list, n: int) -> list[dict[str, Any]]:
-    """Per-sample tag dicts from the claim reply's ``{name, [JSON or nil per id], ...}``.
-
-    Each tag column is decoded with one ``json.loads`` of the joined values (a batch of 1024
-    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls)."""
-    rows: list[dict[str, Any]] = [{} for _ in range(n)]
-    for name, values in _pairs(tags):
-        present = [i for i, raw in enumerate(values) if raw is not None]
-        if not present:
-            continue
-        raws = [values[i] for i in present]
-        try:
-            if isinstance(raws[0], bytes):
-                decoded = json.loads(b"[" + b",".join(raws) + b"]")
-            else:
-                decoded = json.loads("[" + ",".join(raws) + "]")
-        except (TypeError, ValueError):  # a value not written by set_custom_meta: one at a time
-            decoded = [json.loads(raw) for raw in raws]
-        if len(decoded) != len(present):  # e.g. a value holding a bare "1,2": one at a time
-            decoded = [json.loads(raw) for raw in raws]
-        for i, value in zip(present, decoded):
-            rows[i][name] = value
-    return rows
-
-
-def _claimed_meta(partition_id: str, ids: list, schemas: list, tags: list, deliveries: list) -> BatchMeta:
-    n = len(ids)
-    field_schema = {name: to_batchmeta_schema(json.loads(s)) for name, s in _pairs(schemas) if s}
-    custom = _tag_rows(tags, n) if tags else None
+def _claimed_meta(partition_id: str, claimed: ClaimReply) -> BatchMeta:
+    n = len(claimed.ids)
     meta = BatchMeta.from_columns(
-        [int(i) for i in ids],
+        claimed.ids,
         partition_id,
-        field_schema,
+        _batchmeta_schema(claimed.schemas),
         production_status=np.ones(n, dtype=np.int8),
-        custom_meta=custom,
+        custom_meta=claimed.tags,
     )
-    if deliveries:
-        counts = [int(d) for d in deliveries]
+    if claimed.deliveries:
+        counts = claimed.deliveries
         meta.set_extra_info("delivery_counts", counts)
         # Per sample too, so the fencing token follows a sample through select/chunk/concat.
         meta._custom_backend_meta = [{_DELIVERY: d} for d in counts]
@@ -629,9 +554,9 @@ def _describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, u
     id_list = ids.tolist()
     custom = None
     if tagnames and id_list:
-        names = [_text(t) for t in tagnames]
+        names = [text(t) for t in tagnames]
         values = yield Pipe(tuple(Cmd(("HMGET", pk.tag(t), *id_list)) for t in names))
-        custom = _custom_meta([x for pair in zip(names, values) for x in pair], len(id_list))
+        custom = transitions.tag_rows([x for pair in zip(names, values) for x in pair], len(id_list))
     return BatchMeta.from_columns(id_list, pk.partition, schema, production_status=ready, custom_meta=custom)
 
 
@@ -678,28 +603,12 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
     return TensorDict(out, batch_size=[n])
 
 
-def id_ranges(ids: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted first): compact ids for a Lua argument."""
-    out: list[str] = []
-    ordered = sorted(ids)
-    start = prev = ordered[0]
-    for i in ordered[1:]:
-        if i != prev + 1:
-            out.append(f"{start}-{prev}" if prev != start else str(start))
-            start = i
-        prev = i
-    out.append(f"{start}-{prev}" if prev != start else str(start))
-    return ",".join(out)
-
-
 def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
-    reply = yield FCall("check_visible", (pk.meta,), (id_ranges(ids), *fields))
-    code = int(reply[0])
-    if code == -1:
-        gone = [int(i) for i in reply[1:11]]
-        raise SampleNotFound(f"samples {gone} of partition {pk.partition!r} were cleared")
-    if code == -2:
-        name, missing = _text(reply[1]), [int(i) for i in reply[2:12]]
+    visible = yield from transitions.check_visible(pk, ids, fields).call()
+    if visible.not_alive:
+        raise SampleNotFound(f"samples {visible.not_alive[:10]} of partition {pk.partition!r} were cleared")
+    if visible.field is not None:
+        name, missing = visible.field, visible.not_produced[:10]
         raise DataNotReady(
             f"field {name!r} is not produced yet for samples {missing} of partition {pk.partition!r}; "
             f"get_meta(mode='fetch') only returns ready samples"
@@ -716,18 +625,10 @@ def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
     for pid, positions in _group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        names = sorted({k for i in positions for k in metadata.custom_meta[i]})
-        if not names:
-            continue
-        args: list[Any] = [len(ids), *ids]
-        for name in names:
-            check_name("custom meta key", name)
-            args.append(name)
-            for i in positions:
-                meta = metadata.custom_meta[i]
-                args.append(encode_tag(meta[name]) if name in meta else "")
-        reply = yield FCall("set_tags", (pk.meta,), tuple(args))
-        _check_produce_reply(reply, pid, {})
+        rows = [metadata.custom_meta[i] for i in positions]
+        names = sorted({k for row in rows for k in row})
+        if names:
+            yield from transitions.set_tags(pk, ids, names, rows).call()
 
 
 def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
@@ -740,10 +641,10 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
     for pid, positions in _group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        cleared, fields, older = yield FCall("clear", (pk.meta,), tuple(ids))
-        if cleared:
-            yield from delete_bytes(store, pk, [int(i) for i in cleared], [_text(f) for f in fields])
-        elif older:  # a repeated clear: finish what an earlier one could not
+        cleared = yield from transitions.clear(pk, ids).call()
+        if cleared.ids:
+            yield from delete_bytes(store, pk, cleared.ids, cleared.fields)
+        elif cleared.older:  # a repeated clear: finish what an earlier one could not
             yield from empty_trash(store, pk)
 
 
@@ -754,20 +655,20 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     """
     pk = ctx.keys(partition_id)
     store = yield from storage(ctx)
-    alive_raw, fields, older = yield FCall("drop_partition", (pk.meta,), ())
+    dropped = yield from transitions.drop_partition(pk).call()
     yield Cmd(("ZREM", partitions_key(ctx.namespace), partition_id))
-    if older:
+    if dropped.older:
         yield from empty_trash(store, pk)
         return
-    ids = bitmaps.set_ids(alive_raw)
+    ids = dropped.alive_ids()
     if ids:
-        yield from delete_bytes(store, pk, ids, [_text(f) for f in fields])
+        yield from delete_bytes(store, pk, ids, dropped.fields)
 
 
 def delete_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
     """Delete the bytes of samples already in the partition's trash, then take them out of it."""
     yield Offload(store.delete, (pk, ids, fields))
-    yield FCall("trash_done", (pk.meta,), (id_ranges(ids),))
+    yield from transitions.trash_done(pk, ids).call()
 
 
 def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
@@ -775,7 +676,7 @@ def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
     raw, fields = yield Pipe((Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields))))
     ids = bitmaps.set_ids(raw)
     if ids:
-        yield from delete_bytes(store, pk, ids, sorted(_text(f) for f in fields))
+        yield from delete_bytes(store, pk, ids, sorted(text(f) for f in fields))
 
 
 def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
@@ -786,7 +687,7 @@ def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fi
     bytes are gone, else a note for that error saying what is left and why.
     """
     try:
-        yield FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields))
+        yield from transitions.trash_add(pk, ids, fields).call()
     except Exception as exc:
         return f"the bytes this put wrote may remain in the store: they could not be recorded for deletion ({exc})"
     try:
@@ -803,13 +704,12 @@ def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = N
     pk = ctx.keys(partition_id)
     if task_name is not None:
         check_name("task_name", task_name)
-    done = yield FCall("reset_consumption", (pk.meta,), (task_name or "",))
-    return bool(done)
+    return (yield from transitions.reset_consumption(pk, task_name).call())
 
 
 def get_partition_list(ctx: Context) -> Op:
     names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
-    return [_text(n) for n in names]
+    return [text(n) for n in names]
 
 
 def _no_status() -> tuple[torch.Tensor, torch.Tensor]:
@@ -878,10 +778,9 @@ def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease
     not_held: list[int] = []
     for pid, positions in _group_by_partition(metadata).items():
         pk = ctx.keys(pid)
-        pairs = [x for i in positions for x in (metadata.global_indexes[i], fences[i])]
-        reply = yield FCall(
-            "settle", (pk.meta,), (task_name, action, _now_ms(), max(1, int(lease_s * 1000)), *pairs)
-        )
-        not_held.extend(int(x) for x in reply[1:])
+        ids = [metadata.global_indexes[i] for i in positions]
+        held_with, lease_ms = [fences[i] for i in positions], max(1, int(lease_s * 1000))
+        settled = yield from transitions.settle(pk, task_name, action, ids, held_with, lease_ms).call()
+        not_held.extend(settled.not_held)
     return not_held
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from tq_redis import ops
-from tq_redis.driver import Cmd, FCall, Pipe, Wait
+from tq_redis import ops, transitions
+from tq_redis.driver import Cmd, Wait
 from tq_redis.errors import InvalidArgument
 from tq_redis.keys import check_name, partitions_key
 from tq_redis.metadata import BatchMeta
+from tq_redis.transitions import Progress
 
 Op = ops.Op
 
@@ -29,49 +29,18 @@ WAIT_SLICE_S = 5.0
 def seal_partition(ctx: ops.Context, partition_id: str) -> Op:
     """Mark the partition sealed (creating it if needed); True if this call sealed it."""
     pk = ctx.keys(partition_id)
-    done, _ = yield Pipe(
-        (
-            FCall("seal_partition", (pk.meta,), (int(time.time() * 1000),)),
-            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
-        )
+    sealed, _ = yield from transitions.pipeline(
+        transitions.seal_partition(pk), Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id))
     )
-    return bool(done)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What is left of a partition for one task (see ``lua/progress.lua``)."""
-
-    last_event_id: str
-    exists: bool
-    sealed: bool
-    alive: int
-    pending: int
-    ready: int
-
-    @property
-    def drained(self) -> bool:
-        """Sealed, and the task has consumed every sample for good."""
-        return self.sealed and self.pending == 0
-
-    @property
-    def settled(self) -> bool:
-        """Sealed, and every sample still pending is ready: nothing more can arrive."""
-        return self.sealed and self.pending == self.ready
+    return sealed
 
 
 def progress(ctx: ops.Context, partition_id: str, task_name: str, fields: Sequence[str] = ()) -> Op:
     """The partition's :class:`Progress` for ``task_name`` reading ``fields``."""
     check_name("task_name", task_name)
     fields = [check_name("field name", f) for f in fields]
-    pk = ctx.keys(partition_id)
-    last, exists, sealed, alive, pending, ready = yield FCall(
-        "progress", (pk.meta,), (task_name, len(fields), *fields)
-    )
-    return Progress(
-        last.decode() if isinstance(last, bytes) else str(last),
-        bool(exists), bool(sealed), int(alive), int(pending), int(ready),
-    )
+    state: Progress = yield from transitions.progress(ctx.keys(partition_id), task_name, fields).call()
+    return state
 
 
 def wait_for_event(ctx: ops.Context, partition_id: str, last_event_id: str, timeout_s: float) -> Op:

@@ -1,0 +1,640 @@
+"""One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
+
+Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
+this module is the only place that builds their argument lists and reads their replies. For each
+script, one function of the same name takes the partition's (or channel's) keys and Python values
+and returns a :class:`Transition`: the ``FCall`` effect to yield and the reader that turns the reply
+into a named result. Each script's header is its contract; each wrapper's docstring points at it.
+So an ARGV change touches two files: the script and its wrapper here.
+
+Operations (generators of effects, see :mod:`tq_redis.driver`) run a transition alone::
+
+    first_id = yield from transitions.reserve(pk, n, schemas).call()
+
+or with other effects in one round trip (:func:`pipeline`, or by hand with ``t.effect`` in a
+``Pipe`` and ``t.read(reply)`` afterwards)::
+
+    _, added = yield from transitions.pipeline(transitions.insert(pk, first_id, n, schemas), Cmd(("ZADD", ...)))
+
+Reply codes are decoded here, once. A code every caller answers with the same error raises it here
+(a sealed partition on insert, a schema conflict, a missing partition or sample on a write); codes
+that callers treat differently come back as fields of the result. The decoders shared by several
+replies live here too: :func:`tag_rows` (per-sample tags) and :func:`schema_pairs` (field schemas).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, NoReturn, TypeVar
+
+import numpy as np
+import torch
+
+from tq_redis import bitmaps
+from tq_redis.driver import Cmd, FCall, Pipe
+from tq_redis.errors import InvalidArgument, PartitionSealed, SampleNotFound, UnknownPartition, UnsupportedValue
+from tq_redis.keys import ChannelKeys, PartitionKeys, check_name
+from tq_redis.schemas import check_compatible
+
+if TYPE_CHECKING:
+    from tq_redis.samplers import SamplerPlan
+
+R = TypeVar("R")
+
+NO_SCHEMAS: Mapping[str, str] = MappingProxyType({})
+"""No field offered (a reserve or insert of samples without fields, a KV look-up)."""
+
+STRICT_MARK = "!"
+"""Prefix of a schema offered as strict: it must equal the registered one (lua/includes/schemas.lua)."""
+
+
+class Transition(Generic[R]):
+    """One call of a Lua transition: the effect to yield and how to read its reply."""
+
+    __slots__ = ("effect", "read")
+
+    def __init__(self, effect: FCall, read: Callable[[Any], R]) -> None:
+        self.effect = effect
+        self.read = read
+
+    def __repr__(self) -> str:
+        return f"Transition({self.effect!r})"
+
+    def call(self) -> Generator[FCall, Any, R]:
+        """Run it alone: ``result = yield from t.call()``."""
+        return self.read((yield self.effect))
+
+
+def pipeline(*calls: Transition[Any] | Cmd) -> Generator[Pipe, Any, list[Any]]:
+    """Run transitions (and plain commands) in one round trip: each transition's reply is read
+    (in order, so the first failing reader raises), each command's is returned as it came."""
+    replies = yield Pipe(tuple(c.effect if isinstance(c, Transition) else c for c in calls))
+    return [c.read(r) if isinstance(c, Transition) else r for c, r in zip(calls, replies)]
+
+
+# ------------------------------------------------------------------ shared encoders and decoders
+
+
+def clock_ms() -> int:
+    """The client clock in milliseconds, as the scripts take it (lease deadlines, creation times)."""
+    return int(time.time() * 1000)
+
+
+def _now(now_ms: int | None) -> int:
+    return clock_ms() if now_ms is None else now_ms
+
+
+def text(value: Any) -> str:
+    """A reply element (bytes from redis-py) as ``str``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def id_ranges(ids: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted first): compact ids for a Lua argument."""
+    out: list[str] = []
+    ordered = sorted(ids)
+    start = prev = ordered[0]
+    for i in ordered[1:]:
+        if i != prev + 1:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = i
+        prev = i
+    out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(out)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return value.tolist()
+    raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
+
+
+def encode_tag(value: Any) -> str:
+    """A tag (custom meta) value as the JSON text ``set_tags`` stores."""
+    return json.dumps(value, default=_json_default, separators=(",", ":"))
+
+
+def _pairs(flat: Sequence[Any]) -> list[tuple[str, Any]]:
+    return [(text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def schema_pairs(flat: Sequence[Any]) -> dict[str, str]:
+    """``{field: schema JSON}`` from a reply's flat ``{field, schema, ...}`` (fields without a
+    registered schema, ``false`` in Lua, are left out)."""
+    return {name: text(schema) for name, schema in _pairs(flat) if schema}
+
+
+def tag_rows(flat: Sequence[Any], n: int) -> list[dict[str, Any]]:
+    """Per-sample tag dicts from a reply's flat ``{name, [JSON or nil per sample], ...}``.
+
+    Each tag column is decoded with one ``json.loads`` of the joined values (a batch of 1024
+    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls)."""
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
+    for name, values in _pairs(flat):
+        present = [i for i, raw in enumerate(values) if raw is not None]
+        if not present:
+            continue
+        raws = [values[i] for i in present]
+        try:
+            if isinstance(raws[0], bytes):
+                decoded = json.loads(b"[" + b",".join(raws) + b"]")
+            else:
+                decoded = json.loads("[" + ",".join(raws) + "]")
+        except (TypeError, ValueError):  # a value not written by set_tags: one at a time
+            decoded = [json.loads(raw) for raw in raws]
+        if len(decoded) != len(present):  # e.g. a value holding a bare "1,2": one at a time
+            decoded = [json.loads(raw) for raw in raws]
+        for i, value in zip(present, decoded):
+            rows[i][name] = value
+    return rows
+
+
+def _flat_schemas(schemas: Mapping[str, str], strict: bool) -> list[str]:
+    """``field, schema`` pairs for a script; strict schemas carry a leading :data:`STRICT_MARK`."""
+    mark = STRICT_MARK if strict else ""
+    return [x for name, schema in schemas.items() for x in (name, mark + schema)]
+
+
+def raise_schema_conflict(field: str, registered: Any, offered: str) -> NoReturn:
+    """Raise the error of a field whose offered schema differs from the registered one."""
+    check_compatible(field, json.loads(text(registered)), json.loads(offered))
+    # check_compatible raises for every real difference; equal JSON would not have conflicted
+    raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {text(registered)}")
+
+
+def _conflict(reply: Sequence[Any], schemas: Mapping[str, str]) -> NoReturn:
+    """A ``{0, field, registered}`` reply: the offered schema of ``field`` conflicts."""
+    field = text(reply[1])
+    offered = schemas.get(field)
+    if offered is None:
+        raise InvalidArgument(f"field {field!r} conflicts with its registered schema {text(reply[2])}")
+    raise_schema_conflict(field, reply[2], offered)
+
+
+def _sealed(partition: str) -> PartitionSealed:
+    return PartitionSealed(
+        f"partition {partition!r} is sealed: no more samples were promised; insert into a new partition"
+    )
+
+
+def _missing_partition(partition: str) -> UnknownPartition:
+    return UnknownPartition(f"partition {partition!r} does not exist (cleared, or never created)")
+
+
+# ------------------------------------------------------------------ results
+
+
+class ClaimReply(NamedTuple):
+    """A batch handed to a task (``lua/claim.lua``, ``lua/claim_ids.lua``)."""
+
+    last_event_id: str  # what to pass to `wait` when ids is empty
+    ids: list[int]  # the batch; empty when not enough was ready
+    schemas: dict[str, str]  # field -> schema JSON of the required fields
+    tags: list[dict[str, Any]] | None  # per id; None when no id or no tag
+    deliveries: list[int]  # delivery count per id (lease mode), else empty
+    next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
+    registered: bool  # the waiter was registered: BLPOP the task's wake list next
+
+
+class ClaimIdsReply(NamedTuple):
+    """``lua/claim_ids.lua``: the claimed batch, or which chosen ids were taken meanwhile."""
+
+    claimed: ClaimReply | None  # None: nothing was marked
+    taken: list[int]  # chosen ids no longer free (when claimed is None)
+    partition_missing: bool
+
+
+class ReadySet(NamedTuple):
+    """``lua/ready_ids.lua``: every sample ready for a task."""
+
+    last_event_id: str
+    ids: list[int]  # ascending
+    next_deadline_ms: int
+
+
+class Visibility(NamedTuple):
+    """``lua/check_visible.lua``: which ids were not alive, or which lack a field."""
+
+    not_alive: list[int]
+    field: str | None  # the first field not produced for some alive id
+    not_produced: list[int]  # the ids lacking ``field``
+
+    @property
+    def ok(self) -> bool:
+        return not self.not_alive and self.field is None
+
+
+class Settled(NamedTuple):
+    """``lua/settle.lua``."""
+
+    count: int  # samples settled
+    not_held: list[int]  # ids whose lease this caller no longer held
+
+
+class Cleared(NamedTuple):
+    """``lua/clear.lua``: ids that were alive, the partition's fields, the trash's earlier size."""
+
+    ids: list[int]
+    fields: list[str]
+    older: int
+
+
+class Dropped(NamedTuple):
+    """``lua/drop_partition.lua``: the alive bitmap as it was, the fields, the trash's earlier size."""
+
+    alive: bytes | None
+    fields: list[str]
+    older: int
+
+    def alive_ids(self) -> list[int]:
+        return bitmaps.set_ids(self.alive)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What is left of a partition for one task (``lua/progress.lua``)."""
+
+    last_event_id: str
+    exists: bool
+    sealed: bool
+    alive: int
+    pending: int
+    ready: int
+
+    @property
+    def drained(self) -> bool:
+        """Sealed, and the task has consumed every sample for good."""
+        return self.sealed and self.pending == 0
+
+    @property
+    def settled(self) -> bool:
+        """Sealed, and every sample still pending is ready: nothing more can arrive."""
+        return self.sealed and self.pending == self.ready
+
+
+class KeyResolution(NamedTuple):
+    """``lua/kv_resolve.lua``: user keys mapped to sample ids."""
+
+    ids: list[int]  # per key; -1 where unknown (look-up only)
+    created: int  # keys that got a fresh id
+    schemas: dict[str, str]  # fields produced for every key with an id, in registration order
+    tags: list[dict[str, Any]]  # per key
+
+
+class KeyListing(NamedTuple):
+    """``lua/kv_list.lua``: every live user key of a partition."""
+
+    keys: list[str]
+    ids: list[int]
+    tags: list[dict[str, Any]]
+
+
+class ChannelPut(NamedTuple):
+    """``lua/channel_put.lua``."""
+
+    appended: bool
+    missing: bool  # the channel does not exist
+    qsize: int  # after the append
+    last_gets_id: str  # when full: XREAD the `gets` stream from here
+
+
+class ChannelPop(NamedTuple):
+    """``lua/channel_pop.lua`` and ``lua/channel_pop_fit.lua``."""
+
+    popped: bool
+    missing: bool  # the channel does not exist
+    entries: list[bytes]  # oldest first
+    last_puts_id: str  # when not enough is queued: XREAD the `puts` stream from here
+
+
+# ------------------------------------------------------------------ samples: insert and write
+
+
+def _read_insert(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
+    """``{1, ...}`` done, ``{0, field, registered}`` a schema conflict, ``{-3}`` sealed."""
+    code = int(reply[0])
+    if code == -3:
+        raise _sealed(partition)
+    if code == 0:
+        _conflict(reply, schemas)
+
+
+def _read_reserve(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> int:
+    _read_insert(partition, schemas, reply)
+    return int(reply[1])
+
+
+def reserve(
+    pk: PartitionKeys, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False
+) -> Transition[int]:
+    """``lua/reserve.lua``: allocate ``count`` new ids (the first one is the result) after checking
+    the offered ``{field: canonical schema JSON}``. Raises ``PartitionSealed`` or the conflict."""
+    args = (count, *_flat_schemas(schemas, strict))
+    return Transition(FCall("reserve", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
+
+
+def insert(
+    pk: PartitionKeys, first_id: int, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False,
+    *, now_ms: int | None = None,
+) -> Transition[None]:  # fmt: skip
+    """``lua/insert.lua``: make reserved samples alive with the fields (stored already) produced.
+    Raises ``PartitionSealed`` or the schema conflict that appeared since ``reserve``."""
+    args = (first_id, count, _now(now_ms), len(schemas), *_flat_schemas(schemas, strict))
+    return Transition(FCall("insert", (pk.meta,), args), partial(_read_insert, pk.partition, schemas))
+
+
+def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
+    """``{1}`` written, ``{-1}`` no partition, ``{-2, id...}`` ids not alive, ``{0, field, reg}``."""
+    code = int(reply[0])
+    if code == -1:
+        raise _missing_partition(partition)
+    if code == -2:
+        raise SampleNotFound(f"samples {[int(x) for x in reply[1:11]]} of partition {partition!r} were cleared")
+    if code == 0:
+        _conflict(reply, schemas)
+
+
+def produce(
+    pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False
+) -> Transition[None]:
+    """``lua/produce.lua``: mark fields of existing samples produced (their bytes are stored).
+    Raises ``UnknownPartition``, ``SampleNotFound`` or the schema conflict."""
+    args = (len(schemas), *_flat_schemas(schemas, strict), *ids)
+    return Transition(FCall("produce", (pk.meta,), args), partial(_read_write, pk.partition, schemas))
+
+
+def set_tags(
+    pk: PartitionKeys, ids: Sequence[int], names: Sequence[str], rows: Sequence[Mapping[str, Any]]
+) -> Transition[None]:
+    """``lua/set_tags.lua``: write tag ``names`` of samples ``ids`` from ``rows`` (one dict per id;
+    a name missing from a row leaves that sample's tag unchanged). Raises ``UnknownPartition`` or
+    ``SampleNotFound``, ``InvalidArgument`` for a bad name, ``UnsupportedValue`` for a non-JSON value."""
+    args: list[Any] = [len(ids), *ids]
+    for name in names:
+        check_name("custom meta key", name)
+        args.append(name)
+        args.extend(encode_tag(row[name]) if name in row else "" for row in rows)
+    return Transition(FCall("set_tags", (pk.meta,), tuple(args)), partial(_read_write, pk.partition, NO_SCHEMAS))
+
+
+def _read_visible(reply: Sequence[Any]) -> Visibility:
+    code = int(reply[0])
+    if code == -1:
+        return Visibility([int(i) for i in reply[1:]], None, [])
+    if code == -2:
+        return Visibility([], text(reply[1]), [int(i) for i in reply[2:]])
+    return Visibility([], None, [])
+
+
+def check_visible(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str] = ()) -> Transition[Visibility]:
+    """``lua/check_visible.lua``: whether ``ids`` are alive and have every one of ``fields``."""
+    return Transition(FCall("check_visible", (pk.meta,), (id_ranges(ids), *fields)), _read_visible)
+
+
+# ------------------------------------------------------------------ claims
+
+
+def _claim_reply(
+    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_deadline: Any, registered: bool
+) -> ClaimReply:
+    tag_list = tag_rows(tags, len(ids)) if tags and ids else None
+    return ClaimReply(
+        text(last_id), [int(i) for i in ids], schema_pairs(schemas), tag_list, [int(d) for d in deliveries],
+        int(next_deadline), registered,
+    )  # fmt: skip
+
+
+def _read_claim(reply: Sequence[Any]) -> ClaimReply:
+    last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
+    return _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])))
+
+
+def claim(
+    pk: PartitionKeys, task: str, plan: SamplerPlan, fields: Sequence[str], *, lease_ms: int = 0,
+    max_deliveries: int = 0, waiter: str | None = None, wait_ms: int = 0, now_ms: int | None = None,
+) -> Transition[ClaimReply]:  # fmt: skip
+    """``lua/claim.lua``: a batch chosen by the built-in sampler ``plan`` from the samples with
+    every one of ``fields`` that ``task`` has not consumed. With ``waiter``, a claim that hands
+    out nothing registers it as waiting ``wait_ms`` (else removes it from the task's waiters)."""
+    waiting = (waiter, wait_ms) if waiter else ()
+    args = (
+        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, *plan.args(),
+        len(fields), *fields, *waiting,
+    )  # fmt: skip
+    return Transition(FCall("claim", (pk.meta,), args), _read_claim)
+
+
+def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:
+    code = int(reply[0])
+    if code == 1:
+        return ClaimIdsReply(_claim_reply(*reply[1:7], False), [], False)
+    if code == -1:
+        return ClaimIdsReply(None, [], True)
+    return ClaimIdsReply(None, [int(i) for i in reply[1:]], False)
+
+
+def claim_ids(
+    pk: PartitionKeys, task: str, sampled: Sequence[int], consumed: Sequence[int], fields: Sequence[str], *,
+    lease_ms: int = 0, now_ms: int | None = None,
+) -> Transition[ClaimIdsReply]:  # fmt: skip
+    """``lua/claim_ids.lua``: hand out ``sampled`` and mark ``consumed`` (leased with ``lease_ms``)
+    only if every one of them is still free for ``task``."""
+    args = (
+        task, _now(now_ms), lease_ms, len(sampled), *sampled, len(consumed), *consumed,
+        len(fields), *fields,
+    )  # fmt: skip
+    return Transition(FCall("claim_ids", (pk.meta,), args), _read_claim_ids)
+
+
+def _read_ready(reply: Sequence[Any]) -> ReadySet:
+    last_id, bitmap, next_deadline = reply
+    return ReadySet(text(last_id), bitmaps.set_ids(bitmap), int(next_deadline))
+
+
+def ready_ids(
+    pk: PartitionKeys, task: str, fields: Sequence[str], *, max_deliveries: int = 0, now_ms: int | None = None
+) -> Transition[ReadySet]:
+    """``lua/ready_ids.lua``: every sample ready for ``task`` (for a sampler running in Python)."""
+    args = (task, _now(now_ms), max_deliveries, len(fields), *fields)
+    return Transition(FCall("ready_ids", (pk.meta,), args), _read_ready)
+
+
+def _read_flag(reply: Any) -> bool:
+    return int(reply) == 1
+
+
+def wait(pk: PartitionKeys, task: str, waiter: str, timeout_ms: int, last_event_id: str) -> Transition[bool]:
+    """``lua/wait.lua``: register ``waiter`` unless an event came after ``last_event_id``; True
+    when registered (BLPOP the task's wake list next), False: claim again at once."""
+    return Transition(FCall("wait", (pk.meta,), (task, waiter, timeout_ms, last_event_id)), _read_flag)
+
+
+def _read_settle(reply: Sequence[Any]) -> Settled:
+    return Settled(int(reply[0]), [int(x) for x in reply[1:]])
+
+
+def settle(
+    pk: PartitionKeys, task: str, action: str, ids: Sequence[int], fences: Sequence[int], lease_ms: int = 1,
+    *, now_ms: int | None = None,
+) -> Transition[Settled]:  # fmt: skip
+    """``lua/settle.lua``: ``action`` ('ack', 'nack' or 'extend' by ``lease_ms``) the leases of
+    ``ids``, each only if still held with its delivery count in ``fences`` (0: any)."""
+    pairs = [x for pair in zip(ids, fences) for x in pair]
+    args = (task, action, _now(now_ms), lease_ms, *pairs)
+    return Transition(FCall("settle", (pk.meta,), args), _read_settle)
+
+
+# ------------------------------------------------------------------ clearing and the trash
+
+
+def _read_clear(reply: Sequence[Any]) -> Cleared:
+    cleared, fields, older = reply
+    return Cleared([int(i) for i in cleared], [text(f) for f in fields], int(older))
+
+
+def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
+    """``lua/clear.lua``: remove samples (bits first); their ids move to the trash."""
+    return Transition(FCall("clear", (pk.meta,), tuple(ids)), _read_clear)
+
+
+def _read_drop(reply: Sequence[Any]) -> Dropped:
+    alive, fields, older = reply
+    return Dropped(alive or None, [text(f) for f in fields], int(older))
+
+
+def drop_partition(pk: PartitionKeys) -> Transition[Dropped]:
+    """``lua/drop_partition.lua``: delete the partition's metadata; alive samples go to the trash."""
+    return Transition(FCall("drop_partition", (pk.meta,), ()), _read_drop)
+
+
+def trash_add(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[int]:
+    """``lua/trash_add.lua``: record samples whose bytes (of ``fields``) must be deleted; the
+    result is how many ids the trash holds now."""
+    return Transition(FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields)), int)
+
+
+def trash_done(pk: PartitionKeys, ids: Sequence[int]) -> Transition[int]:
+    """``lua/trash_done.lua``: the bytes of ``ids`` are deleted; the result is what is left."""
+    return Transition(FCall("trash_done", (pk.meta,), (id_ranges(ids),)), int)
+
+
+# ------------------------------------------------------------------ consumption and streaming
+
+
+def reset_consumption(pk: PartitionKeys, task: str | None = None) -> Transition[bool]:
+    """``lua/reset_consumption.lua``: ``task`` (None: every task) consumes from scratch; False
+    when the partition does not exist."""
+    return Transition(FCall("reset_consumption", (pk.meta,), (task or "",)), bool)
+
+
+def seal_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[bool]:
+    """``lua/seal_partition.lua``: no more inserts; True if this call sealed it."""
+    return Transition(FCall("seal_partition", (pk.meta,), (_now(now_ms),)), bool)
+
+
+def _read_progress(reply: Sequence[Any]) -> Progress:
+    last, exists, sealed, alive, pending, ready = reply
+    return Progress(text(last), bool(exists), bool(sealed), int(alive), int(pending), int(ready))
+
+
+def progress(pk: PartitionKeys, task: str, fields: Sequence[str] = ()) -> Transition[Progress]:
+    """``lua/progress.lua``: what is left of the partition for ``task`` reading ``fields``."""
+    return Transition(FCall("progress", (pk.meta,), (task, len(fields), *fields)), _read_progress)
+
+
+# ------------------------------------------------------------------ the KV API
+
+
+def _read_resolve(schemas: Mapping[str, str], reply: Sequence[Any]) -> KeyResolution | None:
+    code = int(reply[0])
+    if code == -1:
+        return None
+    if code == 0:
+        _conflict(reply, schemas)
+    _, ids, created, common, tags = reply
+    return KeyResolution([int(i) for i in ids], int(created), schema_pairs(common), tag_rows(tags, len(ids)))
+
+
+def kv_resolve(
+    pk: PartitionKeys, keys: Sequence[str], create: bool, schemas: Mapping[str, str] = NO_SCHEMAS,
+    strict: bool = False, *, now_ms: int | None = None,
+) -> Transition[KeyResolution | None]:  # fmt: skip
+    """``lua/kv_resolve.lua``: the sample id of each user key, fresh ids for unknown keys with
+    ``create`` (after checking ``schemas``); None when the partition does not exist (look-up
+    only). Raises the schema conflict."""
+    args = (1 if create else 0, _now(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
+    return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, schemas))
+
+
+def kv_unmap(pk: PartitionKeys, pairs: Sequence[tuple[str, int]]) -> Transition[int]:
+    """``lua/kv_unmap.lua``: forget each ``(key, id)`` still mapped so; how many were removed."""
+    return Transition(FCall("kv_unmap", (pk.meta,), tuple(x for pair in pairs for x in pair)), int)
+
+
+def _read_kv_list(reply: Sequence[Any]) -> KeyListing:
+    keys, ids, tags = reply
+    return KeyListing([text(k) for k in keys], [int(i) for i in ids], tag_rows(tags, len(ids)))
+
+
+def kv_list(pk: PartitionKeys) -> Transition[KeyListing]:
+    """``lua/kv_list.lua``: every live user key of the partition (none if it does not exist)."""
+    return Transition(FCall("kv_list", (pk.meta,), ()), _read_kv_list)
+
+
+# ------------------------------------------------------------------ channels
+
+
+def _read_channel_put(reply: Sequence[Any]) -> ChannelPut:
+    code = int(reply[0])
+    if code == 1:
+        return ChannelPut(True, False, int(reply[1]), "")
+    if code == -1:
+        return ChannelPut(False, True, 0, "")
+    return ChannelPut(False, False, 0, text(reply[1]))
+
+
+def channel_put(ck: ChannelKeys, qkey: str, entry: str | bytes) -> Transition[ChannelPut]:
+    """``lua/channel_put.lua``: append ``entry`` ("<weight>|<payload>") to queue ``qkey`` unless full."""
+    return Transition(FCall("channel_put", (ck.meta,), (qkey, entry)), _read_channel_put)
+
+
+def _read_channel_pop(reply: Sequence[Any]) -> ChannelPop:
+    code = int(reply[0])
+    if code == 1:
+        return ChannelPop(True, False, list(reply[1]), "")
+    if code == -1:
+        return ChannelPop(False, True, [], "")
+    return ChannelPop(False, False, [], text(reply[1]))
+
+
+def channel_pop(ck: ChannelKeys, qkey: str, target: float | None = None) -> Transition[ChannelPop]:
+    """``lua/channel_pop.lua``: pop one entry (``target`` None) or the fewest head entries whose
+    weights reach ``target``; all or nothing."""
+    arg = "" if target is None else repr(target)
+    return Transition(FCall("channel_pop", (ck.meta,), (qkey, arg)), _read_channel_pop)
+
+
+def channel_pop_fit(ck: ChannelKeys, qkey: str, target: float) -> Transition[ChannelPop]:
+    """``lua/channel_pop_fit.lua``: RLinf's get_batch rule: head entries that fit under ``target``."""
+    return Transition(FCall("channel_pop_fit", (ck.meta,), (qkey, repr(target))), _read_channel_pop)
+
+
+BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
+    f.__name__: f
+    for f in (
+        reserve, insert, produce, set_tags, check_visible,
+        claim, claim_ids, ready_ids, wait, settle,
+        clear, drop_partition, trash_add, trash_done,
+        reset_consumption, seal_partition, progress,
+        kv_resolve, kv_unmap, kv_list,
+        channel_put, channel_pop, channel_pop_fit,
+    )
+}  # fmt: skip
+"""The wrapper of each ``lua/<name>.lua``, by script name."""
