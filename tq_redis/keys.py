@@ -53,6 +53,7 @@ key                                type    holds
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from tq_redis.errors import InvalidArgument
 
@@ -84,6 +85,31 @@ def storage_nodes_key(ns: str) -> str:
     return f"{ns}:storage:nodes"
 
 
+class _Key:
+    """A key of the owner's prefix: ``obj.<name>`` is ``obj.prefix + suffix``."""
+
+    def __init__(self, suffix: str, doc: str | None = None) -> None:
+        self.suffix = suffix
+        self.__doc__ = doc or f"``<prefix>{suffix}``"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else obj.prefix + self.suffix
+
+
+class _KeyOf:
+    """A family of keys of the owner's prefix: ``obj.<name>(x)`` is ``obj.prefix + suffix + x``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.__doc__ = f"``<prefix>{suffix}<name>``"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        head = obj.prefix + self.suffix
+        return lambda name: head + name
+
+
 class PartitionKeys:
     """Key builder for one partition; all keys share the ``{partition}`` hash tag."""
 
@@ -94,84 +120,27 @@ class PartitionKeys:
         self.partition = check_name("partition_id", partition)
         self.prefix = f"{ns}:{{{partition}}}:"
 
-    @property
-    def meta(self) -> str:
-        return self.prefix + "meta"
-
-    @property
-    def seq(self) -> str:
-        return self.prefix + "seq"
-
-    @property
-    def alive(self) -> str:
-        return self.prefix + "alive"
-
-    @property
-    def fields(self) -> str:
-        return self.prefix + "fields"
-
-    @property
-    def tasks(self) -> str:
-        return self.prefix + "tasks"
-
-    @property
-    def tagnames(self) -> str:
-        return self.prefix + "tagnames"
-
-    @property
-    def groups(self) -> str:
-        return self.prefix + "groups"
-
-    @property
-    def kv(self) -> str:
-        return self.prefix + "kv"
-
-    @property
-    def kvkeys(self) -> str:
-        """Reverse map of :attr:`kv`: sample id -> user key."""
-        return self.prefix + "kvkeys"
-
-    @property
-    def events(self) -> str:
-        return self.prefix + "events"
-
-    @property
-    def waittasks(self) -> str:
-        return self.prefix + "waittasks"
-
-    def waiters(self, task: str) -> str:
-        return self.prefix + "waiters:" + task
-
-    def wake(self, task: str) -> str:
-        return self.prefix + "wake:" + task
-
-    @property
-    def trash(self) -> str:
-        """Bitmap of samples whose bytes are still to be deleted from the stores."""
-        return self.prefix + "trash"
-
-    @property
-    def trash_fields(self) -> str:
-        """Set of the field names the trashed samples may hold bytes for."""
-        return self.prefix + "trashfields"
-
-    def prod(self, field: str) -> str:
-        return self.prefix + "prod:" + field
-
-    def cons(self, task: str) -> str:
-        return self.prefix + "cons:" + task
-
-    def lease(self, task: str) -> str:
-        return self.prefix + "lease:" + task
-
-    def deliveries(self, task: str) -> str:
-        return self.prefix + "dlv:" + task
-
-    def poison(self, task: str) -> str:
-        return self.prefix + "poison:" + task
-
-    def tag(self, name: str) -> str:
-        return self.prefix + "tag:" + name
+    meta = _Key("meta")
+    seq = _Key("seq")
+    alive = _Key("alive")
+    fields = _Key("fields")
+    tasks = _Key("tasks")
+    tagnames = _Key("tagnames")
+    groups = _Key("groups")
+    kv = _Key("kv")
+    kvkeys = _Key("kvkeys", "Reverse map of :attr:`kv`: sample id -> user key.")
+    events = _Key("events")
+    waittasks = _Key("waittasks")
+    waiters = _KeyOf("waiters:")
+    wake = _KeyOf("wake:")
+    trash = _Key("trash", "Bitmap of samples whose bytes are still to be deleted from the stores.")
+    trash_fields = _Key("trashfields", "Set of the field names the trashed samples may hold bytes for.")
+    prod = _KeyOf("prod:")
+    cons = _KeyOf("cons:")
+    lease = _KeyOf("lease:")
+    deliveries = _KeyOf("dlv:")
+    poison = _KeyOf("poison:")
+    tag = _KeyOf("tag:")
 
     def data(self, sample_id: int, field: str) -> str:
         """Data-plane key of one (sample, field) value; every store uses this name."""
@@ -197,24 +166,11 @@ class ChannelKeys:
         self.name = check_name("channel name", name)
         self.prefix = f"{ns}:chan:{{{name}}}:"
 
-    @property
-    def meta(self) -> str:
-        return self.prefix + "meta"
-
-    @property
-    def seq(self) -> str:
-        return self.prefix + "seq"
-
-    @property
-    def puts(self) -> str:
-        return self.prefix + "puts"
-
-    @property
-    def gets(self) -> str:
-        return self.prefix + "gets"
-
-    def queue(self, key: str) -> str:
-        return self.prefix + "q:" + key
+    meta = _Key("meta")
+    seq = _Key("seq")
+    puts = _Key("puts")
+    gets = _Key("gets")
+    queue = _KeyOf("q:")
 
     @property
     def data_partition(self) -> str:
