@@ -81,14 +81,14 @@ Operation = Generator[Any, Any, Any]
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
-def _retry() -> Retry:
-    # Reconnect with backoff across a Redis restart (~6 s in all) before giving up.
-    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=12)
-
-
-def _async_retry() -> AsyncRetry:
-    # The same policy for redis.asyncio, which awaits its retries (a sync Retry is never applied).
-    return AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=12)
+def connection_options(retry_class: type) -> dict[str, Any]:
+    """Reconnect with backoff across a Redis restart (~6 s in all) before giving up. redis.asyncio
+    needs its own Retry class: it awaits its retries, a sync ``Retry`` is never applied."""
+    return {
+        "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": 30,
+    }
 
 
 def _fcall_args(call: FCall) -> tuple:
@@ -156,13 +156,7 @@ class SyncDriver:
 
     def __init__(self, url: str, **redis_kwargs: Any) -> None:
         self.url = url
-        self.redis = redis.Redis.from_url(
-            url,
-            retry=_retry(),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            health_check_interval=30,
-            **redis_kwargs,
-        )
+        self.redis = redis.Redis.from_url(url, **{**connection_options(Retry), **redis_kwargs})
         self._loaded = False
 
     def run(self, op: Operation) -> Any:
@@ -245,13 +239,7 @@ class AsyncDriver:
 
     def __init__(self, url: str, **redis_kwargs: Any) -> None:
         self.url = url
-        self.redis = aioredis.Redis.from_url(
-            url,
-            retry=_async_retry(),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            health_check_interval=30,
-            **redis_kwargs,
-        )
+        self.redis = aioredis.Redis.from_url(url, **{**connection_options(AsyncRetry), **redis_kwargs})
         self._loaded = False
 
     async def run(self, op: Operation) -> Any:
