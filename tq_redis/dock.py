@@ -74,34 +74,40 @@ or the difference only adds to what it accepts):
   ``get_incomplete_response_num`` count a row's rollout complete once its ``responses`` are put
   (with ``max_age=1`` a rollout is never continued; MindSpeed only tracks completion under partial
   rollout and returns constants otherwise).
+
+This module holds ``GRPOTransferDock`` (consumers, claims, metrics, request indexes) and is where
+to import the dock from; its parts: :mod:`tq_redis.dock_base` (the base class ``TransferDock``:
+shape, rows written and read by index, status), :mod:`tq_redis.dock_layout` (the padded layout
+and back) and :mod:`tq_redis.dock_metrics` (``DockMetrics`` and the log of updates).
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import logging
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torch.nn.utils.rnn import pad_sequence
 
-from tq_redis import bitmaps, kv, objects, ops, streaming
-from tq_redis.channel import resolve_target
+from tq_redis import ops, streaming
+from tq_redis.dock_base import DEFAULT_TIMEOUT_INTERVAL_S as DEFAULT_TIMEOUT_INTERVAL_S
+from tq_redis.dock_base import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from tq_redis.dock_base import WAIT_SLICE_S, TransferDock, extend_names, int_at_least
+from tq_redis.dock_layout import LAYOUTS as LAYOUTS
+from tq_redis.dock_layout import ORIGINAL_LENGTH as ORIGINAL_LENGTH
+from tq_redis.dock_layout import as_layout, check_layout, unpadded
+from tq_redis.dock_metrics import DockMetrics as DockMetrics
+from tq_redis.dock_metrics import encode_update, replay
 from tq_redis.driver import Cmd, Pipe, Wait
-from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
+from tq_redis.errors import BatchSizeMismatch, InvalidArgument
 from tq_redis.metadata import BatchMeta
 from tq_redis.samplers import karmarkar_karp
 from tq_redis.schemas import to_batchmeta_schema
-from tq_redis.sync import TransferQueueClient
 
 Op = ops.Op
-log = logging.getLogger(__name__)
 
 EXPERIENCE_COLUMNS = (
     "prompts", "prompt_length", "responses", "response_length", "attention_mask", "labels", "input_ids",
@@ -114,434 +120,7 @@ EXPERIENCE_CONSUMERS = (
 )
 SEQLEN_COLUMNS = ("prompt_length", "response_length")
 SEQLEN_BALANCE_CONSUMERS = ("ref_log_prob", "actor_log_prob", "reward_scores", "actor_train")
-ORIGINAL_LENGTH = "original_length"
-LAYOUTS = ("padded", "jagged")
-DEFAULT_TIMEOUT_S = 300
-DEFAULT_TIMEOUT_INTERVAL_S = 5
 _CLAIM_RETRIES = 16
-_WAIT_SLICE_S = 5.0
-
-
-# ------------------------------------------------------------------ argument checks
-
-
-def _int_at_least(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise InvalidArgument(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _seconds(name: str, value: Any, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidArgument(f"{name} must be a number of seconds > 0 (or None for {default}), got {value!r}")
-    return value
-
-
-def _layout(value: str) -> str:
-    if value not in LAYOUTS:
-        raise InvalidArgument(f"layout must be one of {LAYOUTS}, got {value!r}")
-    return value
-
-
-def _extend(base: Sequence[str], extra: Sequence[str] | None) -> list[str]:
-    out = list(base)
-    for name in extra or ():
-        if name not in out:
-            out.append(name)
-    return out
-
-
-# ------------------------------------------------------------------ rows in, rows out
-
-
-def _rows(name: str, value: Any) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return list(value.unbind(0)) if value.ndim else [value]
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        return list(value)
-    raise InvalidArgument(f"column {name!r}: give a tensor (one row per index) or a list of rows")
-
-
-def _lengths(value: Any, expected: int) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        lengths = value.reshape(-1).tolist()
-    elif isinstance(value, Sequence):
-        lengths = [int(v) for v in value]
-    else:
-        raise InvalidArgument(f"{ORIGINAL_LENGTH} must be a tensor or a list of row lengths")
-    if len(lengths) != expected:
-        raise BatchSizeMismatch(
-            f"{ORIGINAL_LENGTH} holds {len(lengths)} lengths but the columns hold {expected} rows; it needs "
-            f"one length per row, column after column (as padding_dict_to_tensor_dict makes it)"
-        )
-    if any(n < 0 for n in lengths):
-        raise InvalidArgument(f"{ORIGINAL_LENGTH} holds negative lengths")
-    return [int(n) for n in lengths]
-
-
-def _unpadded(data_dict: Mapping[str, Any]) -> dict[str, list[Any]]:
-    """Column -> rows; with ``original_length`` each row is cut back to its length (padding dropped)."""
-    if not hasattr(data_dict, "items"):
-        raise InvalidArgument(f"data_dict must be a dict or TensorDict of columns, got {type(data_dict).__name__}")
-    items = [(str(k), v) for k, v in data_dict.items() if v is not None]
-    columns = {k: _rows(k, v) for k, v in items if k != ORIGINAL_LENGTH}
-    raw_lengths = next((v for k, v in items if k == ORIGINAL_LENGTH), None)
-    if raw_lengths is None:
-        return columns
-    lengths = iter(_lengths(raw_lengths, sum(len(r) for r in columns.values())))
-    out = {}
-    for name, rows in columns.items():
-        cut = []
-        for row in rows:
-            n = next(lengths)
-            if isinstance(row, torch.Tensor) and row.ndim:
-                if n > row.shape[0]:
-                    raise InvalidArgument(f"column {name!r}: {ORIGINAL_LENGTH} {n} exceeds the row's {row.shape[0]}")
-                row = row[:n]
-            cut.append(row)
-        out[name] = cut
-    return out
-
-
-def _column(name: str, rows: list[Any]) -> Any:
-    """One field: dense for scalar rows, a jagged nested tensor for tensor rows (lengths may vary)."""
-    if all(isinstance(r, torch.Tensor) for r in rows):
-        if all(r.ndim == 0 for r in rows):
-            return torch.stack(rows)
-        try:
-            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-        except (RuntimeError, ValueError) as exc:
-            raise InvalidArgument(f"column {name!r}: rows must share dtype and all but the first dim ({exc})") from exc
-    return rows
-
-
-def _row_tensors(name: str, value: Any) -> list[torch.Tensor]:
-    if not isinstance(value, torch.Tensor):
-        raise InvalidArgument(
-            f"column {name!r} holds non-tensor rows, which the padded layout cannot return; use layout='jagged'"
-        )
-    return list(value.unbind())
-
-
-def _padded(name: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """Rows zero-padded along their first dimension, and each row's length (1 for a scalar)."""
-    if all(r.ndim == 0 for r in rows):
-        return torch.stack(rows), [1] * len(rows)
-    if any(r.ndim == 0 for r in rows):
-        raise InvalidArgument(f"column {name!r} mixes scalar and tensor rows; get it with layout='jagged'")
-    try:
-        padded = pad_sequence(rows, batch_first=True, padding_value=0)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidArgument(
-            f"column {name!r}: rows differ beyond their first dimension or in dtype ({exc}); "
-            f"get it with layout='jagged'"
-        ) from exc
-    return padded, [int(r.shape[0]) for r in rows]
-
-
-def _as_layout(td: TensorDict, columns: list[str], layout: str) -> TensorDict:
-    if layout == "jagged":
-        return td
-    batch: dict[str, torch.Tensor] = {}
-    lengths: list[int] = []
-    for name in columns:
-        batch[name], row_lengths = _padded(name, _row_tensors(name, td[name]))
-        lengths.extend(row_lengths)
-    batch[ORIGINAL_LENGTH] = torch.tensor(lengths, dtype=torch.int64)
-    return TensorDict.from_dict(batch)
-
-
-def _rebuild(cls: type, args: tuple, kwargs: dict) -> Any:
-    return cls(*args, **kwargs)
-
-
-def _one(effect: Any) -> Op:
-    return (yield effect)
-
-
-# ------------------------------------------------------------------ metrics
-
-
-class DockMetrics:
-    """The metrics a dock keeps when it was built without ``metrics=``: MindSpeed-RL's ``Metric`` contract.
-
-    ``metric`` maps a name to its value. ``update(key, value)`` sets one; ``update(value=dict)``
-    sets several; with ``cumulate=True`` the values (lists) are appended to what is there (a
-    name not there yet starts as a list of them; a name holding a non-list value is replaced).
-    """
-
-    def __init__(self) -> None:
-        self.metric: dict[str, Any] = {}
-
-    def update(self, key: str = "", value: Any = None, cumulate: bool = False) -> None:
-        """Set (or with ``cumulate`` append to) ``key``, or every key of a dict ``value``."""
-        pairs = list(value.items()) if isinstance(value, Mapping) else [(key, value)]
-        for name, item in pairs:
-            if not cumulate:
-                self.metric[name] = item
-            elif isinstance(self.metric.get(name), list):
-                self.metric[name].extend(item)
-            elif name in self.metric:
-                self.metric[name] = item
-            else:
-                self.metric[name] = list(item)
-
-    def reset(self) -> None:
-        """Forget every metric."""
-        self.metric = {}
-
-    def __repr__(self) -> str:
-        return f"DockMetrics({self.metric!r})"
-
-
-# ------------------------------------------------------------------ the base dock
-
-
-class TransferDock:
-    """Rows x columns of experience kept in Redis: MindSpeed-RL's ``TransferDock`` base class.
-
-    Args:
-        prompts_num: prompts per step; the dock has ``prompts_num * n_samples_per_prompt`` rows.
-        n_samples_per_prompt: responses per prompt (rows ``[p*n, (p+1)*n)`` belong to prompt p).
-        experience_columns: the column names.
-        timeout: seconds a read by index waits before it logs a warning (None: 300).
-        timeout_interval: seconds between those warnings (None: 5).
-        redis_url / namespace: where the dock lives (default: ``tq_redis.init()``'s, or
-            ``TQ_REDIS_URL`` / ``TQ_NAMESPACE``).
-        name: the dock to attach to (its partition is ``dock.<name>``); None makes a new one.
-        layout: ``"padded"`` (MindSpeed's result layout) or ``"jagged"`` (nested tensors).
-    """
-
-    def __init__(
-        self,
-        prompts_num: int,
-        n_samples_per_prompt: int,
-        experience_columns: Sequence[str] | None,
-        timeout: float | None = None,
-        timeout_interval: float | None = None,
-        *,
-        redis_url: str | None = None,
-        namespace: str | None = None,
-        name: str | None = None,
-        layout: str = "padded",
-    ) -> None:
-        self.prompts_num = _int_at_least("prompts_num", prompts_num, 1)
-        self.n_samples_per_prompt = _int_at_least("n_samples_per_prompt", n_samples_per_prompt, 1)
-        self.max_len = self.prompts_num * self.n_samples_per_prompt
-        self.experience_columns = _extend((), experience_columns)
-        self.timeout = _seconds("timeout", timeout, DEFAULT_TIMEOUT_S)
-        self.timeout_interval = _seconds("timeout_interval", timeout_interval, DEFAULT_TIMEOUT_INTERVAL_S)
-        self.layout = _layout(layout)
-        self.name = name if name is not None else uuid.uuid4().hex
-        try:
-            url, ns, allow_pickle = resolve_target(redis_url, namespace)
-        except ConfigError:
-            raise ConfigError(
-                f"{type(self).__name__} needs the Redis URL: pass redis_url=, export TQ_REDIS_URL (for a Ray actor: "
-                f"options(runtime_env={{'env_vars': {{'TQ_REDIS_URL': ...}}}})), or call tq_redis.init() first "
-                f"(in this process, or in the Ray job's driver: its actors then find that system)"
-            ) from None
-        self.redis_url, self.namespace = url, ns
-        self.partition_id = f"dock.{self.name}"
-        self._client = TransferQueueClient(url, ns, allow_pickle=allow_pickle)
-        self._ctx = self._client.context
-        self._pk = self._ctx.keys(self.partition_id)
-        self._shape_key = self._pk.prefix + "dock"
-        self._state_key = self._pk.prefix + "dockstate"
-        self._metrics_key = self._pk.prefix + "dockmetrics"
-        self._spec: tuple[tuple, dict] = (
-            (prompts_num, n_samples_per_prompt, experience_columns, timeout, timeout_interval),
-            self._where(),
-        )
-        try:
-            self._register_shape()
-        except BaseException:
-            self._client.close()
-            raise
-
-    def _where(self) -> dict[str, Any]:
-        return {"redis_url": self.redis_url, "namespace": self.namespace, "name": self.name, "layout": self.layout}
-
-    def __reduce__(self):
-        # a dock pickles to its address: the copy attaches to the same rows
-        return _rebuild, (type(self), *self._spec)
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, {self.prompts_num} prompts x "
-                f"{self.n_samples_per_prompt}, namespace={self.namespace!r})")
-
-    def _run(self, op: Op) -> Any:
-        return self._client.run(op)
-
-    def _cmd(self, *args: Any) -> Any:
-        return self._run(_one(Cmd(args)))
-
-    def _register_shape(self) -> None:
-        shape = (self.prompts_num, self.n_samples_per_prompt)
-        _, _, got = self._run(_one(Pipe((
-            Cmd(("HSETNX", self._shape_key, "prompts_num", shape[0])),
-            Cmd(("HSETNX", self._shape_key, "n_samples_per_prompt", shape[1])),
-            Cmd(("HMGET", self._shape_key, "prompts_num", "n_samples_per_prompt")),
-        ))))
-        registered = tuple(int(v) for v in got)
-        if registered != shape:
-            raise InvalidArgument(
-                f"dock {self.name!r} in namespace {self.namespace!r} has {registered[0]} prompts x {registered[1]} "
-                f"samples, not {shape[0]} x {shape[1]}; give this dock another name= (or leave name out for a new one)"
-            )
-
-    # -- validation --------------------------------------------------------------------------
-
-    def _check_columns(self, columns: Sequence[str]) -> list[str]:
-        if isinstance(columns, str):
-            columns = [columns]
-        unknown = [c for c in columns if c not in self.experience_columns]
-        if unknown:
-            raise InvalidArgument(
-                f"columns {unknown} are not dock columns {self.experience_columns}; add them with addition_columns="
-            )
-        return _extend((), columns)
-
-    def _check_indexes(self, indexes: Sequence[int], *, unique: bool = True) -> list[int]:
-        try:
-            out = [int(i) for i in indexes]
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"indexes must be a list of row numbers, got {indexes!r:.80}") from exc
-        if not out:
-            raise InvalidArgument("indexes is empty: name at least one row")
-        bad = [i for i in out if not 0 <= i < self.max_len]
-        if bad:
-            raise InvalidArgument(f"indexes {bad[:10]} are outside the dock's rows [0, {self.max_len})")
-        if unique and len(set(out)) != len(out):
-            raise InvalidArgument("indexes must be unique: each row is written once per put")
-        return out
-
-    # -- writing and reading rows ------------------------------------------------------------
-
-    def _write(self, columns: dict[str, list[Any]], rows: list[int]) -> None:
-        fields = TensorDict({c: _column(c, r) for c, r in columns.items()}, batch_size=[len(rows)])
-        tags = [{"uid": i // self.n_samples_per_prompt, "dock_index": i} for i in rows]
-        self._client.kv_batch_put([str(i) for i in rows], self.partition_id, fields, tags)
-
-    def _put(self, experience_columns: Sequence[str], experience: Sequence[Sequence[Any]],
-             indexes: Sequence[int]) -> None:
-        """Write ``experience[j][k]`` as column ``experience_columns[j]`` of row ``indexes[k]``."""
-        columns = self._check_columns(experience_columns)
-        if len(columns) != len(experience):
-            raise BatchSizeMismatch(f"{len(columns)} columns but {len(experience)} lists of rows")
-        rows = self._check_indexes(indexes)
-        counts = [len(values) for values in experience]
-        if any(c != len(rows) for c in counts):
-            raise BatchSizeMismatch(f"{len(rows)} indexes but the columns hold {counts} rows")
-        self._write({c: list(v) for c, v in zip(columns, experience)}, rows)
-
-    def _get(self, experience_columns: Sequence[str], indexes: Sequence[int]) -> list[list[Any]]:
-        """The rows ``indexes`` of each column (waiting until they are put), column after column."""
-        columns = self._check_columns(experience_columns)
-        rows = self._check_indexes(indexes, unique=False)
-        meta = self._run(self._read_rows(rows, columns, None))
-        td = self._client.get_data(meta)
-        return [_row_tensors(c, td[c]) for c in columns]
-
-    def _last_event(self) -> Op:
-        last = yield Cmd(("XREVRANGE", self._pk.events, "+", "-", "COUNT", 1))
-        return last[0][0].decode() if last else "0-0"
-
-    def _read_rows(self, rows: list[int], columns: list[str], timeout: float | None,
-                   consumer: str | None = None) -> Op:
-        """BatchMeta of ``rows`` (in order, repeats allowed) once their columns are stored.
-
-        Waits up to ``timeout`` seconds (None: as long as it takes, warning after ``self.timeout``
-        and then every ``self.timeout_interval``); marks the rows consumed by ``consumer``.
-        """
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        warn_at = started + self.timeout
-        unique = list(dict.fromkeys(rows))
-        keys = [str(i) for i in unique]
-        while True:
-            last = yield from self._last_event()
-            res = yield from kv.resolve(self._ctx, self._pk, keys, False, [])
-            if res is not None and min(res.ids) >= 0 and all(c in res.schemas for c in columns):
-                break
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError(f"dock rows {unique[:10]} did not get columns {columns} within {timeout}s")
-            if now >= warn_at:
-                log.warning("dock %r: rows %s have waited %.0fs for columns %s", self.name, unique[:10],
-                            now - started, columns)
-                warn_at = now + self.timeout_interval
-            slice_s = min(_WAIT_SLICE_S, max(0.001, warn_at - now))
-            if deadline is not None:
-                slice_s = min(slice_s, deadline - now)
-            yield Wait(self._pk.events, last, slice_s)
-        if consumer is not None:
-            yield Pipe((
-                Cmd(("SADD", self._pk.tasks, consumer)),
-                Cmd(("BITFIELD", self._pk.cons(consumer), *[x for i in res.ids for x in ("SET", "u1", i, 1)])),
-            ))
-        position = {row: k for k, row in enumerate(unique)}
-        return res.meta(self.partition_id, columns, [position[r] for r in rows])
-
-    def _row_status(self, bitmap_keys: list[str]) -> Op:
-        """Per bitmap key, a 0/1 int32 tensor over the dock's rows (bit of each row's sample id)."""
-        ids = yield Cmd(("HMGET", self._pk.kv, *[str(i) for i in range(self.max_len)]))
-        raws = (yield Pipe(tuple(Cmd(("GET", key)) for key in bitmap_keys))) if bitmap_keys else []
-        rows = np.array([row for row, sid in enumerate(ids) if sid is not None], dtype=np.int64)
-        sids = np.array([int(sid) for sid in ids if sid is not None], dtype=np.int64)
-        out = []
-        for raw in raws:
-            bits = bitmaps.unpack(raw)
-            status = np.zeros(self.max_len, dtype=np.int32)
-            inside = sids < len(bits)
-            status[rows[inside]] = bits[sids[inside]]
-            out.append(torch.from_numpy(status))
-        return out
-
-    def _column_status(self, columns: Sequence[str]) -> dict[str, torch.Tensor]:
-        status = self._run(self._row_status([self._pk.prod(c) for c in columns]))
-        return dict(zip(columns, status))
-
-    # -- MindSpeed's base-class API -------------------------------------------------------------
-
-    def get_experience_data(self) -> dict[str, list[Any]]:
-        """Every column's rows: ``{column: [row value, or None where not put]}``."""
-        status = self._column_status(self.experience_columns)
-        out: dict[str, list[Any]] = {}
-        for column in self.experience_columns:
-            rows = torch.nonzero(status[column]).flatten().tolist()
-            values: list[Any] = [None] * self.max_len
-            if rows:
-                meta = self._run(self._read_rows(rows, [column], 0.0))
-                got = self._client.get_data(meta)[column]
-                for row, value in zip(rows, got.unbind() if isinstance(got, torch.Tensor) else got):
-                    values[row] = value
-            out[column] = values
-        return out
-
-    def get_experience_status(self) -> dict[str, torch.Tensor]:
-        """Per column, an int32 tensor over the rows: 1 where the column is put."""
-        return self._column_status(self.experience_columns)
-
-    @property
-    def experience_data(self) -> dict[str, list[Any]]:
-        """A snapshot of :meth:`get_experience_data` (MindSpeed's attribute; read-only here)."""
-        return self.get_experience_data()
-
-    @property
-    def experience_data_status(self) -> dict[str, torch.Tensor]:
-        """A snapshot of :meth:`get_experience_status` (MindSpeed's attribute; read-only here)."""
-        return self.get_experience_status()
-
-    def get_experience_len(self) -> int:
-        """Rows of the dock (``prompts_num * n_samples_per_prompt``)."""
-        return self.max_len
-
-    def close(self) -> None:
-        """Close this process's connection (the dock stays)."""
-        self._client.close()
 
 
 # ------------------------------------------------------------------ MindSpeed's GRPO dock
@@ -586,7 +165,7 @@ class GRPOTransferDock(TransferDock):
         name: str | None = None,
         layout: str = "padded",
     ) -> None:
-        if _int_at_least("max_age", max_age, 1) > 1:
+        if int_at_least("max_age", max_age, 1) > 1:
             raise InvalidArgument(
                 f"max_age={max_age} asks for MindSpeed-RL's partial rollout, which tq_redis's dock does not "
                 f"implement; use max_age=1"
@@ -597,13 +176,13 @@ class GRPOTransferDock(TransferDock):
                 f"got {type(metrics).__name__}"
             )
         self.max_age = 1
-        self.GBS_train = _int_at_least("GBS_train", GBS_train, 0)
+        self.GBS_train = int_at_least("GBS_train", GBS_train, 0)
         self.enable_partial_rollout = False
         self.metrics = metrics
-        self.experience_consumers = _extend(EXPERIENCE_CONSUMERS, addition_consumers)
+        self.experience_consumers = extend_names(EXPERIENCE_CONSUMERS, addition_consumers)
         self.batch_seqlen_balance_mapper = {c: list(SEQLEN_COLUMNS) for c in SEQLEN_BALANCE_CONSUMERS}
         super().__init__(
-            prompts_num, n_samples_per_prompt, _extend(EXPERIENCE_COLUMNS, addition_columns), timeout,
+            prompts_num, n_samples_per_prompt, extend_names(EXPERIENCE_COLUMNS, addition_columns), timeout,
             timeout_interval, redis_url=redis_url, namespace=namespace, name=name, layout=layout,
         )
         self._spec = (
@@ -621,36 +200,14 @@ class GRPOTransferDock(TransferDock):
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def _new_metrics(self) -> Any:
-        if self.metrics is None:
-            return DockMetrics()
-        fresh = copy.deepcopy(self.metrics)
-        if callable(getattr(fresh, "reset", None)):
-            fresh.reset()
-        elif hasattr(fresh, "metric"):
-            fresh.metric = {}
-        return fresh
-
     def update_metrics(self, key: str = "", value: Any = None, cumulate: bool = False) -> None:
         """Record ``metrics.update(key, value, cumulate=cumulate)`` for every process of the dock."""
-        try:
-            self._new_metrics().update(key, value, cumulate=cumulate)
-        except Exception as exc:  # the metrics object's own check; nothing is recorded
-            raise InvalidArgument(
-                f"update_metrics({key!r}, {value!r:.60}, cumulate={cumulate}) is rejected by the metrics object "
-                f"({exc}); with cumulate=True give a list (or a dict of lists)"
-            ) from exc
-        entry = objects.encode_object([key, value, bool(cumulate)], allow_pickle=self._ctx.allow_pickle)
+        entry = encode_update(self.metrics, key, value, cumulate, allow_pickle=self._ctx.allow_pickle)
         self._cmd("RPUSH", self._metrics_key, entry)
 
     def get_metrics(self) -> Any:
         """A copy of the ``metrics`` object holding every update since the last ``clear``."""
-        entries = self._cmd("LRANGE", self._metrics_key, 0, -1)
-        out = self._new_metrics()
-        for raw in entries:
-            key, value, cumulate = objects.decode_object(raw, allow_pickle=self._ctx.allow_pickle)
-            out.update(key, value, cumulate=cumulate)
-        return out
+        return replay(self.metrics, self._cmd("LRANGE", self._metrics_key, 0, -1), allow_pickle=self._ctx.allow_pickle)
 
     # -- request indexes ---------------------------------------------------------------------
 
@@ -661,7 +218,7 @@ class GRPOTransferDock(TransferDock):
 
     def prefetch_request_index(self, experience_num: int) -> list[int] | None:
         """The next ``experience_num`` row numbers (fewer at the end of the dock); None once all are given."""
-        num = _int_at_least("experience_num", experience_num, 0)
+        num = int_at_least("experience_num", experience_num, 0)
         end = int(self._cmd("HINCRBY", self._state_key, "cur_index", num))
         first = end - num
         if first >= self.max_len:
@@ -689,7 +246,7 @@ class GRPOTransferDock(TransferDock):
         ``repeat_prompts`` every row is a prompt, stored in its ``n_samples_per_prompt`` rows, and
         ``indexes`` (if given) are prompt numbers.
         """
-        columns = _unpadded(data_dict)
+        columns = unpadded(data_dict)
         self._check_columns(list(columns))
         if not columns:
             raise InvalidArgument("put_experience: data_dict has no column")
@@ -743,22 +300,22 @@ class GRPOTransferDock(TransferDock):
         ``dp_size`` and ``allow_partial_ready_data`` only matter for partial rollout.
         """
         self._check_consumer(consumer)
-        _int_at_least("dp_size", dp_size, 1)
-        layout = _layout(layout if layout is not None else self.layout)
+        int_at_least("dp_size", dp_size, 1)
+        layout = check_layout(layout if layout is not None else self.layout)
         columns = self._check_columns(experience_columns)
         if not columns:
             raise InvalidArgument("experience_columns is empty: name the columns to get")
         if indexes is not None:
             rows = self._check_indexes(indexes, unique=False)
             meta = self._run(self._read_rows(rows, columns, timeout, consumer))
-            return _as_layout(self._client.get_data(meta), columns, layout), rows
+            return as_layout(self._client.get_data(meta), columns, layout), rows
         count = self._check_count(experience_count, get_n_samples)
         balanced = use_batch_seqlen_balance and consumer in self.batch_seqlen_balance_mapper
         meta = self._run(self._claim(consumer, columns, count, get_n_samples, balanced, timeout))
         if meta is None:
             return None, None
         rows = [int(m["dock_index"]) for m in meta.custom_meta]
-        return _as_layout(self._client.get_data(meta), columns, layout), rows
+        return as_layout(self._client.get_data(meta), columns, layout), rows
 
     def _check_count(self, count: Any, get_n_samples: bool) -> int:
         if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 1:
@@ -797,7 +354,7 @@ class GRPOTransferDock(TransferDock):
             remaining = deadline - time.monotonic()
             if meta is not None or remaining <= 0:
                 return meta
-            yield Wait(self._pk.events, last, min(remaining, _WAIT_SLICE_S))
+            yield Wait(self._pk.events, last, min(remaining, WAIT_SLICE_S))
 
     def _claim_balanced(self, consumer: str, columns: list[str], count: int, grouped: bool) -> Op:
         """Choose a seqlen-balanced set of ready rows in the client and claim it if still free."""

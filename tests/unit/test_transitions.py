@@ -89,7 +89,8 @@ def test_no_module_but_transitions_builds_an_fcall():
 
 
 def test_the_user_sampler_claim_loop_is_written_once():
-    """Only ``ops.claim_choice`` reads a ready set and claims a choice; the dock reuses it."""
+    """Only ``claim_choice`` (``tq_redis/ops_claim.py``, public as ``ops.claim_choice``) reads a ready
+    set and claims a choice; the dock reuses it."""
     users: set[tuple[str, str]] = set()
     for path in (ROOT / "tq_redis").rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -99,7 +100,7 @@ def test_the_user_sampler_claim_loop_is_written_once():
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and node.attr in ("ready_ids", "claim_ids"):
                     users.add((path.name, fn.name))
-    assert users == {("ops.py", "claim_choice")}
+    assert users == {("ops_claim.py", "claim_choice")}
     dock = (ROOT / "tq_redis" / "dock.py").read_text(encoding="utf-8")
     assert "ops.claim_choice(" in dock
 

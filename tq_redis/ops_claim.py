@@ -1,0 +1,327 @@
+"""Claims: ``get_meta`` hands a task a batch of ready samples, waiting for one if asked to, and
+``settle`` acks, nacks or extends the leases of what was handed out.
+
+A built-in sampler runs inside the ``claim`` script (one round trip; with nothing to claim the
+same script registers the waiter). Any other sampler runs here, on the ready set, and
+:func:`claim_choice` claims its choice only if every id is still free; it is the one loop that
+reads a ready set and claims a choice, and facades with their own choosers (the dock's balanced
+claim) reuse it. A consumer that finds nothing waits for a wake token on the task's wake list:
+each event wakes one waiting consumer, who passes the token on if it got something.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tq_redis import samplers, transitions
+from tq_redis.driver import Cmd, WaitToken
+from tq_redis.errors import InvalidArgument
+from tq_redis.keys import PartitionKeys, check_name, config_key
+from tq_redis.metadata import BatchMeta
+from tq_redis.ops_context import Context, Op, batchmeta_schema, check_fields, group_by_partition
+from tq_redis.ops_data import allocate
+from tq_redis.ops_status import describe_partition
+from tq_redis.transitions import ClaimReply
+
+MODES = ("fetch", "force_fetch", "insert")
+
+# A user sampler whose choice keeps being taken by other consumers gives up after this many tries.
+USER_SAMPLER_ATTEMPTS = 16
+
+# The per-sample key of the delivery count a sample was handed out with (its fencing token).
+_DELIVERY = "_delivery"
+
+# ------------------------------------------------------------------ get_meta
+
+
+def get_meta(
+    ctx: Context,
+    data_fields: Sequence[str],
+    batch_size: int,
+    partition_id: str,
+    mode: str = "fetch",
+    task_name: str | None = None,
+    sampling_config: dict[str, Any] | None = None,
+    timeout: float = 0.0,
+    lease_s: float | None = None,
+    max_deliveries: int | None = None,
+) -> Op:
+    """Claim a batch for ``task_name`` (fetch) or describe every sample (force_fetch).
+
+    The sampler is ``sampling_config["sampler"]`` or the namespace default. A built-in runs
+    inside the ``claim`` script (one round trip); any other sampler runs here on the ready list
+    and its choice is claimed with ``claim_ids`` only if still free (see :mod:`tq_redis.samplers`).
+    ``max_deliveries`` (or ``sampling_config["max_deliveries"]``) bounds redeliveries of a leased
+    sample; past it the sample goes to the task's poison set.
+    """
+    fields = check_fields(data_fields)
+    if mode not in MODES:
+        raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+    pk = ctx.keys(partition_id)
+    if mode == "force_fetch":
+        return (yield from describe_partition(ctx, pk, fields))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
+        raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = int(batch_size)
+    if mode == "insert":
+        return (yield from allocate(ctx, pk, fields, batch_size))
+    if task_name is None:
+        raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
+    check_name("task_name", task_name)
+    if timeout is None or timeout < 0:
+        raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}")
+    if lease_s is not None and lease_s <= 0:
+        raise InvalidArgument(f"lease_s must be > 0 seconds (or None for no lease), got {lease_s!r}")
+    if sampling_config is not None and not isinstance(sampling_config, dict):
+        raise InvalidArgument(f"sampling_config must be a dict, got {type(sampling_config).__name__}")
+    config = dict(sampling_config or {})
+    lease_ms = max(1, int(lease_s * 1000)) if lease_s else 0
+    if max_deliveries is None:
+        max_deliveries = config.get("max_deliveries", 0)
+    if isinstance(max_deliveries, bool) or not isinstance(max_deliveries, int) or max_deliveries < 0:
+        raise InvalidArgument(f"max_deliveries must be an integer >= 0 (0 = unlimited), got {max_deliveries!r}")
+    spec = config.get("sampler")
+    sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
+    if samplers.is_builtin(sampler):
+        plan = samplers.builtin_plan(sampler, config, batch_size)
+        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields)
+    else:
+        attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
+    # Waiting is for a wake token, not for any event: each event wakes one waiting consumer of
+    # the task (who wakes the next if it got something), never all of them at once.
+    deadline = time.monotonic() + timeout
+    waiter = uuid.uuid4().hex if timeout > 0 else None
+    user_registered = False  # whether the user-sampler path registered the waiter
+    while True:
+        wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
+        meta, last_id, next_deadline, registered = yield from attempt(waiter, max(wait_ms, 0))
+        remaining = deadline - time.monotonic()
+        if meta is not None or remaining <= 0:
+            if user_registered:  # stop counting as a waiter, so no token is spent on us
+                yield Cmd(("ZREM", pk.waiters(task_name), waiter))
+            if meta is None:
+                return BatchMeta.empty()
+            meta.set_extra_info("task_name", task_name)
+            return meta
+        if not registered:  # the user-sampler path: register unless something changed meanwhile
+            wait_ms = max(1, int(remaining * 1000))
+            registered = yield from transitions.wait(pk, task_name, waiter, wait_ms, last_id).call()
+            user_registered = user_registered or registered
+        if next_deadline >= 0:  # a lease of this task lapses sooner: re-check then
+            remaining = min(remaining, max(0.001, (next_deadline - transitions.clock_ms()) / 1000))
+        if registered:
+            yield WaitToken(pk.wake(task_name), remaining)
+
+
+def _default_sampler(ctx: Context) -> Op:
+    """The client's default sampler: its context's, else what ``init`` got in this process for
+    the namespace (class or instance included), else the spec ``init`` recorded in
+    ``<ns>:config``; resolved once per client."""
+    if ctx.resolved_sampler is not None:
+        return ctx.resolved_sampler
+    spec = ctx.default_sampler
+    if spec is None:
+        spec = samplers.process_default(ctx.redis_url, ctx.namespace)
+    if spec is not None:
+        sampler = samplers.resolve_sampler(spec)
+    else:
+        raw = yield Cmd(("HGET", config_key(ctx.namespace), "sampler"))
+        sampler = samplers.sampler_from_spec(raw)
+    ctx.resolved_sampler = sampler
+    return sampler
+
+
+def _builtin_claim(
+    pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str]
+):
+    """One claim with a built-in sampler: an attempt ``(waiter, wait_ms)`` yielding ``(meta|None,
+    last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself."""
+
+    def attempt(waiter: str | None, wait_ms: int) -> Op:
+        got = yield from transitions.claim(
+            pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms
+        ).call()
+        meta = _claimed_meta(pk.partition, got) if got.ids else None
+        return meta, got.last_event_id, got.next_deadline_ms, got.registered
+
+    return attempt
+
+
+def _checked_choice(name: str, chosen: Any, ready: set[int], sampler: samplers.BaseSampler) -> list[int]:
+    try:
+        ids = [int(i) for i in chosen]
+    except (TypeError, ValueError):
+        raise samplers.SamplerError(
+            f"{type(sampler).__name__}.sample() must return two lists of sample ids; {name} is {chosen!r}"
+        ) from None
+    if len(set(ids)) != len(ids):
+        raise samplers.SamplerError(f"{type(sampler).__name__}.sample() returned duplicate ids in {name}: {ids[:10]}")
+    strays = [i for i in ids if i not in ready]
+    if strays:
+        raise samplers.SamplerError(
+            f"{type(sampler).__name__}.sample() chose ids {strays[:10]} in {name} that were not in ready_indexes"
+        )
+    return ids
+
+
+Chooser = Callable[[list[int]], Op]
+"""Picks from a task's ready ids (ascending): a generator, which may yield effects, returning
+``(sampled, consumed)`` (see :meth:`tq_redis.samplers.BaseSampler.sample`) or None to take nothing."""
+
+
+class ChoiceClaim(NamedTuple):
+    """What :func:`claim_choice` got."""
+
+    meta: BatchMeta | None  # the claimed batch, None if nothing was claimed
+    last_event_id: str  # what to wait from when nothing was claimed
+    next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
+    exhausted: bool  # every attempt's choice was taken by other consumers first
+    lost: list[int]  # then: the ids the last attempt lost
+
+
+def claim_choice(
+    pk: PartitionKeys,
+    task: str,
+    fields: list[str],
+    batch_size: int,
+    choose: Chooser,
+    *,
+    lease_ms: int = 0,
+    max_deliveries: int = 0,
+    attempts: int = 0,
+) -> Op:
+    """Claim for ``task`` what ``choose`` picks from the samples ready for it, if still free.
+
+    Reads the ready set (``lua/ready_ids.lua``); with fewer than ``batch_size`` ready, or a
+    choice of nothing, claims nothing. The choice is claimed only if every id is still free
+    (``lua/claim_ids.lua``); when another consumer took one first, the loop starts over with a
+    fresh ready set, at most ``attempts`` times (0: :data:`USER_SAMPLER_ATTEMPTS`). Returns a
+    :class:`ChoiceClaim`; the caller decides what running out of attempts means.
+    """
+    last_id, next_deadline, lost = "", -1, []
+    for _ in range(attempts or USER_SAMPLER_ATTEMPTS):
+        ready = yield from transitions.ready_ids(pk, task, fields, max_deliveries=max_deliveries).call()
+        last_id, next_deadline = ready.last_event_id, ready.next_deadline_ms
+        if len(ready.ids) < batch_size:
+            break
+        choice = yield from choose(ready.ids)
+        if choice is None or not choice[0]:
+            break
+        sampled, consumed = choice
+        got = yield from transitions.claim_ids(pk, task, sampled, consumed, fields, lease_ms=lease_ms).call()
+        if got.claimed is not None:
+            done = got.claimed
+            return ChoiceClaim(_claimed_meta(pk.partition, done), done.last_event_id, done.next_deadline_ms, False, [])
+        if got.partition_missing:
+            break
+        lost = got.taken
+    else:
+        return ChoiceClaim(None, last_id, next_deadline, True, lost)
+    return ChoiceClaim(None, last_id, next_deadline, False, [])
+
+
+def _user_claim(
+    pk: PartitionKeys,
+    sampler: samplers.BaseSampler,
+    config: dict[str, Any],
+    batch_size: int,
+    task: str,
+    lease_ms: int,
+    max_deliveries: int,
+    fields: list[str],
+):
+    """One claim with a user's Python sampler (:func:`claim_choice`): read the ready set, let the
+    sampler choose, and claim the choice only if every id is still free; on a conflict, try
+    again with a fresh ready set, up to :data:`USER_SAMPLER_ATTEMPTS` times, then raise."""
+    kwargs = {k: v for k, v in config.items() if k not in ("sampler", "max_deliveries")}
+    kwargs.update(task_name=task, partition_id=pk.partition)
+
+    def choose(ready: list[int]) -> Op:
+        yield from ()  # the sampler runs here, with no Redis call
+        sampled, consumed = sampler.sample(ready, batch_size, **kwargs)
+        ready_set = set(ready)
+        sampled = _checked_choice("sampled", sampled, ready_set, sampler)
+        consumed = _checked_choice("consumed", consumed, ready_set, sampler)
+        return sampled, consumed
+
+    def attempt(waiter: str | None, wait_ms: int) -> Op:  # waiting is registered by get_meta (`wait`)
+        got = yield from claim_choice(
+            pk, task, fields, batch_size, choose, lease_ms=lease_ms, max_deliveries=max_deliveries
+        )
+        if got.exhausted:
+            raise samplers.SamplerError(
+                f"{type(sampler).__name__} lost its choice to other consumers {USER_SAMPLER_ATTEMPTS} times in a "
+                f"row (last taken: {got.lost[:10]}); make it pick less contended samples, e.g. spread choices at "
+                f"random"
+            )
+        return got.meta, got.last_event_id, got.next_deadline_ms, False
+
+    return attempt
+
+
+def _claimed_meta(partition_id: str, claimed: ClaimReply) -> BatchMeta:
+    n = len(claimed.ids)
+    meta = BatchMeta.from_columns(
+        claimed.ids,
+        partition_id,
+        batchmeta_schema(claimed.schemas),
+        production_status=np.ones(n, dtype=np.int8),
+        custom_meta=claimed.tags,
+    )
+    if claimed.deliveries:
+        counts = claimed.deliveries
+        meta.set_extra_info("delivery_counts", counts)
+        # Per sample too, so the fencing token follows a sample through select/chunk/concat.
+        meta._custom_backend_meta = [{_DELIVERY: d} for d in counts]
+    return meta
+
+
+# ------------------------------------------------------------------ leases and consumption
+
+
+def _fences(metadata: BatchMeta) -> list[int]:
+    """The delivery count each sample was handed out with (0 where unknown: settle unfenced)."""
+    n = metadata.size
+    rows = metadata._custom_backend_meta
+    fences = [int(row.get(_DELIVERY, 0)) for row in rows]
+    if not any(fences):
+        counts = metadata.get_extra_info("delivery_counts")
+        if isinstance(counts, list) and len(counts) == n:
+            fences = [int(c) for c in counts]
+    return fences
+
+
+def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease_s: float = 0.0) -> Op:
+    """ack / nack / extend the leases of ``metadata``'s samples; returns the ids not held.
+
+    Each sample's delivery count is sent along as a fencing token (``lua/settle.lua``): once a
+    lapsed lease was handed to another consumer, the old holder can no longer settle it.
+    """
+    check_name("task_name", task_name)
+    if action not in ("ack", "nack", "extend"):
+        raise InvalidArgument(f"settle action must be 'ack', 'nack' or 'extend', got {action!r}")
+    if action == "extend" and not lease_s > 0:
+        raise InvalidArgument(f"extend_lease needs seconds > 0, got {lease_s!r}")
+    fences = _fences(metadata)
+    not_held: list[int] = []
+    for pid, positions in group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        held_with, lease_ms = [fences[i] for i in positions], max(1, int(lease_s * 1000))
+        settled = yield from transitions.settle(pk, task_name, action, ids, held_with, lease_ms).call()
+        not_held.extend(settled.not_held)
+    return not_held
+
+
+def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = None) -> Op:
+    """``task_name`` (None: every task) consumes the partition from scratch; False when the
+    partition does not exist."""
+    pk = ctx.keys(partition_id)
+    if task_name is not None:
+        check_name("task_name", task_name)
+    return (yield from transitions.reset_consumption(pk, task_name).call())

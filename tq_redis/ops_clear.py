@@ -1,0 +1,87 @@
+"""Clearing operations: remove samples or a whole partition, and delete their bytes via the trash.
+
+Bits are cleared *before* bytes are deleted: the script that clears a sample's bits puts its id in
+the partition's trash (``ns:{p}:trash``), and the id leaves the trash only once the store has
+deleted its bytes. So when a store is unreachable, or the client dies, in between, the bytes wait
+in the trash and the next clear of those samples (or of the partition) deletes them; a put that
+fails after writing part of its batch cleans up the same way (:func:`discard_bytes`).
+"""
+
+from __future__ import annotations
+
+from tq_redis import bitmaps, transitions
+from tq_redis.driver import Cmd, Offload, Pipe
+from tq_redis.keys import PartitionKeys, partitions_key
+from tq_redis.metadata import BatchMeta
+from tq_redis.ops_context import Context, Op, group_by_partition, storage
+from tq_redis.storage import KVStorageManager
+from tq_redis.transitions import text
+
+
+def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
+    """Remove samples (bits first, then bytes). Idempotent.
+
+    If a store is unreachable the bytes stay in the partition's trash (in Redis) and the error is
+    raised; clearing the same samples again, or the partition, deletes them.
+    """
+    store = yield from storage(ctx)
+    for pid, positions in group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        cleared = yield from transitions.clear(pk, ids).call()
+        if cleared.ids:
+            yield from delete_bytes(store, pk, cleared.ids, cleared.fields)
+        elif cleared.older:  # a repeated clear: finish what an earlier one could not
+            yield from empty_trash(store, pk)
+
+
+def clear_partition(ctx: Context, partition_id: str) -> Op:
+    """Remove a partition and its data. Idempotent; its sample ids are never reused.
+
+    Bytes an earlier clear could not delete (a store was unreachable) are deleted too.
+    """
+    pk = ctx.keys(partition_id)
+    store = yield from storage(ctx)
+    dropped = yield from transitions.drop_partition(pk).call()
+    yield Cmd(("ZREM", partitions_key(ctx.namespace), partition_id))
+    if dropped.older:
+        yield from empty_trash(store, pk)
+        return
+    ids = dropped.alive_ids()
+    if ids:
+        yield from delete_bytes(store, pk, ids, dropped.fields)
+
+
+def delete_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """Delete the bytes of samples already in the partition's trash, then take them out of it."""
+    yield Offload(store.delete, (pk, ids, fields))
+    yield from transitions.trash_done(pk, ids).call()
+
+
+def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
+    """Delete every sample's bytes waiting in the partition's trash."""
+    raw, fields = yield Pipe((Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields))))
+    ids = bitmaps.set_ids(raw)
+    if ids:
+        yield from delete_bytes(store, pk, ids, sorted(text(f) for f in fields))
+
+
+def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """Delete bytes written for samples that will never become visible (a put that failed).
+
+    They go into the trash first, so if the delete fails they are retried by a later clear. Runs
+    while the caller handles the put's error, which is the one to raise: returns None when the
+    bytes are gone, else a note for that error saying what is left and why.
+    """
+    try:
+        yield from transitions.trash_add(pk, ids, fields).call()
+    except Exception as exc:
+        return f"the bytes this put wrote may remain in the store: they could not be recorded for deletion ({exc})"
+    try:
+        yield from delete_bytes(store, pk, ids, fields)
+    except Exception as exc:
+        return (
+            f"the bytes this put wrote are not deleted yet ({exc}); the next clear of partition "
+            f"{pk.partition!r} deletes them"
+        )
+    return None

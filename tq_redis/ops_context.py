@@ -1,0 +1,97 @@
+"""What every client operation shares: the :data:`Op` type, the :class:`Context` an operation runs
+with, the namespace's storage manager and recorded settings, and small helpers over a batch.
+
+Operations (see :mod:`tq_redis.ops`) are generators of effects (:mod:`tq_redis.driver`); they get
+everything besides Redis through their context, never by importing the runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tq_redis import samplers
+from tq_redis.backends.base import StoreContext
+from tq_redis.driver import Cmd
+from tq_redis.errors import InvalidArgument
+from tq_redis.keys import PartitionKeys, check_name, config_key
+from tq_redis.metadata import BatchMeta
+from tq_redis.schemas import to_batchmeta_schema
+from tq_redis.storage import KVStorageManager
+
+Op = Generator[Any, Any, Any]
+
+
+@dataclass
+class Context:
+    """What operations need besides Redis: the namespace, client options and the data plane."""
+
+    namespace: str
+    redis_url: str
+    allow_pickle: bool = False
+    nested_output: bool = True
+    strict_schema: bool = False
+    # the default sampler (name, class or instance); None: this process's init() default, else
+    # the one the namespace's config records (resolved once into ``resolved_sampler``)
+    default_sampler: Any = None
+    resolved_sampler: samplers.BaseSampler | None = None
+    storage: KVStorageManager | None = None
+    _keys: dict[str, PartitionKeys] = field(default_factory=dict)
+
+    def keys(self, partition_id: str) -> PartitionKeys:
+        pk = self._keys.get(partition_id)
+        if pk is None:
+            pk = self._keys[partition_id] = PartitionKeys(self.namespace, partition_id)
+        return pk
+
+
+def canonical(schema: dict[str, Any]) -> str:
+    """The schema JSON exactly as Redis stores and compares it."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------ data plane
+
+
+def storage(ctx: Context) -> Op:
+    """The namespace's storage manager, built from the ``storage`` settings ``init`` put in Redis."""
+    if ctx.storage is None:
+        raw = yield Cmd(("HGET", config_key(ctx.namespace), "storage"))
+        spec = json.loads(raw) if raw else {"backend": "redis", "options": {}}
+        ctx.storage = KVStorageManager(
+            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace)
+        )
+    return ctx.storage
+
+
+def write_config(ctx: Context, settings: dict[str, Any]) -> Op:
+    """Record namespace settings (store, sampler) so attaching processes use the same ones."""
+    mapping = {k: json.dumps(v) for k, v in settings.items()}
+    yield Cmd(("HSET", config_key(ctx.namespace), *[x for kv in mapping.items() for x in kv]))
+
+
+# ------------------------------------------------------------------ batch helpers
+
+
+def check_fields(data_fields: Any) -> list[str]:
+    """``data_fields`` as a list of checked field names (one name may be given as a string)."""
+    if isinstance(data_fields, str):
+        data_fields = [data_fields]
+    if not isinstance(data_fields, list | tuple):
+        raise InvalidArgument(f"data_fields must be a list of field names, got {data_fields!r}")
+    return [check_name("field name", f) for f in data_fields]
+
+
+def batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``BatchMeta.field_schema`` entries from the schema JSON Redis stores per field."""
+    return {name: to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
+
+
+def group_by_partition(metadata: BatchMeta) -> dict[str, list[int]]:
+    """Partition -> the positions of ``metadata``'s samples in it (in batch order)."""
+    groups: dict[str, list[int]] = {}
+    for pos, pid in enumerate(metadata.partition_ids):
+        groups.setdefault(pid, []).append(pos)
+    return groups

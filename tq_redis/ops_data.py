@@ -1,0 +1,263 @@
+"""The operations that move bytes: ``put`` (insert new samples, or rewrite fields of existing
+ones), ``get_meta(mode="insert")``'s allocation of empty samples, per-sample tags, and ``get_data``.
+
+Order of work follows the invariants of the architecture: a put stores the bytes *before* the
+script that makes them visible flips their bits, and ``get_data`` re-reads the bits *after*
+reading the bytes, so a sample cleared concurrently is never returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from tq_redis import codec, transitions
+from tq_redis.data_parser import DataParser, apply_data_parser
+from tq_redis.driver import Cmd, Offload
+from tq_redis.errors import (
+    BatchSizeMismatch,
+    DataMissing,
+    DataNotReady,
+    EmptyBatch,
+    InvalidArgument,
+    SampleNotFound,
+    UnknownPartition,
+    UnsupportedValue,
+)
+from tq_redis.keys import PartitionKeys, check_name, partitions_key
+from tq_redis.metadata import BatchMeta
+from tq_redis.ops_clear import discard_bytes
+from tq_redis.ops_context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
+from tq_redis.transitions import text
+
+# ------------------------------------------------------------------ put
+
+
+def _as_tensordict(data: Any) -> TensorDict:
+    if isinstance(data, TensorDict):
+        td = data
+    elif isinstance(data, dict):
+        if not data:
+            raise EmptyBatch("put() got an empty dict; pass a TensorDict or dict with at least one field")
+        n = _batch_len(data)
+        try:
+            td = TensorDict(data, batch_size=[n])
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise BatchSizeMismatch(f"put() fields disagree on the batch size: {exc}") from exc
+    else:
+        raise UnsupportedValue(f"put() takes a TensorDict (or a dict of batched fields), got {type(data).__name__}")
+    if len(td.batch_size) == 0 or td.batch_size[0] == 0 or not list(td.keys()):
+        raise EmptyBatch(f"put() got an empty batch (batch_size={list(td.batch_size)}, fields={list(td.keys())})")
+    return td
+
+
+def _batch_len(data: dict[str, Any]) -> int:
+    first = next(iter(data.values()))
+    if isinstance(first, torch.Tensor | np.ndarray):
+        return int(first.shape[0]) if first.ndim else 1
+    try:
+        return len(first)
+    except TypeError:
+        raise UnsupportedValue(f"field value {first!r} has no batch dimension") from None
+
+
+def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, list]]:
+    n = td.batch_size[0]
+    schemas: dict[str, str] = {}
+    values: dict[str, list] = {}
+    for name in td.keys():
+        check_name("field name", name)
+        schema, per_sample = codec.encode_field(name, td.get(name), n, allow_pickle=ctx.allow_pickle)
+        schemas[name] = canonical(schema)
+        values[name] = per_sample
+    return schemas, values
+
+
+def put(
+    ctx: Context,
+    data: Any,
+    metadata: BatchMeta | None = None,
+    partition_id: str | None = None,
+    data_parser: DataParser | None = None,
+) -> Op:
+    """Insert new samples (no metadata) or write fields of existing samples (with metadata).
+
+    ``data_parser`` (the reference's hook) may rewrite the batch's values in place first. With
+    metadata, its ``custom_meta`` is stored as the samples' tags too, as the reference does.
+    """
+    td = _as_tensordict(data)
+    if data_parser is not None:
+        td = apply_data_parser(td, data_parser)
+    if metadata is None:
+        if partition_id is None:
+            raise InvalidArgument("put() without metadata inserts new samples and needs partition_id=")
+        return (yield from _insert(ctx, td, partition_id))
+    if not isinstance(metadata, BatchMeta):
+        raise InvalidArgument(f"metadata must be a BatchMeta, got {type(metadata).__name__}")
+    if metadata.size != td.batch_size[0]:
+        raise BatchSizeMismatch(
+            f"put() data has {td.batch_size[0]} samples but metadata has {metadata.size}; "
+            f"select the matching samples (metadata.select_samples / chunk) or slice the data"
+        )
+    result = yield from _rewrite(ctx, td, metadata)
+    if any(metadata.custom_meta):
+        yield from set_custom_meta(ctx, metadata)
+    return result
+
+
+def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
+    pk = ctx.keys(partition_id)
+    n = td.batch_size[0]
+    schemas, values = _encode(ctx, td)
+    first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
+    ids = list(range(first, first + n))
+    store = yield from storage(ctx)
+    try:
+        # A put that fails may still have written part of the batch (on the nodes that took it).
+        yield Offload(store.put, (pk, ids, values))
+        yield from transitions.pipeline(
+            transitions.insert(pk, first, n, schemas, ctx.strict_schema),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
+        )
+    except Exception as exc:
+        # Leave no orphaned bytes; if even that fails they wait in the trash for the next clear.
+        note = yield from discard_bytes(store, pk, ids, list(schemas))
+        if note:
+            exc.add_note(note)
+        raise
+    return BatchMeta.from_columns(
+        ids, partition_id, batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
+    )
+
+
+def allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> Op:
+    """``mode="insert"``: ``count`` new samples with no field produced yet, for a later
+    ``put(data, metadata=...)``. They are alive (listed, clearable) but no task can claim them
+    before their fields are put."""
+    first = yield from transitions.reserve(pk, count).call()
+    yield from transitions.pipeline(
+        transitions.insert(pk, first, count),
+        Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
+    )
+    placeholder = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False, "kind": None}
+    return BatchMeta.from_columns(
+        list(range(first, first + count)), pk.partition, {f: dict(placeholder) for f in fields},
+        production_status=np.zeros(count, dtype=np.int8),
+    )
+
+
+def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
+    schemas, values = _encode(ctx, td)
+    store = yield from storage(ctx)
+    groups = group_by_partition(metadata)
+    # Check every partition before writing any bytes: a conflict must leave nothing half-written.
+    checks: list[Any] = []
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, ids)]
+    replies = yield from transitions.pipeline(*checks)
+    for k, pid in enumerate(groups):
+        exists, registered, visible = replies[3 * k : 3 * k + 3]
+        if not exists:
+            raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
+        for name, reg in zip(schemas, registered):
+            if ctx.strict_schema and reg is not None and text(reg) != schemas[name]:
+                transitions.raise_schema_conflict(name, reg, schemas[name])
+        gone = visible.not_alive[:10]
+        if gone:
+            raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
+    if any(metadata.custom_meta):  # tags first: a consumer may claim the samples once their bits flip
+        yield from set_custom_meta(ctx, metadata)
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        part = {name: [vals[i] for i in positions] for name, vals in values.items()}
+        yield Offload(store.put, (pk, ids, part))
+        yield from transitions.produce(pk, ids, schemas, ctx.strict_schema).call()
+    result = metadata.copy()
+    result.field_schema.update(batchmeta_schema(schemas))
+    result.production_status[:] = 1
+    return BatchMeta(
+        result.global_indexes,
+        result.partition_ids,
+        result.field_schema,
+        production_status=result.production_status,
+        extra_info=result.extra_info,
+        custom_meta=result.custom_meta,
+    )
+
+
+# ------------------------------------------------------------------ tags
+
+
+def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
+    """Write ``metadata.custom_meta`` as per-sample tags."""
+    if len(metadata.custom_meta) != metadata.size:
+        raise BatchSizeMismatch(f"custom_meta has {len(metadata.custom_meta)} entries for {metadata.size} samples")
+    for pid, positions in group_by_partition(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        rows = [metadata.custom_meta[i] for i in positions]
+        names = sorted({k for row in rows for k in row})
+        if names:
+            yield from transitions.set_tags(pk, ids, names, rows).call()
+
+
+# ------------------------------------------------------------------ get_data
+
+
+def get_data(ctx: Context, metadata: BatchMeta) -> Op:
+    """Fetch the fields of ``metadata`` as a TensorDict ordered like ``metadata.global_indexes``."""
+    if not isinstance(metadata, BatchMeta):
+        raise InvalidArgument(f"get_data() takes the BatchMeta returned by get_meta/put, got {type(metadata).__name__}")
+    fields = list(metadata.field_names)
+    n = metadata.size
+    if n == 0:
+        return TensorDict({}, batch_size=[0])
+    if not fields:
+        raise InvalidArgument("metadata has no fields to fetch; get_meta(data_fields=[...]) names them")
+    store = yield from storage(ctx)
+    groups = group_by_partition(metadata)
+    per_field: dict[str, list] = {f: [None] * n for f in fields}
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in positions]
+        try:
+            got = yield Offload(store.get, (pk, ids, fields))
+        except DataMissing:
+            got = None
+        # Bits are cleared before bytes are deleted, so reading the bits after the bytes proves
+        # the bytes belong to live, produced samples (ids are never reused).
+        yield from _verify_visible(pk, ids, fields)
+        if got is None:
+            raise DataMissing(f"data of partition {pid!r} is missing from the store although marked produced")
+        if len(groups) == 1:  # one partition: the store's order is already the batch's
+            per_field = got
+            break
+        for name in fields:
+            column = per_field[name]
+            for pos, value in zip(positions, got[name]):
+                column[pos] = value
+    out = {}
+    for name in fields:
+        out[name] = codec.decode_field(
+            name, per_field[name], allow_pickle=ctx.allow_pickle, nested_output=ctx.nested_output
+        )
+    return TensorDict(out, batch_size=[n])
+
+
+def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    visible = yield from transitions.check_visible(pk, ids, fields).call()
+    if visible.not_alive:
+        raise SampleNotFound(f"samples {visible.not_alive[:10]} of partition {pk.partition!r} were cleared")
+    if visible.field is not None:
+        name, missing = visible.field, visible.not_produced[:10]
+        raise DataNotReady(
+            f"field {name!r} is not produced yet for samples {missing} of partition {pk.partition!r}; "
+            f"get_meta(mode='fetch') only returns ready samples"
+        )
