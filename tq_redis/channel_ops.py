@@ -1,0 +1,284 @@
+"""The operations of a channel kept in Redis, as generators of effects, and how its items are encoded.
+
+A queue entry is ``"<weight>|<tag><payload>"``: tag ``o`` an object in the safe encoding
+(:func:`tq_redis.objects.encode_object`), tag ``r`` a reference to a tensor or TensorDict item whose
+bytes are samples of the hidden partition ``__chan__.<name>`` in the namespace's store
+(:func:`encode_item`, :func:`store_item`, :func:`load_items`, :func:`drop_items`). The operations
+(:func:`create`, :func:`connect`, :func:`put`, :func:`pop`, :func:`peek`, :func:`qsize`,
+:func:`delete`) run ``lua/channel_*.lua`` through :mod:`tq_redis.transitions` and yield a
+:class:`~tq_redis.driver.Wait` on the channel's ``puts``/``gets`` stream when they must wait; they do
+no I/O themselves: :mod:`tq_redis.channel_driver` runs them on a channel handle's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
+
+from tq_redis import codec, objects, ops, transitions
+from tq_redis.channel_rules import FIT, ONE, WeightedItem
+from tq_redis.driver import Cmd, Offload, Pipe, Wait
+from tq_redis.errors import ChannelNotFound, DataMissing, InvalidArgument
+from tq_redis.keys import ChannelKeys
+
+Op = ops.Op
+
+WAIT_SLICE_S = 5.0  # a waiting operation re-runs its script at least this often
+_OBJECT, _REF = b"o", b"r"
+
+
+def _entry(weight: Any, payload: bytes) -> bytes:
+    return repr(int(weight) if isinstance(weight, Integral) else float(weight)).encode() + b"|" + payload
+
+
+def _entry_weight(entry: bytes) -> int | float:
+    text = entry[: entry.index(b"|")].decode()
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+# ------------------------------------------------------------------ item encoding
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """An item encoded when the call was made: the whole payload, or a data-plane reference whose
+    sample ids are assigned when it is stored, with its encoded fields."""
+
+    payload: bytes | None
+    ref: dict | None = None
+    rows: int = 0
+    fields: dict | None = None
+
+
+def _tensor_like(item: Any) -> bool:
+    if isinstance(item, TensorDictBase):
+        return True
+    return isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_nested
+
+
+def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for path, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
+        out.append(((path,) if isinstance(path, str) else tuple(path), value))
+    return out
+
+
+def encode_item(item: Any, allow_pickle: bool) -> _Encoded:
+    """Encode ``item`` now (objects inline, tensors as fields for the data plane)."""
+    if not _tensor_like(item):
+        return _Encoded(_OBJECT + objects.encode_object(item, allow_pickle=allow_pickle))
+    if isinstance(item, torch.Tensor):
+        ref: dict[str, Any] = {"kind": "tensor", "bs": [], "paths": [["t"]]}
+        rows, leaves = 1, [(("t",), item.unsqueeze(0))]
+    else:
+        bs = list(item.batch_size)
+        batched = item if bs else item.unsqueeze(0)
+        rows, leaves = int(batched.batch_size[0]), _leaves(batched)
+        ref = {"kind": "td", "bs": bs, "paths": [list(p) for p, _ in leaves]}
+        if rows == 0 or not leaves:  # nothing per sample: keep the (empty) leaves inline
+            ref["kind"] = "td-inline"
+            ref["values"] = [v for _, v in leaves]
+            return _Encoded(_REF + objects.encode_object(ref, allow_pickle=allow_pickle))
+    fields = {
+        f"f{j}": codec.encode_field(f"f{j}", value, rows, allow_pickle=allow_pickle)[1]
+        for j, (_, value) in enumerate(leaves)
+    }
+    return _Encoded(None, ref, rows, fields)
+
+
+def _storage(ctx: ops.Context) -> Op:
+    """``ops.storage``, safe when two operations of one handle resolve it at once."""
+    if ctx.storage is None:
+        probe = ops.Context(namespace=ctx.namespace, redis_url=ctx.redis_url)
+        manager = yield from ops.storage(probe)
+        if ctx.storage is None:  # else another operation won; the unused manager holds nothing
+            ctx.storage = manager
+    return ctx.storage
+
+
+def store_item(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded) -> Op:
+    """The queue payload of an encoded item; tensors go to the data plane first (data before entry)."""
+    if enc.payload is not None:
+        return enc.payload
+    first = (yield Cmd(("INCRBY", ck.seq, enc.rows))) - enc.rows
+    ref = dict(enc.ref, ids=list(range(first, first + enc.rows)))
+    store = yield from _storage(ctx)
+    yield Offload(store.put, (_data_keys(ctx, ck), ref["ids"], enc.fields))
+    return _REF + objects.encode_object(ref, allow_pickle=ctx.allow_pickle)
+
+
+def _data_keys(ctx: ops.Context, ck: ChannelKeys):
+    return ctx.keys(ck.data_partition)
+
+
+def _payload(entry: bytes) -> tuple[bytes, bytes]:
+    bar = entry.index(b"|")
+    return entry[bar + 1 : bar + 2], entry[bar + 2 :]
+
+
+def load_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes], consume: bool = True) -> Op:
+    """Decode entries; tensor items are read from the data plane (and deleted when ``consume``)."""
+    items: list[Any] = []
+    for entry in entries:
+        tag, body = _payload(entry)
+        if tag == _OBJECT:
+            items.append(objects.decode_object(body, allow_pickle=ctx.allow_pickle))
+            continue
+        ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
+        if ref["kind"] == "td-inline":
+            items.append(_tensordict(ref["bs"], ref["paths"], ref["values"]))
+            continue
+        store = yield from _storage(ctx)
+        names = [f"f{j}" for j in range(len(ref["paths"]))]
+        pk = _data_keys(ctx, ck)
+        got = yield Offload(store.get, (pk, ref["ids"], names))
+        if consume:
+            yield Offload(store.delete, (pk, ref["ids"], names))
+        values = [
+            codec.decode_field(n, got[n], allow_pickle=ctx.allow_pickle, nested_output=ctx.nested_output)
+            for n in names
+        ]
+        if ref["kind"] == "tensor":
+            items.append(values[0][0])
+        elif ref["bs"]:
+            items.append(_tensordict(ref["bs"], ref["paths"], values))
+        else:  # stored as one row
+            items.append(_tensordict([1], ref["paths"], values)[0])
+    return items
+
+
+def _tensordict(batch_size: list[int], paths: list[list[str]], values: list[Any]) -> TensorDict:
+    td = TensorDict({}, batch_size=batch_size)
+    for path, value in zip(paths, values):
+        td.set(tuple(path), value)
+    return td
+
+
+def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
+    """Delete the data-plane bytes of entries that will never be read."""
+    for entry in entries:
+        tag, body = _payload(entry)
+        if tag != _REF:
+            continue
+        ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
+        if ref.get("ids"):
+            store = yield from _storage(ctx)
+            names = [f"f{j}" for j in range(len(ref["paths"]))]
+            yield Offload(store.delete, (_data_keys(ctx, ck), ref["ids"], names))
+
+
+# ------------------------------------------------------------------ operations (Redis)
+
+
+def create(ctx: ops.Context, ck: ChannelKeys, maxsize: int) -> Op:
+    """Create the channel, or check an existing one has the same ``maxsize``."""
+    _, _, current = yield Pipe(
+        (
+            Cmd(("HSETNX", ck.meta, "maxsize", maxsize)),
+            Cmd(("HSETNX", ck.meta, "created_ms", int(time.time() * 1000))),
+            Cmd(("HGET", ck.meta, "maxsize")),
+        )
+    )
+    if int(current) != maxsize:
+        raise InvalidArgument(
+            f"channel {ck.name!r} exists with maxsize={int(current)}, not {maxsize}; "
+            f"use Channel.connect({ck.name!r}) or another name"
+        )
+    return maxsize
+
+
+def connect(ck: ChannelKeys) -> Op:
+    """The existing channel's ``maxsize``."""
+    current = yield Cmd(("HGET", ck.meta, "maxsize"))
+    if current is None:
+        raise ChannelNotFound(
+            f"channel {ck.name!r} does not exist; create it with Channel.create({ck.name!r})"
+        )
+    return int(current)
+
+
+def _wait(stream: str, last_id: Any, deadline: float | None, what: str) -> Op:
+    remaining = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(what)
+    yield Wait(stream, last_id.decode() if isinstance(last_id, bytes) else str(last_id),
+               min(remaining, WAIT_SLICE_S))
+
+
+def put(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded, weight: Any, qkey: str, block: bool,
+        deadline: float | None = None) -> Op:
+    """Append an encoded item to queue ``qkey``; a full queue blocks (``block``) or raises
+    ``asyncio.QueueFull``."""
+    entry = _entry(weight, (yield from store_item(ctx, ck, enc)))
+    try:
+        while True:
+            put = yield from transitions.channel_put(ck, qkey, entry).call()
+            if put.appended:
+                return
+            if put.missing:
+                raise ChannelNotFound(f"channel {ck.name!r} was deleted")
+            if not block:
+                raise asyncio.QueueFull(f"channel {ck.name!r} queue {qkey!r} is full")
+            yield from _wait(ck.gets, put.last_gets_id, deadline, f"channel {ck.name!r} queue {qkey!r} stayed full")
+    except Exception:
+        yield from drop_items(ctx, ck, [entry])  # never queued: nobody will read its bytes
+        raise
+
+
+def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, block: bool,
+        deadline: float | None = None) -> Op:
+    """Pop one item (``mode="one"``) or head items by weight (``"fit"``: RLinf's rule; ``"exceed"``:
+    the fewest that reach ``target``); FIFO. Returns the items, oldest first."""
+    while True:
+        if mode == FIT:
+            got = yield from transitions.channel_pop_fit(ck, qkey, target).call()
+        else:
+            got = yield from transitions.channel_pop(ck, qkey, None if mode == ONE else target).call()
+        if got.popped:
+            return (yield from load_items(ctx, ck, got.entries))
+        if got.missing:
+            raise ChannelNotFound(f"channel {ck.name!r} does not exist (deleted?)")
+        if not block:
+            raise asyncio.QueueEmpty(f"channel {ck.name!r} queue {qkey!r} is empty")
+        what = f"not enough arrived in channel {ck.name!r} queue {qkey!r}"
+        yield from _wait(ck.puts, got.last_puts_id, deadline, what)
+
+
+def peek(ctx: ops.Context, ck: ChannelKeys, qkey: str) -> Op:
+    """The queued items of ``qkey`` with their weights, oldest first; nothing is removed."""
+    out = []
+    for entry in (yield Cmd(("LRANGE", ck.queue(qkey), 0, -1))):
+        try:
+            (item,) = yield from load_items(ctx, ck, [entry], consume=False)
+        except DataMissing:  # popped by another consumer meanwhile: no longer queued
+            continue
+        out.append(WeightedItem(_entry_weight(entry), item))
+    return out
+
+
+def qsize(ck: ChannelKeys, qkey: str) -> Op:
+    """Number of entries in queue ``qkey``."""
+    return int((yield Cmd(("LLEN", ck.queue(qkey)))))
+
+
+def delete(ctx: ops.Context, ck: ChannelKeys) -> Op:
+    """Remove the channel's keys and the bytes of items still queued."""
+    queues: list[bytes] = []
+    cursor = b"0"
+    while True:
+        cursor, found = yield Cmd(("SCAN", cursor, "MATCH", ck.queue("*"), "COUNT", 1000))
+        queues += found
+        if int(cursor) == 0:
+            break
+    for q in queues:
+        yield from drop_items(ctx, ck, (yield Cmd(("LRANGE", q, 0, -1))))
+    yield Cmd(("DEL", ck.meta, ck.seq, ck.puts, ck.gets, *queues))
