@@ -103,10 +103,7 @@ def put(
             f"put() data has {td.batch_size[0]} samples but metadata has {metadata.size}; "
             f"select the matching samples (metadata.select_samples / chunk) or slice the data"
         )
-    result = yield from _rewrite(ctx, td, metadata)
-    if any(metadata.custom_meta):
-        yield from set_custom_meta(ctx, metadata)
-    return result
+    return (yield from _rewrite(ctx, td, metadata))
 
 
 def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
@@ -171,14 +168,16 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
         gone = visible.not_alive[:10]
         if gone:
             raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
-    if any(metadata.custom_meta):  # tags first: a consumer may claim the samples once their bits flip
-        yield from set_custom_meta(ctx, metadata)
+    # The metadata's custom_meta is stored as tags too, as the reference does: in the same round
+    # trip as the bits, tags first, since a consumer may claim the samples once their bits flip.
+    tag_writes = _tag_writes(ctx, metadata) if any(metadata.custom_meta) else {}
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
         part = {name: [vals[i] for i in positions] for name, vals in values.items()}
         yield Offload(store.put, (pk, ids, part))
-        yield from transitions.produce(pk, ids, schemas, ctx.strict_schema).call()
+        tags = [tag_writes[pid]] if pid in tag_writes else []
+        yield from transitions.pipeline(*tags, transitions.produce(pk, ids, schemas, ctx.strict_schema))
     result = metadata.copy()
     result.field_schema.update(batchmeta_schema(schemas))
     result.production_status[:] = 1
@@ -195,17 +194,24 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
 # ------------------------------------------------------------------ tags
 
 
-def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
-    """Write ``metadata.custom_meta`` as per-sample tags."""
+def _tag_writes(ctx: Context, metadata: BatchMeta) -> dict[str, transitions.Transition[Any]]:
+    """Per partition, the ``set_tags`` call storing ``metadata.custom_meta`` (none where no tags)."""
     if len(metadata.custom_meta) != metadata.size:
         raise BatchSizeMismatch(f"custom_meta has {len(metadata.custom_meta)} entries for {metadata.size} samples")
+    writes = {}
     for pid, positions in group_by_partition(metadata).items():
-        pk = ctx.keys(pid)
-        ids = [metadata.global_indexes[i] for i in positions]
         rows = [metadata.custom_meta[i] for i in positions]
         names = sorted({k for row in rows for k in row})
         if names:
-            yield from transitions.set_tags(pk, ids, names, rows).call()
+            ids = [metadata.global_indexes[i] for i in positions]
+            writes[pid] = transitions.set_tags(ctx.keys(pid), ids, names, rows)
+    return writes
+
+
+def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
+    """Write ``metadata.custom_meta`` as per-sample tags."""
+    for write in _tag_writes(ctx, metadata).values():
+        yield from write.call()
 
 
 # ------------------------------------------------------------------ get_data
