@@ -25,16 +25,24 @@ from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.transitions import text
 
 
-def describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, unknown_unproduced: bool = False) -> Op:
+def describe_partition(
+    ctx: Context, pk: PartitionKeys, fields: list[str], *, unknown_unproduced: bool = False, with_tags: bool = True
+) -> Op:
     """Every alive sample with its production status of ``fields`` (force_fetch and the status
     calls). A field never put raises ``UnknownField``, or with ``unknown_unproduced`` counts as
-    produced for no sample (the status calls: the reference knows fields from ``mode="insert"``)."""
-    calls = [Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("SMEMBERS", pk.tagnames))]
+    produced for no sample (the status calls: the reference knows fields from ``mode="insert"``).
+    ``with_tags=False`` leaves the samples' tags out (the status calls need none)."""
+    calls = [Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive))]
     if fields:
         calls.append(Cmd(("HMGET", pk.fields, *fields)))
     calls += [Cmd(("GET", pk.prod(f))) for f in fields]
+    if with_tags:
+        calls.append(Cmd(("SMEMBERS", pk.tagnames)))
     replies = yield Pipe(tuple(calls))
-    exists, alive_raw, tagnames = replies[:3]
+    exists, alive_raw = replies[:2]
+    registered = replies[2] if fields else []
+    produced_raws = replies[3 : 3 + len(fields)]
+    tagnames = replies[-1] if with_tags else None
     if not exists:
         raise UnknownPartition(f"partition {pk.partition!r} does not exist (cleared, or never created)")
     alive = bitmaps.unpack(alive_raw)
@@ -42,7 +50,7 @@ def describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, un
     ready = np.ones(len(ids), dtype=np.int8)
     schema: dict[str, dict[str, Any]] = {}
     if fields:
-        for name, raw in zip(fields, replies[3]):
+        for name, raw in zip(fields, registered):
             if raw is None:
                 if unknown_unproduced:
                     ready[:] = 0
@@ -51,7 +59,7 @@ def describe_partition(ctx: Context, pk: PartitionKeys, fields: list[str], *, un
                     f"field {name!r} was never put in partition {pk.partition!r}; known fields come from put()"
                 )
             schema[name] = to_batchmeta_schema(json.loads(raw))
-        for raw in replies[4:]:
+        for raw in produced_raws:
             bits = bitmaps.unpack(raw)
             produced = np.zeros(len(alive), dtype=bool)
             produced[: min(len(bits), len(alive))] = bits[: len(alive)]
@@ -83,7 +91,9 @@ def production_status(ctx: Context, data_fields: Sequence[str], partition_id: st
     """
     fields = check_fields(data_fields)
     try:
-        meta = yield from describe_partition(ctx, ctx.keys(partition_id), fields, unknown_unproduced=True)
+        meta = yield from describe_partition(
+            ctx, ctx.keys(partition_id), fields, unknown_unproduced=True, with_tags=False
+        )
     except UnknownPartition:
         return _no_status()
     return torch.tensor(meta.global_indexes, dtype=torch.long), torch.from_numpy(meta.production_status.copy())
