@@ -315,7 +315,13 @@ def batch_get(ctx: ops.Context, keys: Any, partition_id: str, select_fields: Any
             return (yield from ops.get_data(ctx, res.meta(partition_id, fields)))
         # Fields no key has are left out; one some keys lack raises; one produced since
         # kv_resolve looked is read on the next pass.
-        dropped |= yield from _absent_from_every_key(pk, keys, res.ids, absent)
+        none_have = yield from _absent_from_every_key(pk, keys, res.ids, absent)
+        dropped |= none_have
+        if none_have.issuperset(absent):  # nothing changed meanwhile: read the rest now
+            fields = [f for f in fields if f not in none_have]
+            if not fields:
+                return TensorDict({}, batch_size=[len(keys)])
+            return (yield from ops.get_data(ctx, res.meta(partition_id, fields)))
 
 
 def _absent_from_every_key(pk: PartitionKeys, keys: list[str], ids: list[int], fields: list[str]) -> Op:
