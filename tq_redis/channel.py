@@ -58,6 +58,7 @@ import threading
 import weakref
 from typing import Any
 
+from tq_redis import names
 from tq_redis.channel_driver import MAX_CONNECTIONS as _MAX_CONNECTIONS  # noqa: F401  (read here before the split)
 from tq_redis.channel_driver import RedisOps, open_driver
 from tq_redis.channel_executor import ChannelWork as ChannelWork  # re-exported: importable here as before
@@ -103,6 +104,8 @@ def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, s
     from tq_redis import ray_discovery
     from tq_redis.runtime import NotInitialized, get_client
 
+    if namespace is not None:  # given: checked as given ("" is refused, not taken as "unset")
+        names.namespace(namespace)
     try:
         client = get_client()
     except NotInitialized:

@@ -24,8 +24,9 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 from tq_redis import codec, objects, ops, transitions
 from tq_redis.channel_rules import FIT, ONE, WeightedItem
 from tq_redis.driver import Cmd, Offload, Pipe, Wait
-from tq_redis.errors import ChannelNotFound, DataMissing, InvalidArgument
-from tq_redis.keys import ChannelKeys
+from tq_redis.errors import ChannelNotFound, DataMissing, InvalidArgument, TQError
+from tq_redis.keys import ChannelKeys, channels_key
+from tq_redis.transitions import text
 
 Op = ops.Op
 
@@ -117,7 +118,7 @@ def store_item(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded) -> Op:
 
 
 def _data_keys(ctx: ops.Context, ck: ChannelKeys):
-    return ctx.keys(ck.data_partition)
+    return ck.data_keys()
 
 
 def _payload(entry: bytes) -> tuple[bytes, bytes]:
@@ -163,17 +164,28 @@ def _tensordict(batch_size: list[int], paths: list[list[str]], values: list[Any]
     return td
 
 
+def stored_parts(entry: bytes) -> tuple[list[int], list[str]]:
+    """The sample ids and field names of the channel's hidden partition that a queue entry's
+    bytes live under (none for an object kept in the entry itself)."""
+    tag, body = _payload(entry)
+    if tag != _REF:
+        return [], []
+    try:
+        ref = objects.decode_object(body, allow_pickle=False)
+    except TQError:  # a "td-inline" entry holding pickled values: it has no bytes elsewhere
+        return [], []
+    if not isinstance(ref, dict) or not ref.get("ids"):
+        return [], []
+    return list(ref["ids"]), [f"f{j}" for j in range(len(ref["paths"]))]
+
+
 def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
     """Delete the data-plane bytes of entries that will never be read."""
     for entry in entries:
-        tag, body = _payload(entry)
-        if tag != _REF:
-            continue
-        ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
-        if ref.get("ids"):
+        ids, names = stored_parts(entry)
+        if ids:
             store = yield from _storage(ctx)
-            names = [f"f{j}" for j in range(len(ref["paths"]))]
-            yield Offload(store.delete, (_data_keys(ctx, ck), ref["ids"], names))
+            yield Offload(store.delete, (_data_keys(ctx, ck), ids, names))
 
 
 # ------------------------------------------------------------------ operations (Redis)
@@ -181,11 +193,12 @@ def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
 
 def create(ctx: ops.Context, ck: ChannelKeys, maxsize: int) -> Op:
     """Create the channel, or check an existing one has the same ``maxsize``."""
-    _, _, current = yield Pipe(
+    _, _, current, _ = yield Pipe(
         (
             Cmd(("HSETNX", ck.meta, "maxsize", maxsize)),
             Cmd(("HSETNX", ck.meta, "created_ms", int(time.time() * 1000))),
             Cmd(("HGET", ck.meta, "maxsize")),
+            Cmd(("SADD", channels_key(ck.ns), ck.name)),  # the registry checkpoints read
         )
     )
     if int(current) != maxsize:
@@ -270,15 +283,18 @@ def qsize(ck: ChannelKeys, qkey: str) -> Op:
     return int((yield Cmd(("LLEN", ck.queue(qkey)))))
 
 
+def queue_keys(ck: ChannelKeys, meta_fields: list[Any]) -> list[str]:
+    """The channel's queue keys, from its ``meta`` hash's fields: every non-empty queue ``k`` has
+    a ``w:<k>`` field (its summed weights), dropped when the queue empties."""
+    return [ck.queue(name[2:]) for name in map(text, meta_fields) if name.startswith("w:")]
+
+
 def delete(ctx: ops.Context, ck: ChannelKeys) -> Op:
-    """Remove the channel's keys and the bytes of items still queued."""
-    queues: list[bytes] = []
-    cursor = b"0"
-    while True:
-        cursor, found = yield Cmd(("SCAN", cursor, "MATCH", ck.queue("*"), "COUNT", 1000))
-        queues += found
-        if int(cursor) == 0:
-            break
-    for q in queues:
-        yield from drop_items(ctx, ck, (yield Cmd(("LRANGE", q, 0, -1))))
-    yield Cmd(("DEL", ck.meta, ck.seq, ck.puts, ck.gets, *queues))
+    """Remove the channel's keys and the bytes of items still queued (its queues are found from
+    its ``meta`` hash: no key pattern, so no other channel is touched)."""
+    queues = queue_keys(ck, (yield Cmd(("HKEYS", ck.meta))))
+    if queues:
+        for entries in (yield Pipe(tuple(Cmd(("LRANGE", q, 0, -1)) for q in queues))):
+            yield from drop_items(ctx, ck, entries)
+    # one slot (the channel's hash tag), so one DEL works on a cluster too
+    yield Pipe((Cmd(("DEL", ck.meta, ck.seq, ck.puts, ck.gets, *queues)), Cmd(("SREM", channels_key(ck.ns), ck.name))))

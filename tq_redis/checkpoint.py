@@ -4,7 +4,11 @@ What is saved: every Redis key of the namespace (partitions, production and cons
 bitmaps, leases, tags, KV keys, channels, event streams), written type by type (not ``DUMP``, so a
 checkpoint of Valkey loads into Redis and back), and the bytes of every produced field of every
 partition, read from the namespace's store. With the ``redis`` store those bytes are Redis keys
-and travel with the rest. Keys relative to the namespace are stored without it, so a checkpoint
+and travel with the rest. Keys are found through the namespace's registries (``partitions``,
+``partitions:kept``, ``channels``; see :mod:`tq_redis.keys`), never by a key pattern, so another
+namespace (``a:b`` beside ``a``) is never read or touched, and the multi-key deletes of a load are
+grouped per hash slot, so both work on a Redis Cluster. The sampler caches ``rank:``/``bal:``
+(which expire within seconds) are not saved. Keys relative to the namespace are stored without it, so a checkpoint
 loads into another namespace too. Not saved: ``<ns>:config`` and ``<ns>:storage:*`` (the
 store and the storage nodes are whatever the loading process's ``init`` set up), and, with a
 store other than ``redis``, tensor items still queued in a ``Channel``.
@@ -24,48 +28,173 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tq_redis import bitmaps, objects, ops
+from tq_redis import bitmaps, channel_ops, names, objects, ops
 from tq_redis.errors import ConfigError, InvalidArgument
-from tq_redis.keys import config_key, partitions_key, storage_nodes_key
+from tq_redis.keys import ChannelKeys, PartitionKeys, by_slot, channels_key, kept_partitions_key, partitions_key
 
 FORMAT = 1
 METADATA_FILE = "metadata.json"
 KEYS_FILE = "redis_keys.msgpack"
 DATA_DIR = "data"
+_BATCH = 1000  # keys per pipelined round trip (and per DEL)
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _skipped(ns: str) -> tuple[str, ...]:
-    return (config_key(ns), storage_nodes_key(ns).rsplit(":", 1)[0] + ":")
+# ------------------------------------------------------------------ which keys the namespace has
 
 
-def _namespace_keys(r: Any, ns: str) -> list[bytes]:
-    skip = _skipped(ns)
-    return [k for k in r.scan_iter(match=f"{ns}:*", count=1000) if not _text(k).startswith(skip)]
+def _partition_ids(r: Any, ns: str) -> list[str]:
+    """Every partition that may hold keys: the listed ones, then those kept after a clear."""
+    pipe = r.pipeline(transaction=False)
+    pipe.zrange(partitions_key(ns), 0, -1)
+    pipe.smembers(kept_partitions_key(ns))
+    listed, kept = pipe.execute()
+    return list(dict.fromkeys([_text(p) for p in listed] + sorted(_text(p) for p in kept)))
 
 
-def _read_key(r: Any, key: bytes) -> tuple[str, Any, int] | None:
-    kind = _text(r.type(key))
+def _partition_keys(r: Any, pk: PartitionKeys, with_data: bool) -> list[str]:
+    """The keys partition ``pk`` may have, named by its own registries (its fields, tasks, waiting
+    tasks and tag names); with ``with_data`` the ``redis`` store's value keys of its alive and
+    trashed samples too."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hkeys(pk.fields)
+    for key in (pk.tasks, pk.waittasks, pk.tagnames, pk.trash_fields):
+        pipe.smembers(key)
+    pipe.get(pk.alive)
+    pipe.get(pk.trash)
+    fields, tasks, waiting, tagnames, trash_fields, alive, trash = pipe.execute()
+    fields = [_text(f) for f in fields]
+    keys = [pk.meta, pk.seq, pk.alive, pk.fields, pk.tasks, pk.tagnames, pk.groups, pk.groupidx, pk.kv,
+            pk.kvkeys, pk.events, pk.waittasks, pk.trash, pk.trash_fields, pk.dock, pk.dockstate, pk.dockmetrics]
+    keys += [pk.prod(f) for f in fields]
+    for task in sorted(map(_text, tasks)):
+        keys += [pk.cons(task), pk.lease(task), pk.deliveries(task), pk.poison(task)]
+    for task in sorted(map(_text, waiting)):
+        keys += [pk.waiters(task), pk.wake(task), pk.wakebudget(task)]
+    keys += [pk.tag(t) for t in sorted(map(_text, tagnames))]
+    if with_data:
+        ids = sorted(set(bitmaps.set_ids(alive)) | set(bitmaps.set_ids(trash)))
+        for field in dict.fromkeys(fields + sorted(map(_text, trash_fields))):
+            keys += pk.data_keys(ids, field)
+    return keys
+
+
+def _channel_keys(r: Any, ck: ChannelKeys, with_data: bool) -> list[str]:
+    """The keys of channel ``ck``: its queues are named by its ``meta`` hash; with ``with_data``
+    the ``redis`` store's keys of its queued tensor items too."""
+    queues = channel_ops.queue_keys(ck, r.hkeys(ck.meta))
+    keys = [ck.meta, ck.seq, ck.puts, ck.gets, *queues]
+    if with_data and queues:
+        pipe = r.pipeline(transaction=False)
+        for q in queues:
+            pipe.lrange(q, 0, -1)
+        data = ck.data_keys()
+        for entries in pipe.execute():
+            for entry in entries:
+                ids, fields = channel_ops.stored_parts(entry)
+                keys += [data.data(i, f) for i in ids for f in fields]
+    return keys
+
+
+def _namespace_keys(r: Any, ns: str, with_data: bool) -> list[str]:
+    """Every key of namespace ``ns`` a checkpoint holds (not ``<ns>:config`` nor ``<ns>:storage:*``:
+    those belong to whoever runs the namespace), found through its registries."""
+    keys = [partitions_key(ns), kept_partitions_key(ns), channels_key(ns)]
+    for pid in _partition_ids(r, ns):
+        keys += _partition_keys(r, PartitionKeys.internal(ns, pid), with_data)
+    for name in sorted(_text(c) for c in r.smembers(channels_key(ns))):
+        keys += _channel_keys(r, ChannelKeys(ns, name), with_data)
+    return list(dict.fromkeys(keys))
+
+
+def _registries(ns: str, records: list[list[Any]]) -> list[list[Any]]:
+    """``records`` with the registries made to name every partition and channel they hold keys of
+    (a checkpoint written before the registries existed lists channels and cleared partitions only
+    through their keys)."""
+    listed: set[str] = set()
+    by_suffix = {rec[0]: rec for rec in records}
+    zset = by_suffix.get("partitions")
+    if zset is not None:
+        listed = {_text(m) for m, _ in zset[2]}
+    partitions: set[str] = set()
+    channels: set[str] = set()
+    for suffix, *_ in records:
+        if suffix.startswith("{") and "}:" in suffix:
+            pid = suffix[1 : suffix.index("}:")]
+            if not pid.startswith(names.RESERVED_PARTITION_PREFIX):
+                partitions.add(pid)
+        elif suffix.startswith("chan:{") and suffix.endswith("}:meta"):
+            channels.add(suffix[len("chan:{") : -len("}:meta")])
+    out = [rec for rec in records if rec[0] not in ("partitions:kept", "channels")]
+    kept = partitions - listed | {_text(m) for m in (by_suffix.get("partitions:kept") or [None, None, []])[2]}
+    chans = channels | {_text(m) for m in (by_suffix.get("channels") or [None, None, []])[2]}
+    if kept:
+        out.append(["partitions:kept", "set", sorted(kept), -1])
+    if chans:
+        out.append(["channels", "set", sorted(chans), -1])
+    return out
+
+
+# ------------------------------------------------------------------ reading and writing keys
+
+
+def _read_keys(r: Any, keys: list[str]) -> list[tuple[str, str, Any, int]]:
+    """``(key, type, value, ttl_ms)`` of each key that exists, in two round trips per batch."""
+    out = []
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start : start + _BATCH]
+        pipe = r.pipeline(transaction=False)
+        for key in batch:
+            pipe.type(key)
+        kinds = [_text(k) for k in pipe.execute()]
+        present = [(key, kind) for key, kind in zip(batch, kinds) if kind != "none"]
+        pipe = r.pipeline(transaction=False)
+        for key, kind in present:
+            _queue_read(pipe, key, kind)
+            pipe.pttl(key)
+        replies = pipe.execute()
+        for (key, kind), value, ttl in zip(present, replies[::2], replies[1::2]):
+            out.append((key, kind, _value(kind, value), int(ttl)))
+    return out
+
+
+def _queue_read(pipe: Any, key: str, kind: str) -> None:
     if kind == "string":
-        value: Any = r.get(key)
+        pipe.get(key)
     elif kind == "hash":
-        value = r.hgetall(key)
+        pipe.hgetall(key)
     elif kind == "list":
-        value = r.lrange(key, 0, -1)
+        pipe.lrange(key, 0, -1)
     elif kind == "set":
-        value = sorted(r.smembers(key))
+        pipe.smembers(key)
     elif kind == "zset":
-        value = [[m, s] for m, s in r.zrange(key, 0, -1, withscores=True)]
+        pipe.zrange(key, 0, -1, withscores=True)
     elif kind == "stream":
-        value = [[_text(i), [x for kv in fields.items() for x in kv]] for i, fields in r.xrange(key)]
-    elif kind == "none":  # deleted since the scan
-        return None
+        pipe.xrange(key)
     else:
-        raise ConfigError(f"key {_text(key)!r} has type {kind}, which checkpoints do not support")
-    return kind, value, int(r.pttl(key))
+        raise ConfigError(f"key {key!r} has type {kind}, which checkpoints do not support")
+
+
+def _value(kind: str, value: Any) -> Any:
+    if kind == "set":
+        return sorted(value)
+    if kind == "zset":
+        return [[m, s] for m, s in value]
+    if kind == "stream":
+        return [[_text(i), [x for kv in fields.items() for x in kv]] for i, fields in value]
+    return value
+
+
+def _delete(r: Any, keys: list[str]) -> None:
+    """Delete ``keys``: one DEL per hash slot (and per batch), pipelined."""
+    pipe = r.pipeline(transaction=False)
+    for group in by_slot(keys).values():
+        for start in range(0, len(group), _BATCH):
+            pipe.execute_command("DEL", *group[start : start + _BATCH])
+    pipe.execute()
 
 
 def _write_key(pipe: Any, key: str, kind: str, value: Any, ttl_ms: int) -> None:
@@ -133,11 +262,8 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
         if include_storage and store.backend != "redis":
             saved = _save_data(client, store, tmp / DATA_DIR)
         r, ns = client.redis, client.namespace
-        records = []
-        for key in _namespace_keys(r, ns):
-            got = _read_key(r, key)
-            if got is not None:
-                records.append([_text(key)[len(ns) + 1 :], *got])
+        keys = _namespace_keys(r, ns, with_data=store.backend == "redis")
+        records = [[key[len(ns) + 1 :], kind, value, ttl] for key, kind, value, ttl in _read_keys(r, keys)]
         (tmp / KEYS_FILE).write_bytes(objects.encode_object(records))
         info = {
             "format": FORMAT, "namespace": ns, "backend": store.backend, "saved_at": time.time(),
@@ -184,12 +310,10 @@ def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
         pk = client.context.keys(part["partition"])
         for field, column in part["columns"].items():
             store.put(pk, column["ids"], {field: [[v] for v in column["values"]]})
-    records = objects.decode_object((final / KEYS_FILE).read_bytes())
+    records = _registries(ns, objects.decode_object((final / KEYS_FILE).read_bytes()))
     keep = {f"{ns}:{suffix}" for suffix, *_ in records}
-    stale = [k for k in _namespace_keys(r, ns) if _text(k) not in keep]
+    _delete(r, [k for k in _namespace_keys(r, ns, with_data=store.backend == "redis") if k not in keep])
     pipe = r.pipeline(transaction=False)
-    for start in range(0, len(stale), 1000):
-        pipe.delete(*stale[start : start + 1000])
     for suffix, kind, value, ttl_ms in records:
         _write_key(pipe, f"{ns}:{suffix}", kind, value, ttl_ms)
     pipe.execute()

@@ -27,6 +27,11 @@ class InvalidArgument(TQError, ValueError):
     """An argument is out of range or of the wrong shape."""
 
 
+class InvalidName(InvalidArgument):
+    """A namespace, partition id, field, task, channel, tag or KV key name is not allowed; the
+    message says which characters are (see :mod:`tq_redis.names`)."""
+
+
 class BatchSizeMismatch(InvalidArgument):
     """Data and metadata disagree on how many samples there are."""
 

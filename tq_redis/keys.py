@@ -1,4 +1,4 @@
-"""Every Redis key tq-redis uses, built in one place.
+"""Every Redis key tq-redis uses, built in one place, from names :mod:`tq_redis.names` checked.
 
 Layout (``ns`` is the namespace, ``p`` the partition id; ``{p}`` is a Redis Cluster hash tag, so
 every key of one partition lives in one slot and each script touches a single slot):
@@ -7,6 +7,9 @@ every key of one partition lives in one slot and each script touches a single sl
 key                                type    holds
 =================================  ======  ===============================================
 ``ns:partitions``                  ZSET    partition ids, scored by creation time
+``ns:partitions:kept``             SET     partition ids whose keys outlive their place in ``partitions``
+                                           (a cleared partition keeps ``seq`` and its trash)
+``ns:channels``                    SET     channel names (what ``Channel.create`` made)
 ``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
 ``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
 ``ns:{p}:meta``                    HASH    partition info: created_ms, samples, sealed
@@ -48,41 +51,64 @@ key                                type    holds
 ``ns:chan:{c}:gets``               STREAM  one event per get of a bounded channel (wakes blocked ``put``)
 ``ns:{__chan__.c}:d:<id>:<field>`` STRING  bytes of tensor / TensorDict items of channel ``c`` (redis store)
 =================================  ======  ===============================================
+
+Keys are found through registries, never by a ``SCAN`` pattern (checkpoints, ``Channel.delete``):
+the registries above (``partitions``, ``partitions:kept``, ``channels``), each partition's own sets
+(``fields``, ``tasks``, ``tagnames``, ``waittasks``, ``trashfields``) and each channel's ``meta`` (a
+``w:<key>`` field per non-empty queue) name every key there is, except the sampler caches ``rank:`` /
+``bal:`` and the ``waiters`` of a partition never created, which expire by themselves. Every name in
+a key was checked by :mod:`tq_redis.names`; :func:`by_slot` groups keys for multi-key commands on a
+Redis Cluster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from tq_redis.errors import InvalidArgument
+from redis.crc import key_slot
 
-_FORBIDDEN = set("{}\r\n ")
+from tq_redis import names
 
 
 def check_name(kind: str, value: str) -> str:
-    """Validate a partition / field / task name so it cannot break the key layout."""
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"{kind} must be a non-empty string, got {value!r}")
-    bad = _FORBIDDEN.intersection(value)
-    if bad:
-        raise InvalidArgument(
-            f"{kind} {value!r} contains {''.join(sorted(bad))!r}; use letters, digits, '_', '-', '.', ':' or '/'"
-        )
-    return value
+    """Validate a name of ``kind`` (see :func:`tq_redis.names.check`); kept for existing callers."""
+    return names.check(kind, value)
 
 
 def partitions_key(ns: str) -> str:
-    return f"{ns}:partitions"
+    """ZSET of the namespace's listed partitions (``get_partition_list``)."""
+    return f"{names.namespace(ns)}:partitions"
+
+
+def kept_partitions_key(ns: str) -> str:
+    """SET of partition ids whose keys may outlive their entry in :func:`partitions_key`."""
+    return f"{names.namespace(ns)}:partitions:kept"
+
+
+def channels_key(ns: str) -> str:
+    """SET of the namespace's channel names."""
+    return f"{names.namespace(ns)}:channels"
 
 
 def config_key(ns: str) -> str:
-    return f"{ns}:config"
+    return f"{names.namespace(ns)}:config"
 
 
 def storage_nodes_key(ns: str) -> str:
     """HASH of registered storage nodes: node id -> JSON description (see ``backends/dram``)."""
-    return f"{ns}:storage:nodes"
+    return f"{names.namespace(ns)}:storage:nodes"
+
+
+def by_slot(items: Iterable[Any], key: Callable[[Any], str | bytes] | None = None) -> dict[int, list[Any]]:
+    """``items`` (keys, or anything ``key`` maps to a key) grouped by Redis Cluster hash slot, in
+    their order: one multi-key command per group works on a cluster."""
+    groups: dict[int, list[Any]] = {}
+    for item in items:
+        name = item if key is None else key(item)
+        raw = name if isinstance(name, bytes) else name.encode()
+        groups.setdefault(key_slot(raw), []).append(item)
+    return groups
 
 
 class _Key:
@@ -110,15 +136,33 @@ class _KeyOf:
         return lambda name: head + name
 
 
-class PartitionKeys:
+class _Tagged:
+    """Keys ``<ns>:<kind>{<tag>}:<suffix>`` sharing one hash tag (one slot on a cluster)."""
+
+    __slots__ = ("ns", "prefix")
+    _kind = ""
+
+    def _place(self, ns: str, tag: str) -> None:
+        self.ns = names.namespace(ns)
+        self.prefix = f"{ns}:{self._kind}{{{tag}}}:"
+
+
+class PartitionKeys(_Tagged):
     """Key builder for one partition; all keys share the ``{partition}`` hash tag."""
 
-    __slots__ = ("ns", "partition", "prefix")
+    __slots__ = ("partition",)
 
     def __init__(self, ns: str, partition: str) -> None:
-        self.ns = ns
-        self.partition = check_name("partition_id", partition)
-        self.prefix = f"{ns}:{{{partition}}}:"
+        self.partition = names.partition_id(partition)
+        self._place(ns, self.partition)
+
+    @classmethod
+    def internal(cls, ns: str, partition: str) -> PartitionKeys:
+        """Keys of a partition tq-redis names itself (a channel's hidden data partition too)."""
+        pk = cls.__new__(cls)
+        pk.partition = names.internal_partition_id(partition)
+        pk._place(ns, pk.partition)
+        return pk
 
     meta = _Key("meta")
     seq = _Key("seq")
@@ -127,14 +171,19 @@ class PartitionKeys:
     tasks = _Key("tasks")
     tagnames = _Key("tagnames")
     groups = _Key("groups")
+    groupidx = _Key("groupidx", "Sorted mirror of :attr:`groups`: the first id of every insert.")
     kv = _Key("kv")
     kvkeys = _Key("kvkeys", "Reverse map of :attr:`kv`: sample id -> user key.")
     events = _Key("events")
     waittasks = _Key("waittasks")
     waiters = _KeyOf("waiters:")
     wake = _KeyOf("wake:")
+    wakebudget = _KeyOf("wakebudget:")
     trash = _Key("trash", "Bitmap of samples whose bytes are still to be deleted from the stores.")
     trash_fields = _Key("trashfields", "Set of the field names the trashed samples may hold bytes for.")
+    dock = _Key("dock", "A GRPOTransferDock's shape (prompts_num, n_samples_per_prompt).")
+    dockstate = _Key("dockstate")
+    dockmetrics = _Key("dockmetrics")
     prod = _KeyOf("prod:")
     cons = _KeyOf("cons:")
     lease = _KeyOf("lease:")
@@ -153,18 +202,18 @@ class PartitionKeys:
         return [f"{head}{i}{tail}" for i in sample_ids]
 
 
-class ChannelKeys:
+class ChannelKeys(_Tagged):
     """Key builder for one :class:`tq_redis.Channel`; all keys share the ``{channel}`` hash tag.
 
     Tensor items go through the data plane under the hidden partition :attr:`data_partition`.
     """
 
-    __slots__ = ("ns", "name", "prefix")
+    __slots__ = ("name",)
+    _kind = "chan:"
 
     def __init__(self, ns: str, name: str) -> None:
-        self.ns = ns
-        self.name = check_name("channel name", name)
-        self.prefix = f"{ns}:chan:{{{name}}}:"
+        self.name = names.channel_name(name)
+        self._place(ns, self.name)
 
     meta = _Key("meta")
     seq = _Key("seq")
@@ -174,5 +223,10 @@ class ChannelKeys:
 
     @property
     def data_partition(self) -> str:
-        """Partition id whose data-plane keys hold this channel's tensor items."""
-        return f"__chan__.{self.name}"
+        """Partition id whose data-plane keys hold this channel's tensor items (reserved: no user
+        partition may take it)."""
+        return names.channel_data_partition(self.name)
+
+    def data_keys(self) -> PartitionKeys:
+        """Keys of :attr:`data_partition`."""
+        return PartitionKeys.internal(self.ns, self.data_partition)

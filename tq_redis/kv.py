@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import ops, transitions
+from tq_redis import names, ops, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Pipe
 from tq_redis.errors import (
@@ -45,7 +45,7 @@ from tq_redis.errors import (
     UnknownKey,
     UnsupportedValue,
 )
-from tq_redis.keys import PartitionKeys, check_name, partitions_key
+from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta, KVBatchMeta
 from tq_redis.schemas import describe_field, to_batchmeta_schema
 from tq_redis.transitions import text
@@ -61,9 +61,8 @@ def _key_list(keys: Any, who: str) -> list[str]:
     if not isinstance(keys, Sequence) or not keys:
         raise InvalidArgument(f"{who}: keys must be a non-empty list of strings, got {keys!r}")
     out = list(keys)
-    bad = [k for k in out if not isinstance(k, str) or not k]
-    if bad:
-        raise InvalidArgument(f"{who}: every key must be a non-empty string; got {bad[:5]!r}")
+    for k in out:
+        names.kv_key(k, f"{who}: key")
     if len(set(out)) != len(out):
         seen: set[str] = set()
         dups = [k for k in out if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
@@ -78,7 +77,7 @@ def _field_list(fields: Any, who: str) -> list[str] | None:
         fields = [fields]
     if not isinstance(fields, Sequence) or isinstance(fields, bytes):
         raise InvalidArgument(f"{who}: select_fields must be a field name or a list of names, got {fields!r}")
-    return [check_name("field name", f) for f in fields]
+    return [names.field_name(f) for f in fields]
 
 
 def _single_row(fields: Mapping[str, Any] | TensorDictBase) -> TensorDict:
@@ -131,7 +130,7 @@ def _schemas(td: TensorDict | None) -> dict[str, str]:
     if td is None:
         return {}
     n = td.batch_size[0]
-    return {check_name("field name", name): ops.canonical(describe_field(name, td.get(name), n)) for name in td.keys()}
+    return {names.field_name(name): ops.canonical(describe_field(name, td.get(name), n)) for name in td.keys()}
 
 
 # ------------------------------------------------------------------ resolution
@@ -231,7 +230,7 @@ def batch_put(
             raise InvalidArgument(f"{who}: every tag entry must be a dict")
         for t in tags:
             for name in t:
-                check_name("tag name", name)
+                names.tag_name(name)
     td = None
     if fields is not None:
         td = _single_row(fields) if single else _batch(fields, len(keys))

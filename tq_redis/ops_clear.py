@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tq_redis import bitmaps, transitions
 from tq_redis.driver import Cmd, Offload, Pipe
-from tq_redis.keys import PartitionKeys, partitions_key
+from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, group_by_partition, storage
 from tq_redis.storage import KVStorageManager
@@ -42,8 +42,13 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     """
     pk = ctx.keys(partition_id)
     store = yield from storage(ctx)
-    dropped = yield from transitions.drop_partition(pk).call()
-    yield Cmd(("ZREM", partitions_key(ctx.namespace), partition_id))
+    # The partition leaves the list, but its seq (ids are never reused) and trash stay: the
+    # ``partitions:kept`` registry keeps them findable (checkpoints) without a key pattern.
+    _, dropped, _ = yield from transitions.pipeline(
+        Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id)),
+        transitions.drop_partition(pk),
+        Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
+    )
     if dropped.older:
         yield from empty_trash(store, pk)
         return

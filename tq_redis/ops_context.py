@@ -12,11 +12,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tq_redis import samplers
+from tq_redis import names, samplers
 from tq_redis.backends.base import StoreContext
 from tq_redis.driver import Cmd
 from tq_redis.errors import InvalidArgument
-from tq_redis.keys import PartitionKeys, check_name, config_key
+from tq_redis.keys import PartitionKeys, config_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.storage import KVStorageManager
@@ -40,10 +40,19 @@ class Context:
     storage: KVStorageManager | None = None
     _keys: dict[str, PartitionKeys] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Every client, channel and dock builds one: a bad namespace never reaches a key.
+        names.namespace(self.namespace)
+
     def keys(self, partition_id: str) -> PartitionKeys:
-        pk = self._keys.get(partition_id)
+        """Keys of a user's partition (its id checked once, by :func:`tq_redis.names.partition_id`)."""
+        try:
+            pk = self._keys.get(partition_id)
+        except TypeError:  # unhashable: not a name at all
+            pk = None
         if pk is None:
-            pk = self._keys[partition_id] = PartitionKeys(self.namespace, partition_id)
+            pk = PartitionKeys(self.namespace, partition_id)
+            self._keys[partition_id] = pk
         return pk
 
 
@@ -81,7 +90,7 @@ def check_fields(data_fields: Any) -> list[str]:
         data_fields = [data_fields]
     if not isinstance(data_fields, list | tuple):
         raise InvalidArgument(f"data_fields must be a list of field names, got {data_fields!r}")
-    return [check_name("field name", f) for f in data_fields]
+    return [names.field_name(f) for f in data_fields]
 
 
 def batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import codec, transitions
+from tq_redis import codec, names, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Offload
 from tq_redis.errors import (
@@ -28,7 +28,7 @@ from tq_redis.errors import (
     UnknownPartition,
     UnsupportedValue,
 )
-from tq_redis.keys import PartitionKeys, check_name, partitions_key
+from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_clear import discard_bytes
 from tq_redis.ops_context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
@@ -70,7 +70,7 @@ def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, lis
     schemas: dict[str, str] = {}
     values: dict[str, list] = {}
     for name in td.keys():
-        check_name("field name", name)
+        names.field_name(name)
         schema, per_sample = codec.encode_field(name, td.get(name), n, allow_pickle=ctx.allow_pickle)
         schemas[name] = canonical(schema)
         values[name] = per_sample

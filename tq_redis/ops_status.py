@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tq_redis import bitmaps, transitions
+from tq_redis import bitmaps, names, transitions
 from tq_redis.driver import Cmd, Pipe
 from tq_redis.errors import UnknownField, UnknownPartition
-from tq_redis.keys import PartitionKeys, check_name, partitions_key
+from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, check_fields
 from tq_redis.schemas import to_batchmeta_schema
@@ -102,7 +102,7 @@ def production_status(ctx: Context, data_fields: Sequence[str], partition_id: st
 def consumption_status(ctx: Context, task_name: str, partition_id: str) -> Op:
     """``(global_indexes, status)`` tensors: status 1 where the task consumed the sample (both
     empty for a partition that does not exist, as for :func:`production_status`)."""
-    check_name("task_name", task_name)
+    names.task_name(task_name)
     pk = ctx.keys(partition_id)
     exists, alive_raw, cons_raw = yield Pipe(
         (Cmd(("EXISTS", pk.meta)), Cmd(("GET", pk.alive)), Cmd(("GET", pk.cons(task_name))))

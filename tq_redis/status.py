@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from tq_redis.keys import PartitionKeys, partitions_key, storage_nodes_key
+from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key, storage_nodes_key
 
 
 def _text(value: Any) -> str:
@@ -73,15 +73,17 @@ def storage_nodes(r: redis.Redis, ns: str) -> list[dict[str, Any]]:
 def pending_deletes(r: redis.Redis, ns: str) -> dict[str, int]:
     """Partition -> samples whose bytes still await deletion (a clear's delete failed or is in flight).
 
-    Found with SCAN, so partitions already dropped from the partition list show up too.
+    Candidates come from the registries, not from a keyspace SCAN: the live partitions and
+    ``partitions:kept`` (a cleared partition's trash outlives its place in the partition list).
     """
-    out: dict[str, int] = {}
-    head, tail = f"{ns}:{{", "}:trash"
-    for key in r.scan_iter(match=f"{ns}:{{*}}:trash", count=1000):
-        name = _text(key)
-        if name.startswith(head) and name.endswith(tail):
-            out[name[len(head) : -len(tail)]] = int(r.bitcount(key))
-    return dict(sorted(out.items()))
+    candidates = {_text(p) for p in r.zrange(partitions_key(ns), 0, -1)}
+    candidates |= {_text(p) for p in r.smembers(kept_partitions_key(ns))}
+    ordered = sorted(candidates)
+    pipe = r.pipeline(transaction=False)
+    for partition in ordered:
+        pipe.bitcount(PartitionKeys.internal(ns, partition).trash)
+    counts = pipe.execute() if ordered else []
+    return {p: int(n) for p, n in zip(ordered, counts, strict=True) if n}
 
 
 def snapshot(r: redis.Redis, ns: str) -> dict[str, Any]:

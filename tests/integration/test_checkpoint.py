@@ -7,6 +7,8 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis import checkpoint
+from tq_redis import objects as tq_objects
 from tq_redis.errors import SampleNotFound
 
 
@@ -64,3 +66,62 @@ def test_metadata_only_checkpoint_of_dram_still_saves_the_bytes(tmp_path, namesp
         assert [r.tolist() for r in rows] == [[5, 6], [7, 8]]
     finally:
         tq.close()
+
+
+def test_load_checkpoint_leaves_a_namespace_sharing_its_prefix_alone(tmp_path, namespace):
+    """Keys of ``<ns>:b`` (written by another tq-redis version, or another app) are neither saved
+    nor deleted nor rewound: keys are found through registries, never by the pattern ``<ns>:*``."""
+    tq.init({"namespace": namespace, "storage": {"backend": "redis"}})
+    try:
+        client = tq.get_client()
+        client.put(TensorDict({"x": torch.arange(2)}, [2]), partition_id="p")
+        tq.save_checkpoint(tmp_path / "ckpt")
+        r = client.redis
+        foreign = {f"{namespace}:b:{{p}}:meta": b"newer", f"{namespace}:b:partitions": b"x",
+                   f"{namespace}:b:chan:{{c}}:meta": b"y", f"{namespace}:{{p}}x": b"z"}
+        for key, value in foreign.items():
+            r.set(key, value)
+        tq.load_checkpoint(tmp_path / "ckpt")
+        assert {key: r.get(key) for key in foreign} == foreign
+        saved = tq_objects.decode_object((tmp_path / "ckpt" / "redis_keys.msgpack").read_bytes())
+        assert not [suffix for suffix, *_ in saved if suffix.startswith("b:")]
+    finally:
+        tq.close()
+
+
+def test_a_cleared_partitions_ids_and_a_channels_tensor_items_survive_a_checkpoint(tmp_path, namespace):
+    """Found through ``partitions:kept`` and ``channels``: the id counter of a cleared partition (ids
+    are never reused) and the redis store's bytes of a queued tensor item."""
+    tq.init({"namespace": namespace, "storage": {"backend": "redis"}})
+    try:
+        client = tq.get_client()
+        client.put(TensorDict({"x": torch.arange(3)}, [3]), partition_id="p")
+        client.clear_partition("p")
+        chan = tq.Channel.create("c")
+        chan.put(torch.arange(4))
+        chan.close()
+        tq.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        tq.close()
+    tq.init({"namespace": namespace + "2", "storage": {"backend": "redis"}})
+    try:
+        tq.load_checkpoint(tmp_path / "ckpt")
+        meta = tq.get_client().put(TensorDict({"x": torch.arange(2)}, [2]), partition_id="p")
+        assert meta.global_indexes == [3, 4]
+        assert tq.Channel.connect("c").get_nowait().tolist() == [0, 1, 2, 3]
+    finally:
+        tq.close()
+
+
+def test_registries_are_rebuilt_from_the_keys_of_an_older_checkpoint():
+    records = [
+        ["partitions", "zset", [[b"live", 1.0]], -1],
+        ["{live}:meta", "hash", {b"samples": b"1"}, -1],
+        ["{gone}:seq", "string", b"7", -1],
+        ["{__chan__.c}:d:0:f0", "string", b"..", -1],
+        ["chan:{c}:meta", "hash", {b"maxsize": b"0"}, -1],
+    ]
+    out = {rec[0]: rec for rec in checkpoint._registries("ns", records)}
+    assert out["partitions:kept"][2] == ["gone"]
+    assert out["channels"][2] == ["c"]
+    assert out["{gone}:seq"] == records[2]
