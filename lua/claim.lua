@@ -40,7 +40,7 @@
                                  otherwise it is removed from the task's waiters
   Output:
     {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered}
-      last_event_id              what to pass to `wait` when ids is empty
+      last_event_id              what to pass to `wait` when ids is empty ('' otherwise)
     A claim that hands out samples wakes one more waiting consumer of the task, if any (the
     baton: one wake per event, then one per successful claim, never every waiter at once).
       ids                        the batch (empty if not enough is ready); ascending, except
@@ -104,7 +104,8 @@ local function claim(KEYS, ARGV)
     if #ids == 0 then return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task)) end
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
     pass_baton(prefix, task) -- there may be more for the other waiters
-    return {last_event_id(prefix), ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
+    -- '' for the event id: a caller that got ids never waits, so the stream is not read.
+    return {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
             next_lease_deadline(prefix, task)}
   end
   local function known_deliveries(ids)

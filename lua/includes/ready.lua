@@ -71,14 +71,9 @@ local function ready_scanner(prefix, task, fields, on_fill)
   local ones = {prefix .. 'alive'}
   for i = 1, #fields do ones[i + 1] = prefix .. 'prod:' .. fields[i] end
   local cons = prefix .. 'cons:' .. task
-  -- Ids past the end of the shortest must-be-set bitmap cannot be ready.
-  local limit = nil
-  for i = 1, #ones do
-    local len = redis.call('STRLEN', ones[i])
-    if limit == nil or len < limit then limit = len end
-  end
-  local cons_len = redis.call('STRLEN', cons)
-  local byte, exhausted = 0, (limit == 0)
+  -- No STRLEN up front (each redis.call costs the claim about a microsecond): BITPOS answers
+  -- -1 past the end of a must-be-set bitmap, and GETRANGE past an end reads as zero bytes.
+  local byte, exhausted = 0, false
   local buf, head, tail = {}, 1, 0
   local grow = 1 -- windows double while a claim keeps reading (filters may reject many ids)
 
@@ -86,7 +81,6 @@ local function ready_scanner(prefix, task, fields, on_fill)
   -- consumed bitmap a clear bit (byte granularity), or nil when there is none.
   local function align(b)
     while true do
-      if b >= limit then return nil end
       local nb = b
       for i = 1, #ones do
         local p = redis.call('BITPOS', ones[i], 1, nb)
@@ -94,10 +88,11 @@ local function ready_scanner(prefix, task, fields, on_fill)
         local pb = math.floor(p / 8)
         if pb > nb then nb = pb end
       end
-      if nb < cons_len then
-        local p = redis.call('BITPOS', cons, 0, nb)
-        local pb = cons_len
-        if p >= 0 then pb = math.floor(p / 8) end
+      -- A clear bit of `cons` at or after byte nb; -1 means nb is past its end, where every
+      -- bit is implicitly clear.
+      local p = redis.call('BITPOS', cons, 0, nb)
+      if p >= 0 then
+        local pb = math.floor(p / 8)
         if pb > nb then nb = pb end
       end
       if nb == b then return b end
@@ -115,12 +110,14 @@ local function ready_scanner(prefix, task, fields, on_fill)
       end
       local nbytes = math.min(SCAN_MAX_BYTES, grow * math.max(SCAN_MIN_BYTES, math.ceil(hint / 8) + 1))
       grow = grow * 2
-      local e = math.min(limit - 1, b + nbytes - 1)
+      local e = b + nbytes - 1
       local strs = {}
       for i = 1, #ones do strs[i] = redis.call('GETRANGE', ones[i], b, e) end
-      local cs = ''
-      if b < cons_len then cs = redis.call('GETRANGE', cons, b, e) end
-      for j = 1, e - b + 1 do
+      local cs = redis.call('GETRANGE', cons, b, e)
+      local stop = e - b + 1 -- bytes past the shortest must-be-set bitmap hold no ready id
+      for i = 1, #strs do stop = math.min(stop, #strs[i]) end
+      e = b + stop - 1
+      for j = 1, stop do
         local r = 255
         for i = 1, #strs do
           local v = string.byte(strs[i], j) or 0
@@ -138,6 +135,12 @@ local function ready_scanner(prefix, task, fields, on_fill)
             for k = 1, #offsets do
               tail = tail + 1
               buf[tail] = base + offsets[k]
+            end
+            -- Enough for the caller: leave the rest of the window undecoded (the next fill
+            -- starts at the following byte), so a batch of 1 decodes one byte, not the window.
+            if tail >= hint then
+              e = b + j - 1
+              break
             end
           end
         end
