@@ -55,34 +55,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options
+from tq_redis.backends import external
+from tq_redis.backends.base import Buffer, Segments
 
-from tq_redis.errors import (
-    BackendNotInstalled,
-    ConfigError,
-    DataMissing,
-    InvalidArgument,
-    StorageError,
-    StorageFull,
-    StorageUnavailable,
-)
+from tq_redis.errors import ConfigError, StorageError, StorageFull, StorageUnavailable
 
-try:
-    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-except ImportError as _exc:  # pragma: no cover - exercised by the registry test without the package
-    raise BackendNotInstalled(
-        f"the mooncake store needs the Mooncake client library ({_exc}); install it with: "
-        "pip install mooncake-transfer-engine (CUDA builds) or mooncake-transfer-engine-non-cuda; "
-        "the TCP/RDMA transport also needs the system library libibverbs1 (apt-get install libibverbs1)"
-    ) from _exc
+_mooncake = external.import_client(
+    "mooncake.store", "mooncake", "the Mooncake client library",
+    "pip install mooncake-transfer-engine (CUDA builds) or mooncake-transfer-engine-non-cuda; "
+    "the TCP/RDMA transport also needs the system library libibverbs1 (apt-get install libibverbs1)",
+)  # fmt: skip
+MooncakeDistributedStore, ReplicateConfig = _mooncake.MooncakeDistributedStore, _mooncake.ReplicateConfig
 
 __all__ = ["MooncakeStore", "close_clients"]
 
-_MARK = 0xA5  # the byte stored after every value (Mooncake refuses empty objects)
 _KEYS_PER_CALL = 1024
 _BYTES_PER_CALL = 256 << 20  # a put's staging buffer holds at most this much (or one larger value)
 _WRITE_WAIT_S = 10.0  # how long a read waits for a value being written, or a write for another writer
-_SHOWN = 10  # missing keys named in a DataMissing message
 _PROBE_TIMEOUT_S = 3.0
 
 # mooncake-store's ErrorCode values met here (the Python binding returns bare integers)
@@ -159,16 +148,6 @@ def _address_towards(host: str, port: int) -> str:
         return "127.0.0.1"
 
 
-def _as_bytes_view(segment: Buffer) -> memoryview:
-    view = memoryview(segment)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except TypeError as exc:  # not C-contiguous
-        raise InvalidArgument(f"a value segment must be a contiguous buffer ({exc})") from None
-
-
 _CLIENTS: dict[tuple[Any, ...], Any] = {}  # (pid, cluster configuration) -> Mooncake client
 _CLIENTS_LOCK = threading.Lock()
 _AT_EXIT = False  # close_clients is registered with atexit
@@ -194,7 +173,7 @@ def _close_quietly(native: Any) -> None:
         pass
 
 
-class MooncakeStore:
+class MooncakeStore(external.OptionsStore):
     """Stores values in a Mooncake cluster (see the module docstring).
 
     Args:
@@ -211,6 +190,7 @@ class MooncakeStore:
     """
 
     name = "mooncake"
+    OPTIONS = _OPTIONS
 
     def __init__(
         self,
@@ -241,15 +221,7 @@ class MooncakeStore:
         self._config = ReplicateConfig()
         self._config.replica_num = replica_num
         self._config.with_hard_pin = bool(hard_pin)
-        self._closed = False
-        self._pid = os.getpid()
-        self._native = self._shared_client()
-
-    @classmethod
-    def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> MooncakeStore:
-        """Build from the options in the module docstring (the context is not needed)."""
-        check_options("mooncake", options, _OPTIONS)
-        return cls(**options)
+        self._connection = external.ProcessConnection("mooncake", self._shared_client)
 
     # ------------------------------------------------------------------ connection
 
@@ -270,13 +242,10 @@ class MooncakeStore:
             return native
 
     def _connect(self) -> Any:
-        try:
-            socket.create_connection((self._master_host, self._master_port), timeout=_PROBE_TIMEOUT_S).close()
-        except OSError as exc:
-            raise StorageUnavailable(
-                f"the Mooncake master at {self.master} is unreachable ({exc}); is mooncake_master running "
-                f"with --rpc_port={self._master_port}?"
-            ) from exc
+        external.probe(
+            self._master_host, self._master_port, _PROBE_TIMEOUT_S, f"the Mooncake master at {self.master}",
+            f"is mooncake_master running with --rpc_port={self._master_port}?",
+        )  # fmt: skip
         native = MooncakeDistributedStore()
         ret = native.setup(
             self.local_hostname, self.metadata_server, self.global_segment_size, self.local_buffer_size,
@@ -293,16 +262,10 @@ class MooncakeStore:
 
     @property
     def _store(self) -> Any:
-        if self._closed:
-            raise StorageError("this mooncake store is closed")
-        if self._pid != os.getpid():  # a forked child: the parent's client is not usable here
-            self._native, self._pid = self._shared_client(), os.getpid()
-        return self._native
+        return self._connection.get()
 
     def _fail(self, what: str, code: int, keys: Sequence[str]) -> StorageError:
-        shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-        more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
-        message = f"mooncake store: cannot {what} {shown}{more}: {_code(code)} (master {self.master})"
+        message = f"mooncake store: cannot {what} {external.named(keys)}: {_code(code)} (master {self.master})"
         if code in _UNAVAILABLE:
             return StorageUnavailable(message)
         if code in _FULL:
@@ -315,24 +278,9 @@ class MooncakeStore:
 
     def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
         """Store every value (overwriting): segments are copied once, into one staging buffer."""
-        if len(keys) != len(values):
-            raise InvalidArgument(f"put got {len(keys)} keys but {len(values)} values")
-        if not keys:
-            return
-        last = {key: i for i, key in enumerate(keys)}  # a key given twice keeps its last value
-        order = list(last.values()) if len(last) < len(keys) else range(len(keys))
-        views = [[_as_bytes_view(s) for s in values[i]] for i in order]
-        sizes = [sum(v.nbytes for v in segs) + 1 for segs in views]
-        start = 0
-        while start < len(views):
-            end, total = start, 0
-            while end < len(views) and end - start < _KEYS_PER_CALL:
-                if end > start and total + sizes[end] > _BYTES_PER_CALL:
-                    break
-                total += sizes[end]
-                end += 1
+        order, views, sizes = external.put_plan(keys, values)  # a key given twice keeps its last value
+        for start, end, total in external.batches(sizes, _KEYS_PER_CALL, _BYTES_PER_CALL):
             self._put_chunk([keys[i] for i in order[start:end]], views[start:end], sizes[start:end], total)
-            start = end
 
     def _put_chunk(self, keys: list[str], views: list[list[memoryview]], sizes: list[int], total: int) -> None:
         staging = np.empty(total, dtype=np.uint8)
@@ -342,12 +290,7 @@ class MooncakeStore:
         offset = 0
         for segs in views:
             ptrs.append(base + offset)
-            for seg in segs:
-                n = seg.nbytes
-                dst[offset : offset + n] = seg
-                offset += n
-            staging[offset] = _MARK
-            offset += 1
+            offset = external.write_marked(dst, segs, offset)
         store = self._store
         with _Registered(store, base, total, self.master):
             todo = list(range(len(keys)))
@@ -379,13 +322,9 @@ class MooncakeStore:
         found: dict[str, memoryview] = {}
         for start in range(0, len(unique), _KEYS_PER_CALL):
             found.update(self._get_chunk(unique[start : start + _KEYS_PER_CALL]))
-        missing = [k for k in unique if k not in found]
-        if missing:
-            shown = ", ".join(repr(k) for k in missing[:_SHOWN])
-            more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
-            raise DataMissing(
-                f"{len(missing)} value(s) missing from the mooncake store (master {self.master}): {shown}{more}"
-            )
+        absent = [k for k in unique if k not in found]
+        if absent:
+            raise external.missing(absent, f"the mooncake store (master {self.master})")
         return [found[k] for k in keys]
 
     @staticmethod
@@ -429,11 +368,7 @@ class MooncakeStore:
             retry: list[str] = []
             for key, offset, code in zip(todo, offsets, codes):
                 if code > 0:
-                    if buffer[offset + code - 1] != _MARK:
-                        raise StorageError(
-                            f"mooncake store: the value of {key!r} was not written by tq-redis (no end marker)"
-                        )
-                    found[key] = view[offset : offset + code - 1]
+                    found[key] = external.unmarked(view[offset : offset + code], "mooncake", key)
                 elif code == _NOT_FOUND:
                     continue
                 elif code in _READ_TRANSIENT:
@@ -465,8 +400,7 @@ class MooncakeStore:
 
     def close(self) -> None:
         """Stop using this store; the process's shared Mooncake client stays until exit (see above)."""
-        self._closed = True
-        self._native = None
+        self._connection.close()
 
     def __repr__(self) -> str:
         return f"MooncakeStore(master={self.master!r}, protocol={self.protocol!r})"

@@ -30,38 +30,24 @@ naming them; a missing package :class:`~tq_redis.errors.BackendNotInstalled` nam
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import socket
 from collections.abc import Sequence
 from typing import Any
 
-from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options
+from tq_redis.backends import external
+from tq_redis.backends.base import Buffer, Segments
 
-from tq_redis.errors import (
-    BackendNotInstalled,
-    ConfigError,
-    DataMissing,
-    InvalidArgument,
-    StorageError,
-    StorageFull,
-    StorageUnavailable,
-)
+from tq_redis.errors import ConfigError, InvalidArgument, StorageError, StorageFull, StorageUnavailable
 
-try:
-    from yr.datasystem import KVClient
-except ImportError as _exc:  # pragma: no cover - exercised by the registry test without the package
-    raise BackendNotInstalled(
-        f"the yuanrong store needs the datasystem client ({_exc}); install it with: pip install openyuanrong-datasystem"
-    ) from _exc
+KVClient = external.import_client(
+    "yr.datasystem", "yuanrong", "the datasystem client", "pip install openyuanrong-datasystem"
+).KVClient
 
 __all__ = ["YuanrongStore", "stored_key"]
 
-_MARK = 0xA5  # the byte stored after every value (the datasystem refuses empty values)
 _KEYS_PER_CALL = 1000  # mcreate / mset_buffer take fewer than 2000 keys
 _BYTES_PER_CALL = 256 << 20  # shared memory reserved by one mcreate (or one larger value)
 _MAX_KEY = 255
-_SHOWN = 10  # missing keys named in a DataMissing message
 _UNSAFE = re.compile(r"[^A-Za-z0-9\-_!@^*()+=:;]+")  # the allowed set, less % and # (ours)
 _STATUS = re.compile(r"code: \[([^\]]*)\]")
 _OPTIONS = frozenset({"worker_address", "connect_timeout_ms", "req_timeout_ms"})
@@ -81,22 +67,12 @@ def stored_key(key: str) -> str:
     return name
 
 
-def _as_bytes_view(segment: Buffer) -> memoryview:
-    view = memoryview(segment)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except TypeError as exc:  # not C-contiguous
-        raise InvalidArgument(f"a value segment must be a contiguous buffer ({exc})") from None
-
-
 def _status(exc: BaseException) -> str:
     match = _STATUS.search(str(exc))
     return match.group(1) if match else ""
 
 
-class YuanrongStore:
+class YuanrongStore(external.OptionsStore):
     """Stores values in an openYuanrong datasystem worker (see the module docstring).
 
     Args:
@@ -106,6 +82,7 @@ class YuanrongStore:
     """
 
     name = "yuanrong"
+    OPTIONS = _OPTIONS
 
     def __init__(self, worker_address: str = "", connect_timeout_ms: int = 5000, req_timeout_ms: int = 0) -> None:
         host, sep, port = str(worker_address or "").rpartition(":")
@@ -121,26 +98,16 @@ class YuanrongStore:
         self._host, self._port = host.strip("[]"), int(port)
         self._connect_timeout_ms = connect_timeout_ms
         self._req_timeout_ms = req_timeout_ms
-        self._closed = False
-        self._pid = os.getpid()
-        self._client = self._connect()
-
-    @classmethod
-    def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> YuanrongStore:
-        """Build from the options in the module docstring (the context is not needed)."""
-        check_options("yuanrong", options, _OPTIONS)
-        return cls(**options)
+        self._connection = external.ProcessConnection("yuanrong", self._connect)
 
     # ------------------------------------------------------------------ connection
 
     def _connect(self) -> Any:
-        try:
-            socket.create_connection((self._host, self._port), timeout=self._connect_timeout_ms / 1000 or 5).close()
-        except OSError as exc:
-            raise StorageUnavailable(
-                f"the Yuanrong datasystem worker at {self.address} is unreachable ({exc}); start one with "
-                f"dscli start -w --worker_address {self.address} ..."
-            ) from exc
+        external.probe(
+            self._host, self._port, self._connect_timeout_ms / 1000 or 5,
+            f"the Yuanrong datasystem worker at {self.address}",
+            f"start one with dscli start -w --worker_address {self.address} ...",
+        )  # fmt: skip
         try:
             client = KVClient(
                 self._host, self._port, connect_timeout_ms=self._connect_timeout_ms, req_timeout_ms=self._req_timeout_ms
@@ -154,11 +121,7 @@ class YuanrongStore:
 
     @property
     def _kv(self) -> Any:
-        if self._closed:
-            raise StorageError("this yuanrong store is closed")
-        if self._pid != os.getpid():  # a forked child: the parent's connection is not usable here
-            self._client, self._pid = self._connect(), os.getpid()
-        return self._client
+        return self._connection.get()
 
     def _failure(self, what: str, exc: BaseException) -> StorageError:
         status = _status(exc)
@@ -173,37 +136,20 @@ class YuanrongStore:
 
     def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
         """Store every value (overwriting), copying segments straight into the worker's shared memory."""
-        if len(keys) != len(values):
-            raise InvalidArgument(f"put got {len(keys)} keys but {len(values)} values")
-        if not keys:
+        stored = [stored_key(key) for key in keys]
+        order, views, sizes = external.put_plan(stored, values)  # a key given twice keeps its last value
+        names = [stored[i] for i in order]
+        if not names:
             return
-        last = {stored_key(key): i for i, key in enumerate(keys)}  # a key given twice keeps its last value
-        names = list(last)
-        views = [[_as_bytes_view(s) for s in values[i]] for i in last.values()]
-        sizes = [sum(v.nbytes for v in segs) + 1 for segs in views]
         kv = self._kv
-        start = 0
-        while start < len(names):
-            end, total = start, 0
-            while end < len(names) and end - start < _KEYS_PER_CALL:
-                if end > start and total + sizes[end] > _BYTES_PER_CALL:
-                    break
-                total += sizes[end]
-                end += 1
+        for start, end, _ in external.batches(sizes, _KEYS_PER_CALL, _BYTES_PER_CALL):
             try:
                 buffers = kv.mcreate(names[start:end], sizes[start:end])
                 for buffer, segs in zip(buffers, views[start:end]):
-                    dst = buffer.MutableData()
-                    offset = 0
-                    for seg in segs:
-                        n = seg.nbytes
-                        dst[offset : offset + n] = seg
-                        offset += n
-                    dst[offset] = _MARK
+                    external.write_marked(buffer.MutableData(), segs)
                 kv.mset_buffer(buffers)
             except RuntimeError as exc:
                 raise self._failure(f"write {end - start} value(s)", exc) from exc
-            start = end
 
     # ------------------------------------------------------------------ get
 
@@ -225,19 +171,10 @@ class YuanrongStore:
                 raise self._failure(f"read {len(chunk)} value(s)", exc) from exc
             for name, buffer in zip(chunk, buffers):
                 if buffer is not None:
-                    view = memoryview(buffer)
-                    if view.nbytes == 0 or view[-1] != _MARK:
-                        raise StorageError(
-                            f"yuanrong store: the value under {name!r} was not written by tq-redis (no end marker)"
-                        )
-                    found[name] = view[:-1]
-        missing = list(dict.fromkeys(k for k, n in zip(keys, names) if n not in found))
-        if missing:
-            shown = ", ".join(repr(k) for k in missing[:_SHOWN])
-            more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
-            raise DataMissing(
-                f"{len(missing)} value(s) missing from the yuanrong store (worker {self.address}): {shown}{more}"
-            )
+                    found[name] = external.unmarked(memoryview(buffer), "yuanrong", name)
+        absent = list(dict.fromkeys(k for k, n in zip(keys, names) if n not in found))
+        if absent:
+            raise external.missing(absent, f"the yuanrong store (worker {self.address})")
         return [found[n] for n in names]
 
     # ------------------------------------------------------------------ delete
@@ -255,13 +192,13 @@ class YuanrongStore:
             except RuntimeError as exc:
                 raise self._failure(f"delete {len(chunk)} value(s)", exc) from exc
             if failed:
-                shown = ", ".join(repr(k) for k in failed[:_SHOWN])
-                raise StorageError(f"yuanrong store (worker {self.address}): could not delete {shown}")
+                raise StorageError(
+                    f"yuanrong store (worker {self.address}): could not delete {external.named(failed)}"
+                )
 
     def close(self) -> None:
         """Drop the connection to the worker; the values stay in the datasystem."""
-        self._closed = True
-        self._client = None
+        self._connection.close()
 
     def __repr__(self) -> str:
         return f"YuanrongStore({self.address!r})"

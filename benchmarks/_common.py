@@ -117,6 +117,33 @@ def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
     return f"{value:.{digits}g}{unit}"
 
 
+def pick(results: dict[str, Any], system: str, *path: str) -> Any:
+    """``results[system][path[0]][path[1]]...``, or ``None`` where a step is missing."""
+    value: Any = results.get(system)
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def versus(
+    results: dict[str, Any], label: str, *path: str, unit: str = "", higher_is_better: bool = True
+) -> tuple[str, Any, Any, str, bool]:
+    """A row of :func:`print_comparison`: the figure at ``path`` of the reference and of tq-redis."""
+    return label, pick(results, "reference", *path), pick(results, "tq_redis", *path), unit, higher_is_better
+
+
+def print_run_comparison(title: str, results: dict[str, Any], rate: tuple[str, str], check: tuple[str, str]) -> None:
+    """Print a measure of whole runs: the rate ``(label, key)`` (higher is better), the wall time
+    (lower is better), and the correctness check ``(label, key)`` of each system."""
+    rate_label, rate_key = rate
+    wall = versus(results, "wall time", "wall_s", unit=" s", higher_is_better=False)
+    print_comparison(title, [versus(results, rate_label, rate_key), wall])
+    label, key = check
+    print(f"  {label}: reference {pick(results, 'reference', key)}, tq_redis {pick(results, 'tq_redis', key)}")
+
+
 def print_comparison(title: str, rows: list[tuple[str, float | None, float | None, str, bool]]) -> None:
     """Print reference vs tq-redis figures side by side.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, write_result
+from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, versus, write_result
 from benchmarks.reference import open_system, startup_seconds
 
 MEASURE = "p1_throughput"
@@ -133,13 +133,9 @@ def main() -> dict[str, Any]:
         lambda name: measure_system(name, samples, args.width, args.fields, repeats, args.storage_units),
     )
     results["memcpy"] = memcpy
-    ref, ours = results.get("reference", {}), results.get("tq_redis", {})
     print_comparison(
         f"P1 throughput, {nbytes / 2**20:.0f} MiB (GB/s, higher is better; memcpy {memcpy['gbps']:.2f} GB/s)",
-        [
-            ("put", ref.get("put_gbps"), ours.get("put_gbps"), "", True),
-            ("get_data", ref.get("get_data_gbps"), ours.get("get_data_gbps"), "", True),
-        ],
+        [versus(results, "put", "put_gbps"), versus(results, "get_data", "get_data_gbps")],
     )
     for name in ("reference", "tq_redis"):
         res = results.get(name, {})

@@ -22,8 +22,8 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, write_result
-from benchmarks.reference import open_system, startup_seconds
+from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, versus, write_result
+from benchmarks.reference import opened_for, startup_seconds
 
 MEASURE = "p2_get_meta"
 FULL_SIZES = [1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
@@ -65,10 +65,9 @@ def measure_system(
     name: str, sizes: list[int], batch: int, repeats: int, put_batch: int, consume: str, budget_s: float
 ) -> dict[str, Any]:
     """Fill one partition of system ``name`` size by size and time get_meta at each size."""
-    client, close = open_system(name, num_storage_units=2, polling_mode=True)
     partition = "p2"
     per_size: dict[str, Any] = {}
-    try:
+    with opened_for(name, partition, num_storage_units=2, polling_mode=True) as client:
         filled = 0
         for size in sizes:
             step_start = time.perf_counter()
@@ -114,12 +113,6 @@ def measure_system(
                     per_size[str(s)] = {"skipped": f"previous size took {step_s:.0f} s > budget {budget_s:.0f} s"}
                 break
         return {"sizes": per_size, "startup_s": startup_seconds(name)}
-    finally:
-        try:
-            client.clear_partition(partition)
-        except Exception as exc:  # noqa: BLE001 - teardown of a benchmark; report and go on
-            print(f"[{name}] clear_partition failed: {exc}", flush=True)
-        close()
 
 
 def main() -> dict[str, Any]:
@@ -145,12 +138,12 @@ def main() -> dict[str, Any]:
         lambda name: measure_system(name, sizes, args.batch, repeats, args.put_batch, args.consume, args.budget_s),
     )
 
-    def med(system: str, size: int) -> float | None:
-        return results.get(system, {}).get("sizes", {}).get(str(size), {}).get("median_ms")
-
     print_comparison(
         "P2 get_meta(1024) median latency (ms, lower is better)",
-        [(f"{size:,d} samples", med("reference", size), med("tq_redis", size), " ms", False) for size in sizes],
+        [
+            versus(results, f"{size:,d} samples", "sizes", str(size), "median_ms", unit=" ms", higher_is_better=False)
+            for size in sizes
+        ],
     )
     write_result(MEASURE, args, params, results, args.out)
     return results

@@ -38,8 +38,8 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
-from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
+from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
 
 MEASURE = "p3_concurrency"
 PARTITION = "p3"
@@ -180,43 +180,22 @@ def _consume(
 
 def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run the producer/consumer drain against system ``name`` and count duplicates."""
-    _, close = open_system(name, num_storage_units=2, polling_mode=True)
-    procs: list[Any] = []
-    try:
-        spec = attach_spec(name)
-        ctx = mp.get_context("forkserver")
+    with hosting_workers(name, num_storage_units=2, polling_mode=True) as (spec, ctx, procs):
         n_workers = cfg["producers"] + cfg["consumers"]
         barrier = ctx.Barrier(n_workers + 1)
         counter = ctx.Value("q", 0)
         produced = ctx.Value("q", 0)
         results = ctx.Queue()
-        t_spawn = time.perf_counter()
         roles = [("producer", i) for i in range(cfg["producers"])] + [("consumer", i) for i in range(cfg["consumers"])]
-        for role, wid in roles:
-            proc = ctx.Process(
-                target=_worker,
-                args=(role, wid, name, spec, cfg, barrier, counter, produced, results),
-                name=f"p3-{name}-{role}-{wid}",
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
-        try:
-            barrier.wait(timeout=cfg["barrier_timeout_s"])
-        except threading.BrokenBarrierError:
-            pass  # the workers report why; collected below
-        start_wall = time.time()
-        attach_all_s = time.perf_counter() - t_spawn
+        jobs = [
+            (f"p3-{name}-{role}-{wid}", (role, wid, name, spec, cfg, barrier, counter, produced, results))
+            for role, wid in roles
+        ]
+        start_wall, attach_all_s = start_workers(ctx, procs, _worker, jobs, barrier, cfg["barrier_timeout_s"])
         print(f"[{name}] {n_workers} workers attached in {attach_all_s:.1f} s; draining...", flush=True)
 
         reports = _collect(results, procs, n_workers, cfg["timeout_s"] + 60, name, counter, cfg["samples"])
         return _summarize(name, reports, start_wall, attach_all_s, cfg)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        close()
 
 
 def _collect(
@@ -317,23 +296,8 @@ def main() -> dict[str, Any]:
     )
     results = run_per_system(args.systems, lambda name: measure_system(name, cfg))
 
-    def get(system: str, key: str) -> float | None:
-        return results.get(system, {}).get(key)
-
-    print_comparison(
-        f"P3 drain, phase {cfg['phase']} (claims/s higher is better; wall s lower is better)",
-        [
-            (
-                "aggregate claims/s",
-                get("reference", "claims_per_s"),
-                get("tq_redis", "claims_per_s"),
-                "",
-                True,
-            ),
-            ("wall time", get("reference", "wall_s"), get("tq_redis", "wall_s"), " s", False),
-        ],
-    )
-    print(f"  duplicates: reference {get('reference', 'duplicates')}, tq_redis {get('tq_redis', 'duplicates')}")
+    title = f"P3 drain, phase {cfg['phase']} (claims/s higher is better; wall s lower is better)"
+    print_run_comparison(title, results, ("aggregate claims/s", "claims_per_s"), ("duplicates", "duplicates"))
     write_result(MEASURE, args, cfg, results, args.out)
     return results
 

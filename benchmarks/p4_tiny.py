@@ -13,8 +13,8 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, write_result
-from benchmarks.reference import open_system, startup_seconds
+from benchmarks._common import parse_args, print_comparison, run_per_system, summarize_s, versus, write_result
+from benchmarks.reference import opened_for, startup_seconds
 
 MEASURE = "p4_tiny"
 OPS = ("put", "get_meta", "get_data")
@@ -30,10 +30,9 @@ def measure_system(name: str, rounds: int, warmup: int) -> dict[str, Any]:
     import torch
     from tensordict import TensorDict
 
-    client, close = open_system(name, num_storage_units=2, polling_mode=True)
     partition, task = "p4", "p4_task"
     times: dict[str, list[float]] = {op: [] for op in OPS}
-    try:
+    with opened_for(name, partition, num_storage_units=2, polling_mode=True) as client:
         for i in range(warmup + rounds):
             sample = TensorDict({"x": torch.tensor([[i]], dtype=torch.int64)}, batch_size=[1])
             t0 = time.perf_counter()
@@ -59,12 +58,6 @@ def measure_system(name: str, rounds: int, warmup: int) -> dict[str, Any]:
         medians = ", ".join(f"{op} {result[op]['median_ms']:.2f} ms" for op in OPS)
         print(f"[{name}] median {medians}", flush=True)
         return result
-    finally:
-        try:
-            client.clear_partition(partition)
-        except Exception as exc:  # noqa: BLE001 - teardown of a benchmark; report and go on
-            print(f"[{name}] clear_partition failed: {exc}", flush=True)
-        close()
 
 
 def main() -> dict[str, Any]:
@@ -75,12 +68,9 @@ def main() -> dict[str, Any]:
     print(f"P4: tiny-sample latency, {rounds} rounds")
     results = run_per_system(args.systems, lambda name: measure_system(name, rounds, args.warmup))
 
-    def med(system: str, op: str) -> float | None:
-        return results.get(system, {}).get(op, {}).get("median_ms")
-
     print_comparison(
         "P4 one tiny sample, median latency (ms, lower is better)",
-        [(op, med("reference", op), med("tq_redis", op), " ms", False) for op in OPS],
+        [versus(results, op, op, "median_ms", unit=" ms", higher_is_better=False) for op in OPS],
     )
     write_result(MEASURE, args, params, results, args.out)
     return results

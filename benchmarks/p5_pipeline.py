@@ -58,8 +58,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from benchmarks._common import parse_args, print_comparison, run_per_system, write_result
-from benchmarks.reference import attach, attach_spec, open_system, preload_modules, startup_seconds
+from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
 from tq_redis import demo_workload as wl
 from tq_redis.demo import STAGES
 
@@ -393,11 +393,7 @@ def _worker(stage: str, wid: int, name: str, spec: dict[str, Any], cfg: dict[str
 # ----------------------------------------------------------------------------------------
 def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run the pipeline against system ``name``; return its figures and the correctness check."""
-    _, close = open_system(name, num_storage_units=2, polling_mode=True)
-    procs: list[Any] = []
-    try:
-        spec = attach_spec(name)
-        ctx = mp.get_context("forkserver")
+    with hosting_workers(name, num_storage_units=2, polling_mode=True) as (spec, ctx, procs):
         roles = [("feeder", 0)] + [("rollout", i) for i in range(cfg["workers"])]
         roles += [("reward", 0), ("ref", 0), ("trainer", 0)]
         shared = {
@@ -408,28 +404,11 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "rolled": ctx.Array("i", cfg["steps"]),
             "results": ctx.Queue(),
         }
-        t_spawn = time.perf_counter()
-        for stage, wid in roles:
-            proc = ctx.Process(
-                target=_worker, args=(stage, wid, name, spec, cfg, shared), name=f"p5-{name}-{stage}-{wid}", daemon=True
-            )
-            proc.start()
-            procs.append(proc)
-        try:
-            shared["barrier"].wait(timeout=cfg["barrier_timeout_s"])
-        except threading.BrokenBarrierError:
-            pass  # the workers report why
-        start_wall = time.time()
-        attach_all_s = time.perf_counter() - t_spawn
+        jobs = [(f"p5-{name}-{stage}-{wid}", (stage, wid, name, spec, cfg, shared)) for stage, wid in roles]
+        start_wall, attach_all_s = start_workers(ctx, procs, _worker, jobs, shared["barrier"], cfg["barrier_timeout_s"])
         print(f"[{name}] {len(roles)} workers attached and warmed up in {attach_all_s:.1f} s; running...", flush=True)
         reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
         return _summarize(name, cfg, reports, start_wall, attach_all_s)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        close()
 
 
 def _collect(shared: dict[str, Any], procs: list[Any], n_workers: int, timeout_s: float, name: str) -> list[dict]:
@@ -592,17 +571,8 @@ def main() -> dict[str, Any]:
             runs[name].append(res)
     results = {name: _median_run(rs) for name, rs in runs.items()}
 
-    def get(system: str, key: str) -> Any:
-        return results.get(system, {}).get(key)
-
-    print_comparison(
-        "P5 demo-shaped pipeline (steps/s higher is better; wall s lower is better)",
-        [
-            ("steps/s", get("reference", "steps_per_s"), get("tq_redis", "steps_per_s"), "", True),
-            ("wall time", get("reference", "wall_s"), get("tq_redis", "wall_s"), " s", False),
-        ],
-    )
-    print(f"  exactly once: reference {get('reference', 'exactly_once')}, tq_redis {get('tq_redis', 'exactly_once')}")
+    title = "P5 demo-shaped pipeline (steps/s higher is better; wall s lower is better)"
+    print_run_comparison(title, results, ("steps/s", "steps_per_s"), ("exactly once", "exactly_once"))
     write_result(MEASURE, args, cfg, results, args.out)
     return results
 

@@ -44,10 +44,13 @@ returns the effective config; other processes attach with
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 SYSTEMS: tuple[str, ...] = ("reference", "tq_redis")
@@ -269,6 +272,60 @@ def open_system(name: str, **opts: Any) -> tuple[Any, CloseFn]:
         raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
     _OPEN[name]["startup_s"] = time.perf_counter() - t0
     return client, close
+
+
+@contextmanager
+def opened_for(name: str, partition: str, **opts: Any) -> Iterator[Any]:
+    """The client of system ``name`` (:func:`open_system` with ``opts``) for a measure that writes
+    ``partition``: on the way out the partition is cleared (a failure is printed, not raised: it is
+    a benchmark's teardown) and the system closed."""
+    client, close = open_system(name, **opts)
+    try:
+        yield client
+    finally:
+        try:
+            client.clear_partition(partition)
+        except Exception as exc:  # noqa: BLE001 - teardown of a benchmark; report and go on
+            print(f"[{name}] clear_partition failed: {exc}", flush=True)
+        close()
+
+
+@contextmanager
+def hosting_workers(name: str, **opts: Any) -> Iterator[tuple[dict[str, Any], Any, list[Any]]]:
+    """System ``name`` opened in this process (:func:`open_system` with ``opts``) for worker
+    processes that attach to it: yields its :func:`attach_spec`, a forkserver context and the
+    list of worker processes (:func:`start_workers` fills it). On the way out each worker gets
+    10 s to end (then it is killed) and the system is closed."""
+    _, close = open_system(name, **opts)
+    procs: list[Any] = []
+    try:
+        yield attach_spec(name), mp.get_context("forkserver"), procs
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        close()
+
+
+def start_workers(
+    ctx: Any, procs: list[Any], target: Callable[..., Any], jobs: list[tuple[str, tuple]], barrier: Any,
+    timeout_s: float,
+) -> tuple[float, float]:
+    """Start a daemon process ``target(*args)`` named ``name`` per ``(name, args)`` of ``jobs``
+    (appended to ``procs``), then wait at ``barrier`` until every one attached: returns the wall
+    clock time the run starts at and the seconds attaching took. A broken barrier is not raised
+    here: the workers report why."""
+    t_spawn = time.perf_counter()
+    for proc_name, args in jobs:
+        proc = ctx.Process(target=target, args=args, name=proc_name, daemon=True)
+        proc.start()
+        procs.append(proc)
+    try:
+        barrier.wait(timeout=timeout_s)
+    except threading.BrokenBarrierError:
+        pass
+    return time.time(), time.perf_counter() - t_spawn
 
 
 def startup_seconds(name: str) -> float | None:

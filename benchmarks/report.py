@@ -17,7 +17,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,48 @@ def _result(merged: dict[str, Any], measure: str, system: str) -> dict[str, Any]
     return value if isinstance(value, dict) else {}
 
 
+def _both(merged: dict[str, Any], measure: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tq-redis's result, the reference's)`` of ``measure``."""
+    return _result(merged, measure, "tq_redis"), _result(merged, measure, "reference")
+
+
+def _params(merged: dict[str, Any], measure: str) -> dict[str, Any]:
+    doc = merged.get("measures", {}).get(measure) or {}
+    return doc.get("params") or {}
+
+
+def _figure_row(
+    pid: str, label: str, results: tuple[dict[str, Any], dict[str, Any]], key: Sequence[str], higher_better: bool,
+    target: str, at_least: float,
+) -> Row:
+    """A row comparing the figure at ``key`` of both results (tq-redis's first); met when
+    tq-redis is ``at_least`` times better."""
+    figures = []
+    for res in results:
+        value: Any = res
+        for k in key:
+            value = (value or {}).get(k)
+        figures.append(value)
+    (ours, ref), (o, r) = results, figures
+    gain = _gain(o, r, higher_better)
+    return (pid, label, _err(ours) or _num(o), _err(ref) or _num(r), _times(gain), target,
+            None if gain is None else gain >= at_least)  # fmt: skip
+
+
+def _run_row(
+    pid: str, label: str, results: tuple[dict[str, Any], dict[str, Any]], key: str,
+    describe: Callable[[dict[str, Any], float | None], str], target: str, at_least: float, correct: bool,
+) -> Row:
+    """A row of a measure of whole runs: each result shown as ``describe(result, its rate at key)``
+    (or why it is missing); met when tq-redis's rate is ``at_least`` times the reference's and its
+    run ``correct``."""
+    ours, ref = results
+    o, r = ours.get(key), ref.get(key)
+    gain = _gain(o, r, True)
+    return (pid, label, _err(ours) or describe(ours, o), _err(ref) or describe(ref, r), _times(gain), target,
+            None if gain is None else (gain >= at_least and correct))  # fmt: skip
+
+
 def _err(res: dict[str, Any]) -> str | None:
     if not res:
         return "not run"
@@ -93,25 +135,14 @@ def _err(res: dict[str, Any]) -> str | None:
 # One builder per measure
 # ----------------------------------------------------------------------------------------
 def _rows_p1(merged: dict[str, Any]) -> list[Row]:
-    ours, ref = _result(merged, "p1_throughput", "tq_redis"), _result(merged, "p1_throughput", "reference")
+    ours, ref = _both(merged, "p1_throughput")
     memcpy = _result(merged, "p1_throughput", "memcpy").get("gbps")
-    doc = merged.get("measures", {}).get("p1_throughput") or {}
-    mib = (doc.get("params") or {}).get("bytes", 0) / 2**20
-    rows: list[Row] = []
-    for op, label in (("put_gbps", "put"), ("get_data_gbps", "get_data")):
-        o, r = ours.get(op), ref.get(op)
-        gain = _gain(o, r, True)
-        rows.append(
-            (
-                "P1",
-                f"{label} of {mib:.0f} MiB, 2 storage units (GB/s)",
-                _err(ours) or _num(o),
-                _err(ref) or _num(r),
-                _times(gain),
-                "≥ 3× the reference",
-                None if gain is None else gain >= 3,
-            )
-        )
+    mib = _params(merged, "p1_throughput").get("bytes", 0) / 2**20
+    rows = [
+        _figure_row("P1", f"{label} of {mib:.0f} MiB, 2 storage units (GB/s)", (ours, ref), [op], True,
+                    "≥ 3× the reference", 3)
+        for op, label in (("put_gbps", "put"), ("get_data_gbps", "get_data"))
+    ]  # fmt: skip
     fractions = [ours.get("put_fraction_of_memcpy"), ours.get("get_data_fraction_of_memcpy")]
     ref_fractions = [ref.get("put_fraction_of_memcpy"), ref.get("get_data_fraction_of_memcpy")]
     known = [f for f in fractions if f is not None]
@@ -130,7 +161,7 @@ def _rows_p1(merged: dict[str, Any]) -> list[Row]:
 
 
 def _rows_p2(merged: dict[str, Any]) -> list[Row]:
-    ours, ref = _result(merged, "p2_get_meta", "tq_redis"), _result(merged, "p2_get_meta", "reference")
+    ours, ref = _both(merged, "p2_get_meta")
 
     def curve(res: dict[str, Any]) -> list[tuple[int, float]]:
         sizes = res.get("sizes") or {}
@@ -169,81 +200,43 @@ def _rows_p2(merged: dict[str, Any]) -> list[Row]:
 
 
 def _rows_p3(merged: dict[str, Any]) -> list[Row]:
-    ours, ref = _result(merged, "p3_concurrency", "tq_redis"), _result(merged, "p3_concurrency", "reference")
-    doc = merged.get("measures", {}).get("p3_concurrency") or {}
-    p = doc.get("params") or {}
-    o, r = ours.get("claims_per_s"), ref.get("claims_per_s")
-    gain = _gain(o, r, True)
-
-    def show(res: dict[str, Any], value: float | None) -> str:
-        if _err(res):
-            return _err(res) or ""
-        wall = res.get("wall_s")
-        return f"{_num(value)}/s ({_num(wall)} s, {res.get('duplicates')} dup)"
-
+    ours, ref = _both(merged, "p3_concurrency")
+    p = _params(merged, "p3_concurrency")
     clean = ours.get("duplicates") == 0 and ours.get("complete") is True
+    label = (f"{p.get('producers', '?')} producer + {p.get('consumers', '?')} consumer processes, "
+             f"{p.get('samples', '?')} samples: claims/s")  # fmt: skip
     return [
-        (
-            "P3",
-            f"{p.get('producers', '?')} producer + {p.get('consumers', '?')} consumer processes, "
-            f"{p.get('samples', '?')} samples: claims/s",
-            show(ours, o),
-            show(ref, r),
-            _times(gain),
-            "≥ 5× the reference, 0 duplicates",
-            None if gain is None else (gain >= 5 and clean),
-        )
-    ]
+        _run_row("P3", label, (ours, ref), "claims_per_s",
+                 lambda res, rate: f"{_num(rate)}/s ({_num(res.get('wall_s'))} s, {res.get('duplicates')} dup)",
+                 "≥ 5× the reference, 0 duplicates", 5, clean)
+    ]  # fmt: skip
 
 
 def _rows_p4(merged: dict[str, Any]) -> list[Row]:
-    ours, ref = _result(merged, "p4_tiny", "tq_redis"), _result(merged, "p4_tiny", "reference")
-    rows: list[Row] = []
-    for op in ("put", "get_meta", "get_data"):
-        o = (ours.get(op) or {}).get("median_ms")
-        r = (ref.get(op) or {}).get("median_ms")
-        gain = _gain(o, r, False)
-        rows.append(
-            (
-                "P4",
-                f"one tiny sample: {op} (median ms)",
-                _err(ours) or _num(o),
-                _err(ref) or _num(r),
-                _times(gain),
-                "≤ ⅓ of the reference's latency",
-                None if gain is None else gain >= 3,
-            )
-        )
-    return rows
+    results = _both(merged, "p4_tiny")
+    return [
+        _figure_row("P4", f"one tiny sample: {op} (median ms)", results, [op, "median_ms"], False,
+                    "≤ ⅓ of the reference's latency", 3)
+        for op in ("put", "get_meta", "get_data")
+    ]  # fmt: skip
 
 
 def _rows_p5(merged: dict[str, Any]) -> list[Row]:
-    ours, ref = _result(merged, "p5_pipeline", "tq_redis"), _result(merged, "p5_pipeline", "reference")
-    doc = merged.get("measures", {}).get("p5_pipeline") or {}
-    p = doc.get("params") or {}
-    o, r = ours.get("steps_per_s"), ref.get("steps_per_s")
-    gain = _gain(o, r, True)
+    ours, ref = _both(merged, "p5_pipeline")
+    p = _params(merged, "p5_pipeline")
 
-    def show(res: dict[str, Any], value: float | None) -> str:
-        if _err(res):
-            return _err(res) or ""
+    def describe(res: dict[str, Any], rate: float | None) -> str:
         once = "each sample trained once" if res.get("exactly_once") else "NOT exactly once"
         rounds = res.get("rounds_steps_per_s") or []
         spread = f"median of {len(rounds)}: {' / '.join(map(_num, rounds))}; " if len(rounds) > 1 else ""
-        return f"{_num(value)} ({spread}{_num(res.get('wall_s'))} s, {once})"
+        return f"{_num(rate)} ({spread}{_num(res.get('wall_s'))} s, {once})"
 
+    label = (f"`demo`-shaped pipeline, {p.get('steps', '?')} steps × {p.get('batch', '?')} prompts × "
+             f"{p.get('n_samples', '?')} samples: steps/s")  # fmt: skip
     return [
-        (
-            "P5",
-            f"`demo`-shaped pipeline, {p.get('steps', '?')} steps × {p.get('batch', '?')} prompts × "
-            f"{p.get('n_samples', '?')} samples: steps/s",
-            show(ours, o),
-            show(ref, r),
-            _times(gain),
-            "≥ 1.5× the reference",
-            None if gain is None else (gain >= 1.5 and ours.get("exactly_once") is True),
-        )
-    ]
+        _run_row("P5", label, (ours, ref), "steps_per_s", describe, "≥ 1.5× the reference", 1.5,
+                 ours.get("exactly_once") is True)
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,31 +114,48 @@ def _systems_with(results: dict[str, Any], key: str) -> list[str]:
     return [s for s in SYSTEMS if isinstance(results.get(s), dict) and key in results[s]]
 
 
-def _bar_labels(ax: Any, bars: Any, fmt: str) -> None:
-    for bar in bars:
-        height = bar.get_height()
-        ax.annotate(
-            fmt.format(height),
-            (bar.get_x() + bar.get_width() / 2, height),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            xytext=(0, 2),
-            textcoords="offset points",
-        )
+def _label(ax: Any, bar: Any, text: str) -> None:
+    """Write ``text`` just above ``bar``."""
+    height = bar.get_height()
+    ax.annotate(
+        text,
+        (bar.get_x() + bar.get_width() / 2, height),
+        ha="center",
+        va="bottom",
+        fontsize=8,
+        xytext=(0, 2),
+        textcoords="offset points",
+    )
+
+
+def _grouped_bars(ax: Any, results: dict[str, Any], systems: list[str], ops: tuple[str, ...],
+                  value: Callable[[dict[str, Any], str], float]) -> None:
+    """A group of bars per op, a bar per system in each (``value(result, op)`` high, labelled)."""
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ops))]
+        bars = ax.bar(xs, [value(results[system], op) for op in ops], width, label=system, color=COLORS[system])
+        for bar in bars:
+            _label(ax, bar, f"{bar.get_height():.2f}")
+
+
+def _run_bars(ax: Any, results: dict[str, Any], key: str, note: Callable[[dict[str, Any], float], str]) -> None:
+    """A bar per system of its whole-run figure ``key``, annotated with ``note(result, figure)``
+    ("incomplete" for a run without a wall time)."""
+    systems = _systems_with(results, key)
+    bars = ax.bar(systems, [results[s][key] or 0.0 for s in systems], color=[COLORS[s] for s in systems])
+    for bar, system in zip(bars, systems):
+        r = results[system]
+        _label(ax, bar, note(r, bar.get_height()) if r.get("wall_s") else "incomplete")
+    ax.margins(y=0.2)
 
 
 def chart_p1(doc: dict[str, Any], plt: Any, path: Path) -> None:
     """Grouped bars: put and get_data GB/s per system, memcpy as a dashed line."""
     results = doc["results"]
-    systems = _systems_with(results, "put_gbps")
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ops = ("put_gbps", "get_data_gbps")
-    width = 0.8 / max(1, len(systems))
-    for k, system in enumerate(systems):
-        xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ops))]
-        bars = ax.bar(xs, [results[system][op] for op in ops], width, label=system, color=COLORS[system])
-        _bar_labels(ax, bars, "{:.2f}")
+    _grouped_bars(ax, results, _systems_with(results, "put_gbps"), ops, lambda r, op: r[op])
     memcpy = results.get("memcpy", {}).get("gbps")
     if memcpy:
         ax.axhline(memcpy, ls="--", color=COLORS["memcpy"], label=f"memcpy {memcpy:.1f} GB/s")
@@ -170,28 +188,12 @@ def chart_p2(doc: dict[str, Any], plt: Any, path: Path) -> None:
 
 def chart_p3(doc: dict[str, Any], plt: Any, path: Path) -> None:
     """Bars: aggregate claims/s per system, annotated with wall time and duplicates."""
-    results = doc["results"]
-    systems = _systems_with(results, "claims_per_s")
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    values = [results[s]["claims_per_s"] or 0.0 for s in systems]
-    bars = ax.bar(systems, values, color=[COLORS[s] for s in systems])
-    for bar, system in zip(bars, systems):
-        r = results[system]
-        wall = r.get("wall_s")
-        note = f"{bar.get_height():.0f}/s\n{wall:.1f} s, {r['duplicates']} dup" if wall else "incomplete"
-        ax.annotate(
-            note,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            xytext=(0, 2),
-            textcoords="offset points",
-        )
+    _run_bars(ax, doc["results"], "claims_per_s",
+              lambda r, rate: f"{rate:.0f}/s\n{r['wall_s']:.1f} s, {r['duplicates']} dup")  # fmt: skip
     p = doc["params"]
     ax.set_ylabel("samples claimed per second (higher is better)")
     ax.set_title(f"P3 {p['producers']} producers + {p['consumers']} consumers, {p['samples']} samples")
-    ax.margins(y=0.2)
     _save(fig, path)
 
 
@@ -199,13 +201,8 @@ def chart_p4(doc: dict[str, Any], plt: Any, path: Path) -> None:
     """Grouped bars: median latency of put / get_meta / get_data of one tiny sample."""
     results = doc["results"]
     ops = ("put", "get_meta", "get_data")
-    systems = _systems_with(results, "put")
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    width = 0.8 / max(1, len(systems))
-    for k, system in enumerate(systems):
-        xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ops))]
-        bars = ax.bar(xs, [results[system][op]["median_ms"] for op in ops], width, label=system, color=COLORS[system])
-        _bar_labels(ax, bars, "{:.2f}")
+    _grouped_bars(ax, results, _systems_with(results, "put"), ops, lambda r, op: r[op]["median_ms"])
     ax.set_xticks(range(len(ops)), list(ops))
     ax.set_ylabel("median ms (lower is better)")
     ax.set_title(f"P4 one tiny sample, {doc['params']['rounds']} rounds")
@@ -215,25 +212,13 @@ def chart_p4(doc: dict[str, Any], plt: Any, path: Path) -> None:
 
 def chart_p5(doc: dict[str, Any], plt: Any, path: Path) -> None:
     """Bars: pipeline steps/s per system, annotated with wall time and the exactly-once check."""
-    results = doc["results"]
-    systems = _systems_with(results, "steps_per_s")
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    values = [results[s]["steps_per_s"] or 0.0 for s in systems]
-    bars = ax.bar(systems, values, color=[COLORS[s] for s in systems])
-    for bar, system in zip(bars, systems):
-        r = results[system]
-        wall = r.get("wall_s")
+
+    def note(r: dict[str, Any], rate: float) -> str:
         once = "each sample trained once" if r.get("exactly_once") else "NOT exactly once"
-        note = f"{bar.get_height():.2f} steps/s\n{wall:.1f} s, {once}" if wall else "incomplete"
-        ax.annotate(
-            note,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            xytext=(0, 2),
-            textcoords="offset points",
-        )
+        return f"{rate:.2f} steps/s\n{r['wall_s']:.1f} s, {once}"
+
+    _run_bars(ax, doc["results"], "steps_per_s", note)
     p = doc["params"]
     ax.set_ylabel("pipeline steps per second (higher is better)")
     ax.set_title(
@@ -241,7 +226,6 @@ def chart_p5(doc: dict[str, Any], plt: Any, path: Path) -> None:
         f"{p['workers']} rollout workers",
         fontsize=10,
     )
-    ax.margins(y=0.2)
     _save(fig, path)
 
 

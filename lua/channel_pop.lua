@@ -18,34 +18,27 @@
 
 local function channel_pop(KEYS, ARGV)
   local prefix = channel_prefix(KEYS[1])
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
-  local qkey, wfield = prefix .. 'q:' .. ARGV[1], 'w:' .. ARGV[1]
-  local function not_enough() return {0, stream_last_id(prefix .. 'puts')} end
+  local qkey, wfield = channel_queue(KEYS[1], prefix, ARGV[1])
+  if not qkey then return {-1} end
 
   if ARGV[2] == '' then
     local entry = redis.call('LPOP', qkey)
-    if not entry then return not_enough() end
+    if not entry then return {0, stream_last_id(prefix .. 'puts')} end
     channel_after_pop(KEYS[1], prefix, qkey, wfield, entry_weight(entry))
     return {1, {entry}}
   end
 
   local target = tonumber(ARGV[2])
-  -- The running sum says whether a scan can succeed; the scan itself is the truth.
-  if tonumber(redis.call('HGET', KEYS[1], wfield) or 0) < target - 1e-9 then return not_enough() end
-  local taken, sum, from = {}, 0, 0
-  while sum < target do
-    local chunk = redis.call('LRANGE', qkey, from, from + 127)
-    if #chunk == 0 then
-      redis.call('HSET', KEYS[1], wfield, sum)
-      return not_enough()
-    end
-    for i = 1, #chunk do
-      taken[#taken + 1] = chunk[i]
-      sum = sum + entry_weight(chunk[i])
-      if sum >= target then break end
-    end
-    from = from + #chunk
+  local taken, sum = {}, 0
+  local reached = channel_scan(KEYS[1], qkey, wfield, target, function(entry, weight)
+    taken[#taken + 1] = entry
+    sum = sum + weight
+    return sum >= target
+  end)
+  if reached == false then  -- the queue weighs less than its running sum said: correct the sum
+    redis.call('HSET', KEYS[1], wfield, sum)
   end
+  if not reached then return {0, stream_last_id(prefix .. 'puts')} end
   redis.call('LTRIM', qkey, #taken, -1)
   channel_after_pop(KEYS[1], prefix, qkey, wfield, sum)
   return {1, taken}

@@ -22,33 +22,19 @@
 
 local function channel_pop_fit(KEYS, ARGV)
   local prefix = channel_prefix(KEYS[1])
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
-  local qkey, wfield = prefix .. 'q:' .. ARGV[1], 'w:' .. ARGV[1]
-  local target = tonumber(ARGV[2])
-  local function not_enough() return {0, stream_last_id(prefix .. 'puts')} end
+  local qkey, wfield = channel_queue(KEYS[1], prefix, ARGV[1])
+  if not qkey then return {-1} end
 
-  -- Everything queued weighs less than the target: every entry fits, none reaches it.
-  if tonumber(redis.call('HGET', KEYS[1], wfield) or 0) < target - 1e-9 then return not_enough() end
-  local taken, sum, from = {}, 0, 0
-  local done = false
-  while not done do
-    local chunk = redis.call('LRANGE', qkey, from, from + 127)
-    if #chunk == 0 then return not_enough() end
-    for i = 1, #chunk do
-      local weight = entry_weight(chunk[i])
-      if sum + weight > target then
-        done = true
-        break
-      end
-      taken[#taken + 1] = chunk[i]
-      sum = sum + weight
-      if sum >= target then
-        done = true
-        break
-      end
-    end
-    from = from + #chunk
-  end
+  local target = tonumber(ARGV[2])
+  local taken, sum = {}, 0
+  local stopped = channel_scan(KEYS[1], qkey, wfield, target, function(entry, weight)
+    if sum + weight > target then return true end  -- the next entry would overshoot
+    taken[#taken + 1] = entry
+    sum = sum + weight
+    return sum >= target
+  end)
+  -- Not stopped: every queued entry fits and together they weigh less than the target.
+  if not stopped then return {0, stream_last_id(prefix .. 'puts')} end
   if #taken > 0 then
     redis.call('LTRIM', qkey, #taken, -1)
     channel_after_pop(KEYS[1], prefix, qkey, wfield, sum)

@@ -39,6 +39,23 @@ READY = 1
 """Value of ``BatchMeta.production_status`` for a sample whose fields are all stored."""
 
 
+def _rows_property(slot: str, name: str, doc: str) -> property:
+    """A per-sample dict column kept in ``slot``: ``None`` until read (then one empty dict per
+    sample) or set (then checked to hold one dict per sample and copied one level deep)."""
+
+    def get(self: BatchMeta) -> list[dict[str, Any]]:
+        rows = getattr(self, slot)
+        if rows is None:
+            rows = [{} for _ in range(self.size)]
+            setattr(self, slot, rows)
+        return rows
+
+    def set(self: BatchMeta, value: Sequence[Mapping[str, Any]]) -> None:
+        setattr(self, slot, rows_from(value, self.size, name))
+
+    return property(get, set, doc=doc)
+
+
 class BatchMeta:
     """Metadata of a batch of samples: which samples, which fields, and whether they are ready.
 
@@ -133,14 +150,15 @@ class BatchMeta:
     ) -> BatchMeta:
         """Build from containers the caller already owns and has validated; nothing is copied."""
         obj = cls.__new__(cls)
-        obj.global_indexes = global_indexes
-        obj.partition_ids = partition_ids
-        obj.field_schema = field_schema
-        obj.production_status = production_status
-        obj._cm = custom_meta
-        obj._bm = backend_meta
-        obj.extra_info = extra_info
+        obj._set_slots(
+            (global_indexes, partition_ids, field_schema, production_status, extra_info, custom_meta, backend_meta)
+        )
         return obj
+
+    def _set_slots(self, values: Sequence[Any]) -> None:
+        """Set every slot, in ``__slots__`` order."""
+        for slot, value in zip(self.__slots__, values):
+            setattr(self, slot, value)
 
     @classmethod
     def from_columns(
@@ -171,28 +189,10 @@ class BatchMeta:
 
     # -- per-sample dict columns -----------------------------------------------------------------
 
-    @property
-    def custom_meta(self) -> list[dict[str, Any]]:
-        """Per-sample tags: one dict per sample, in batch order."""
-        if self._cm is None:
-            self._cm = [{} for _ in range(self.size)]
-        return self._cm
-
-    @custom_meta.setter
-    def custom_meta(self, value: Sequence[Mapping[str, Any]]) -> None:
-        rows = rows_from(value, self.size, "custom_meta")
-        self._cm = rows
-
-    @property
-    def _custom_backend_meta(self) -> list[dict[str, Any]]:
-        """Per-sample, per-field data written by storage backends (e.g. object handles)."""
-        if self._bm is None:
-            self._bm = [{} for _ in range(self.size)]
-        return self._bm
-
-    @_custom_backend_meta.setter
-    def _custom_backend_meta(self, value: Sequence[Mapping[str, Any]]) -> None:
-        self._bm = rows_from(value, self.size, "_custom_backend_meta")
+    custom_meta = _rows_property("_cm", "custom_meta", "Per-sample tags: one dict per sample, in batch order.")
+    _custom_backend_meta = _rows_property(
+        "_bm", "_custom_backend_meta", "Per-sample, per-field data written by storage backends (e.g. object handles)."
+    )
 
     # -- pickling ----------------------------------------------------------------------------
 
@@ -211,8 +211,7 @@ class BatchMeta:
                 f"BatchMeta state has {len(values)} values, expected {len(self.__slots__)} ({self.__slots__}); "
                 f"it was pickled by an incompatible version"
             )
-        for slot, value in zip(self.__slots__, values):
-            setattr(self, slot, value)
+        self._set_slots(values)
         # Zero-copy deserialisers (Ray/Arrow) hand back read-only arrays; add_fields writes to it.
         if not self.production_status.flags.writeable:
             self.production_status = self.production_status.copy()

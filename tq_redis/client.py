@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import kv, ops, streaming
+from tq_redis.client_methods import awaiting
 from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
 from tq_redis.metadata import BatchMeta, KVBatchMeta
@@ -76,6 +77,11 @@ class AsyncTransferQueueClient:
         self._async_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncDriver] = (
             weakref.WeakKeyDictionary()
         )
+        self._open()
+
+    def _open(self) -> None:
+        """Open the connections this client needs before its first call: none here (a driver is
+        opened per event loop on first use); the blocking client opens its own driver."""
 
     @property
     def context(self) -> ops.Context:
@@ -95,33 +101,11 @@ class AsyncTransferQueueClient:
             driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
         return driver
 
-    async def async_get_meta(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        mode: str = "fetch",
-        task_name: str | None = None,
-        sampling_config: dict[str, Any] | None = None,
-        *,
-        timeout: float = 0.0,
-        lease_s: float | None = None,
-        max_deliveries: int | None = None,
-    ) -> BatchMeta:
-        """See :meth:`tq_redis.TransferQueueClient.get_meta`."""
-        return await self.arun(
-            ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
-                         timeout, lease_s, max_deliveries=max_deliveries)
-        )
+    # the parameters of get_meta and put are their operations' (written once, there)
+    async_get_meta = awaiting(ops.get_meta, doc="See :meth:`tq_redis.TransferQueueClient.get_meta`.",
+                              returns="BatchMeta", keyword_only="timeout")
 
-    async def async_put(
-        self,
-        data: TensorDict | dict,
-        metadata: BatchMeta | None = None,
-        partition_id: str | None = None,
-        data_parser: kv.DataParser | None = None,
-    ) -> BatchMeta:
-        return await self.arun(ops.put(self._ctx, data, metadata, partition_id, data_parser))
+    async_put = awaiting(ops.put, doc="See :meth:`tq_redis.TransferQueueClient.put`.", returns="BatchMeta")
 
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
         return await self.arun(ops.get_data(self._ctx, metadata))

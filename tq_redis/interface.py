@@ -1,13 +1,16 @@
 """The reference system's module-level KV API (``tq.kv_put`` ...), on the default client.
 
 Each function runs the same operation as the client method of the same name on the client
-``tq_redis.init()`` created (:func:`tq_redis.runtime.get_client`).
+``tq_redis.init()`` created (:func:`tq_redis.runtime.get_client`). Each ``async_<name>``
+coroutine takes the parameters of ``<name>`` (written once, there) and awaits the client's
+``async_<name>``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 from tensordict import TensorDict
 
@@ -16,20 +19,8 @@ from tq_redis.metadata import KVBatchMeta
 from tq_redis.runtime import get_client
 from tq_redis.sync import TransferQueueClient
 
-__all__ = [
-    "async_kv_batch_get",
-    "async_kv_batch_get_by_meta",
-    "async_kv_batch_put",
-    "async_kv_clear",
-    "async_kv_list",
-    "async_kv_put",
-    "kv_batch_get",
-    "kv_batch_get_by_meta",
-    "kv_batch_put",
-    "kv_clear",
-    "kv_list",
-    "kv_put",
-]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _client() -> TransferQueueClient:
@@ -85,47 +76,29 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     _client().kv_clear(keys, partition_id)
 
 
-async def async_kv_put(
-    key: str,
-    partition_id: str,
-    fields: TensorDict | Mapping[str, Any] | None = None,
-    tag: Mapping[str, Any] | None = None,
-    data_parser: DataParser | None = None,
-) -> KVBatchMeta:
-    """Coroutine of :func:`kv_put`."""
-    return await _client().async_kv_put(key, partition_id, fields, tag, data_parser)
+def _coroutine_of(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+    """``async_<name>``: the coroutine of the default client's ``async_<name>``, with ``function``'s
+    parameters (``inspect.signature`` shows them)."""
+    name = f"async_{function.__name__}"
+
+    async def coroutine(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await getattr(_client(), name)(*args, **kwargs)
+
+    coroutine.__name__ = coroutine.__qualname__ = name
+    coroutine.__doc__ = f"Coroutine of :func:`{function.__name__}`."
+    coroutine.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    return coroutine
 
 
-async def async_kv_batch_put(
-    keys: list[str],
-    partition_id: str,
-    fields: TensorDict | None = None,
-    tags: list[dict[str, Any]] | None = None,
-    data_parser: DataParser | None = None,
-) -> KVBatchMeta:
-    """Coroutine of :func:`kv_batch_put`."""
-    return await _client().async_kv_batch_put(keys, partition_id, fields, tags, data_parser)
+async_kv_put = _coroutine_of(kv_put)
+async_kv_batch_put = _coroutine_of(kv_batch_put)
+async_kv_batch_get = _coroutine_of(kv_batch_get)
+async_kv_batch_get_by_meta = _coroutine_of(kv_batch_get_by_meta)
+async_kv_list = _coroutine_of(kv_list)
+async_kv_clear = _coroutine_of(kv_clear)
 
-
-async def async_kv_batch_get(
-    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
-) -> TensorDict:
-    """Coroutine of :func:`kv_batch_get`."""
-    return await _client().async_kv_batch_get(keys, partition_id, select_fields)
-
-
-async def async_kv_batch_get_by_meta(
-    meta: KVBatchMeta, select_fields: list[str] | str | None = None
-) -> TensorDict:
-    """Coroutine of :func:`kv_batch_get_by_meta`."""
-    return await _client().async_kv_batch_get_by_meta(meta, select_fields)
-
-
-async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """Coroutine of :func:`kv_list`."""
-    return await _client().async_kv_list(partition_id)
-
-
-async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
-    """Coroutine of :func:`kv_clear`."""
-    await _client().async_kv_clear(keys, partition_id)
+__all__ = [
+    name
+    for function in (kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear)
+    for name in (function.__name__, f"async_{function.__name__}")
+]

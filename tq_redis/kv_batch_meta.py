@@ -88,13 +88,7 @@ class KVBatchMeta:
         )
 
     def _with(self, keys: list[str], tags: list[dict[str, Any]]) -> KVBatchMeta:
-        return KVBatchMeta(
-            keys=keys,
-            tags=tags,
-            partition_id=self.partition_id,
-            fields=self.fields,
-            extra_info=self.extra_info,
-        )
+        return dataclasses.replace(self, keys=keys, tags=tags)
 
     def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
         """A new batch with only these keys, in the order given.

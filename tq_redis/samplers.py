@@ -186,7 +186,14 @@ class GRPOGroupNSampler(BaseSampler):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
-        """``batch_size / n`` runs of n consecutive ready ids, or two empty lists if too few."""
+        """``batch_size / n`` runs of n consecutive ready ids, or two empty lists if too few
+        (:class:`SeqlenBalancedSampler`: this rank's part of a balanced choice, see there)."""
+        return self._choose(ready_indexes, batch_size, task_name, partition_id, kwargs)
+
+    def _choose(
+        self, ready_indexes: list[int], batch_size: int, task_name: str, partition_id: str, options: dict[str, Any]
+    ) -> tuple[list[int], list[int]]:
+        """What :meth:`sample` returns (subclasses choose differently, with the same parameters)."""
         n = self.n_samples_per_prompt
         if batch_size % n:
             raise SamplerError(f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})")
@@ -250,33 +257,28 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
     def params(self) -> dict[str, Any]:
         return {"n_samples_per_prompt": self.n_samples_per_prompt, "dp_size": self.dp_size}
 
-    def sample(
-        self,
-        ready_indexes: list[int],
-        batch_size: int,
-        task_name: str = "",
-        partition_id: str = "",
-        *args: Any,
-        **kwargs: Any,
+    def _choose(
+        self, ready_indexes: list[int], batch_size: int, task_name: str, partition_id: str, options: dict[str, Any]
     ) -> tuple[list[int], list[int]]:
-        """Rank ``kwargs["dp_rank"]``'s part of the balanced global batch for
-        ``kwargs["batch_index"]``; ``kwargs["total_lengths"]`` maps id -> length (default 1).
+        """:meth:`sample` returns rank ``dp_rank``'s part of the balanced global batch for
+        ``batch_index``; ``total_lengths`` maps id -> length (default 1): all three are keyword
+        arguments of ``sample``.
 
         As in the reference, a ``dp_rank`` outside ``[0, dp_size)`` gets two empty lists here
         (``get_meta`` refuses it with a ``SamplerError`` instead: a rank that would never get data
         is a configuration error there). The parts of every rank are cached in ``_states``.
         """
-        dp_rank = int(kwargs.get("dp_rank", 0))
-        batch_index = kwargs.get("batch_index", 0)
+        dp_rank = int(options.get("dp_rank", 0))
+        batch_index = options.get("batch_index", 0)
         if dp_rank < 0:
             raise SamplerError(f"dp_rank {dp_rank} must be greater than or equal to 0")
         key = (partition_id, task_name, batch_index)
         parts = self._balanced_cache.get(key)
         if parts is None:
-            chosen, _ = super().sample(ready_indexes, batch_size * self.dp_size)
+            chosen, _ = super()._choose(ready_indexes, batch_size * self.dp_size, task_name, partition_id, {})
             if not chosen:
                 return [], []
-            lengths = kwargs.get("total_lengths") or {}
+            lengths = options.get("total_lengths") or {}
             parts = balance_groups(chosen, self.n_samples_per_prompt, self.dp_size, lengths)
             self._balanced_cache[key] = parts
             states = self._states.setdefault(partition_id, {}).setdefault(task_name, {})

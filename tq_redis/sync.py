@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from tq_redis import kv, ops, streaming
 from tq_redis.client import AsyncTransferQueueClient, lease_task
+from tq_redis.client_methods import blocking
 from tq_redis.driver import SyncDriver
 from tq_redis.metadata import BatchMeta, KVBatchMeta
 
@@ -37,19 +38,9 @@ class TransferQueueClient(AsyncTransferQueueClient):
             instead of making the field jagged (the default, as the reference does).
     """
 
-    def __init__(
-        self,
-        redis_url: str,
-        namespace: str = "tq",
-        client_id: str | None = None,
-        *,
-        allow_pickle: bool = False,
-        nested_output: bool = True,
-        strict_schema: bool = False,
-    ) -> None:
-        super().__init__(redis_url, namespace, client_id, allow_pickle=allow_pickle,
-                         nested_output=nested_output, strict_schema=strict_schema)
-        self._driver = SyncDriver(redis_url)
+    def _open(self) -> None:
+        """Open the blocking driver, shared by every thread."""
+        self._driver = SyncDriver(self.redis_url)
 
     def run(self, op: ops.Op) -> Any:
         """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) to its result,
@@ -62,20 +53,10 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """The underlying redis-py client (for inspection and tools)."""
         return self._driver.redis
 
-    def get_meta(
-        self,
-        data_fields: Sequence[str],
-        batch_size: int,
-        partition_id: str,
-        mode: str = "fetch",
-        task_name: str | None = None,
-        sampling_config: dict[str, Any] | None = None,
-        *,
-        timeout: float = 0.0,
-        lease_s: float | None = None,
-        max_deliveries: int | None = None,
-    ) -> BatchMeta:
-        """Get the metadata of a batch.
+    # the parameters of get_meta and put are their operations' (written once, there); get_meta's
+    # from timeout= on are keyword-only (tq-redis's additions to the reference's)
+    get_meta = blocking(ops.get_meta, returns="BatchMeta", keyword_only="timeout", doc="""
+        Get the metadata of a batch.
 
         ``mode="fetch"``: ``batch_size`` samples whose ``data_fields`` are all produced and which
         ``task_name`` has not consumed, marked consumed atomically (or leased for ``lease_s``
@@ -83,23 +64,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
         ready, wait up to ``timeout`` seconds on the partition's event stream, then return an
         empty ``BatchMeta``. ``mode="force_fetch"``: every sample of the partition with its
         production status; nothing is marked.
-        """
-        return self.run(
-            ops.get_meta(self._ctx, data_fields, batch_size, partition_id, mode, task_name, sampling_config,
-                         timeout, lease_s, max_deliveries=max_deliveries)
-        )
+        """)
 
-    def put(
-        self,
-        data: TensorDict | dict,
-        metadata: BatchMeta | None = None,
-        partition_id: str | None = None,
-        data_parser: kv.DataParser | None = None,
-    ) -> BatchMeta:
-        """Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
+    put = blocking(ops.put, returns="BatchMeta", doc="""
+        Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
         With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
-        the samples become visible. Returns the metadata with the fields added."""
-        return self.run(ops.put(self._ctx, data, metadata, partition_id, data_parser))
+        the samples become visible. Returns the metadata with the fields added.""")
 
     def get_data(self, metadata: BatchMeta) -> TensorDict:
         """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""

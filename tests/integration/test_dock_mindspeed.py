@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from examples.transfer_dock import pad, unpad  # MindSpeed-RL's padded layout, as its callers build it
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import GRPOTransferDock
@@ -46,23 +47,6 @@ class StepMetric:
 def target(server, namespace):
     make_client(server.url, namespace).close()  # records the namespace's store
     return {"redis_url": server.url, "namespace": namespace}
-
-
-def _unpad(batch: TensorDict, columns: list[str]) -> dict[str, list[torch.Tensor]]:
-    """Rows back from the padded layout, using ``original_length`` (one length per row, column after column)."""
-    lengths = iter(batch["original_length"].tolist())
-    return {c: [row[: next(lengths)] for row in batch[c].unbind(0)] for c in columns}
-
-
-def _padded(columns: dict[str, list[torch.Tensor]]) -> TensorDict:
-    """What MindSpeed-RL's ``padding_dict_to_tensor_dict`` hands to ``put_experience``."""
-    out, lengths = {}, []
-    for name, rows in columns.items():
-        width = max(len(r) for r in rows)
-        out[name] = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
-        lengths += [len(r) for r in rows]
-    out["original_length"] = torch.tensor(lengths)
-    return TensorDict.from_dict(out)
 
 
 # ------------------------------------------------------------------ TestGRPOTransferDock's scenarios
@@ -114,12 +98,12 @@ def test_padded_layout_carries_original_length_both_ways(target):
     dock = GRPOTransferDock(2, 2, **target)
     responses = [torch.arange(n, dtype=torch.int64) + 2**40 for n in (3, 1, 4, 2)]  # int64 kept
     lengths = torch.tensor([[3], [1], [4], [2]])
-    dock.put_experience(_padded({"responses": responses, "response_length": list(lengths)}), indexes=[0, 1, 2, 3])
+    dock.put_experience(pad({"responses": responses, "response_length": list(lengths)}), indexes=[0, 1, 2, 3])
     batch, rows = dock.get_experience("actor_train", ["responses", "response_length"], 4)  # get_n_samples=True
     assert rows == [0, 1, 2, 3]
     assert batch["responses"].shape == (4, 4) and batch["responses"][1].tolist() == [2**40, 0, 0, 0]
     assert batch["original_length"].tolist() == [3, 1, 4, 2, 1, 1, 1, 1]
-    back = _unpad(batch, ["responses", "response_length"])
+    back = unpad(batch, ["responses", "response_length"])
     assert all(torch.equal(a, b) for a, b in zip(back["responses"], responses))
     assert torch.equal(torch.cat(back["response_length"]), lengths.flatten())
     # what a stage gets it can put back as is: the padding is cut off again
