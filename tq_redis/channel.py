@@ -2,8 +2,8 @@
 
 Each ``key`` of a channel is its own FIFO queue: a Redis LIST ``<ns>:chan:{name}:q:<key>`` whose
 entries are ``"<weight>|<payload>"``. ``lua/channel_put.lua`` appends unless the queue holds
-``maxsize`` entries; ``lua/channel_pop.lua`` pops one entry and ``lua/channel_pop_fit.lua`` the
-head entries that fit a target weight (RLinf's ``get_batch`` rule), atomically, so ordering is FIFO
+``maxsize`` entries; ``lua/channel_pop.lua`` pops one entry, or the head entries that reach or
+(RLinf's ``get_batch`` rule) fit a target weight, atomically, so ordering is FIFO
 per key across every process. A blocked ``get`` waits on the channel's ``puts`` event stream and a
 blocked ``put`` on its ``gets`` stream; nothing polls or sleeps.
 

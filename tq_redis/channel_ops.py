@@ -253,7 +253,7 @@ def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, 
     the fewest that reach ``target``); FIFO. Returns the items, oldest first."""
     while True:
         if mode == FIT:
-            got = yield from transitions.channel_pop_fit(ck, qkey, target).call()
+            got = yield from transitions.channel_pop(ck, qkey, target, fit=True).call()
         else:
             got = yield from transitions.channel_pop(ck, qkey, None if mode == ONE else target).call()
         if got.popped:

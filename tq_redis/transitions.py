@@ -309,7 +309,7 @@ class ChannelPut(NamedTuple):
 
 
 class ChannelPop(NamedTuple):
-    """``lua/channel_pop.lua`` and ``lua/channel_pop_fit.lua``."""
+    """``lua/channel_pop.lua``."""
 
     popped: bool
     missing: bool  # the channel does not exist
@@ -617,16 +617,17 @@ def _read_channel_pop(reply: Sequence[Any]) -> ChannelPop:
     return ChannelPop(False, False, [], text(reply[1]))
 
 
-def channel_pop(ck: ChannelKeys, qkey: str, target: float | None = None) -> Transition[ChannelPop]:
-    """``lua/channel_pop.lua``: pop one entry (``target`` None) or the fewest head entries whose
-    weights reach ``target``; all or nothing."""
-    arg = "" if target is None else repr(target)
-    return Transition(FCall("channel_pop", (ck.meta,), (qkey, arg)), _read_channel_pop)
-
-
-def channel_pop_fit(ck: ChannelKeys, qkey: str, target: float) -> Transition[ChannelPop]:
-    """``lua/channel_pop_fit.lua``: RLinf's get_batch rule: head entries that fit under ``target``."""
-    return Transition(FCall("channel_pop_fit", (ck.meta,), (qkey, repr(target))), _read_channel_pop)
+def channel_pop(
+    ck: ChannelKeys, qkey: str, target: float | None = None, *, fit: bool = False
+) -> Transition[ChannelPop]:
+    """``lua/channel_pop.lua``: pop the head entry (``target`` None), the fewest head entries whose
+    weights reach ``target``, or with ``fit`` RLinf's get_batch rule (head entries that fit under
+    ``target``); all or nothing."""
+    if target is None:
+        rule, arg = "one", ""
+    else:
+        rule, arg = ("fit" if fit else "reach"), repr(target)
+    return Transition(FCall("channel_pop", (ck.meta,), (qkey, rule, arg)), _read_channel_pop)
 
 
 BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
@@ -637,7 +638,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,
         kv_resolve, kv_unmap, kv_list,
-        channel_put, channel_pop, channel_pop_fit,
+        channel_put, channel_pop,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""

@@ -162,8 +162,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "kv_unmap": (transitions.kv_unmap(PK, [("k1", 3), ("k2", 4)]), ("k1", 3, "k2", 4)),
     "kv_list": (transitions.kv_list(PK), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
-    "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "2.5")),
-    "channel_pop_fit": (transitions.channel_pop_fit(CK, "default", 3), ("default", "3")),
+    "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
 }
 
 
@@ -196,7 +195,8 @@ def test_input_spec_reads_fixed_and_variadic_headers():
 
 def test_optional_arguments_take_their_documented_defaults():
     assert transitions.reset_consumption(PK, "t").effect.args == ("t",)
-    assert transitions.channel_pop(CK, "q").effect.args == ("q", "")
+    assert transitions.channel_pop(CK, "q").effect.args == ("q", "one", "")
+    assert transitions.channel_pop(CK, "q", 3, fit=True).effect.args == ("q", "fit", "3")
     claim = transitions.claim(PK, "t", SamplerPlan("sequential", 2, ()), ["a"], now_ms=NOW)
     assert claim.effect.args == ("t", 2, NOW, 0, 0, "sequential", 0, 1, "a")  # no lease, no waiter
     assert transitions.reserve(PK, 3).effect.args == (3,)
@@ -402,8 +402,8 @@ def test_channel_put_reads_appended_full_and_missing():
     assert read("channel_put", [-1]) == ChannelPut(False, True, 0, "")
 
 
-@pytest.mark.parametrize("name", ["channel_pop", "channel_pop_fit"])
-def test_channel_pops_read_popped_not_enough_and_missing(name: str):
+def test_channel_pop_reads_popped_not_enough_and_missing():
+    name = "channel_pop"
     assert read(name, [1, [b"1|a", b"2|b"]]) == ChannelPop(True, False, [b"1|a", b"2|b"], "")
     assert read(name, [1, []]) == ChannelPop(True, False, [], "")
     assert read(name, [0, b"3-0"]) == ChannelPop(False, False, [], "3-0")
