@@ -86,7 +86,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ from tensordict import TensorDict
 from tq_redis import ops, streaming
 from tq_redis.dock_base import DEFAULT_TIMEOUT_INTERVAL_S as DEFAULT_TIMEOUT_INTERVAL_S
 from tq_redis.dock_base import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from tq_redis.dock_base import WAIT_SLICE_S, TransferDock, extend_names, int_at_least
+from tq_redis.dock_base import WAIT_SLICE_S, DockPlace, TransferDock, extend_names, int_at_least
 from tq_redis.dock_layout import LAYOUTS as LAYOUTS
 from tq_redis.dock_layout import ORIGINAL_LENGTH as ORIGINAL_LENGTH
 from tq_redis.dock_layout import as_layout, check_layout, unpadded
@@ -140,6 +140,7 @@ class GRPOTransferDock(TransferDock):
         addition_columns / addition_consumers: names beyond MindSpeed-RL's defaults.
         timeout / timeout_interval: a read by index logs a warning after ``timeout`` seconds
             (None: 300) and then every ``timeout_interval`` seconds (None: 5).
+        The keyword-only ``**place`` (:class:`~tq_redis.dock_base.DockPlace`):
         redis_url / namespace: where the dock lives (default: ``tq_redis.init()``'s, or
             ``TQ_REDIS_URL`` / ``TQ_NAMESPACE``).
         name: the dock to attach to (processes sharing a dock pass the same name, or pickle
@@ -159,11 +160,7 @@ class GRPOTransferDock(TransferDock):
         addition_consumers: Sequence[str] | None = None,
         timeout: float | None = None,
         timeout_interval: float | None = None,
-        *,
-        redis_url: str | None = None,
-        namespace: str | None = None,
-        name: str | None = None,
-        layout: str = "padded",
+        **place: Unpack[DockPlace],
     ) -> None:
         if int_at_least("max_age", max_age, 1) > 1:
             raise InvalidArgument(
@@ -183,7 +180,7 @@ class GRPOTransferDock(TransferDock):
         self.batch_seqlen_balance_mapper = {c: list(SEQLEN_COLUMNS) for c in SEQLEN_BALANCE_CONSUMERS}
         super().__init__(
             prompts_num, n_samples_per_prompt, extend_names(EXPERIENCE_COLUMNS, addition_columns), timeout,
-            timeout_interval, redis_url=redis_url, namespace=namespace, name=name, layout=layout,
+            timeout_interval, **place,
         )
         self._spec = (
             (prompts_num, n_samples_per_prompt, metrics, max_age, GBS_train, addition_columns, addition_consumers,

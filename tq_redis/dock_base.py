@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from tq_redis.channel import resolve_target
 from tq_redis.dock_layout import check_layout, row_tensors, rows_to_field
 from tq_redis.driver import Cmd, Pipe, Wait
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
+from tq_redis.keys import kept_partitions_key
 from tq_redis.sync import TransferQueueClient
 
 Op = ops.Op
@@ -72,6 +73,16 @@ def _one(effect: Any) -> Op:
 
 
 # ------------------------------------------------------------------ the base dock
+
+
+class DockPlace(TypedDict, total=False):
+    """Where a dock lives: the keyword-only arguments every dock constructor takes (see
+    :class:`TransferDock`); subclasses pass them on as ``**place``."""
+
+    redis_url: str | None
+    namespace: str | None
+    name: str | None
+    layout: str
 
 
 class TransferDock:
@@ -155,10 +166,12 @@ class TransferDock:
 
     def _register_shape(self) -> None:
         shape = (self.prompts_num, self.n_samples_per_prompt)
-        _, _, got = self._run(_one(Pipe((
+        # Listed in partitions:kept at once, so a checkpoint finds a dock that holds no rows yet.
+        _, _, got, _ = self._run(_one(Pipe((
             Cmd(("HSETNX", self._shape_key, "prompts_num", shape[0])),
             Cmd(("HSETNX", self._shape_key, "n_samples_per_prompt", shape[1])),
             Cmd(("HMGET", self._shape_key, "prompts_num", "n_samples_per_prompt")),
+            Cmd(("SADD", kept_partitions_key(self.namespace), self.partition_id)),
         ))))
         registered = tuple(int(v) for v in got)
         if registered != shape:
