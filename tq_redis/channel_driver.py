@@ -5,7 +5,9 @@
 the handle's :class:`RedisDriver`: an ``AsyncDriver`` with a bounded pool of ``MAX_CONNECTIONS``
 connections whose ``Wait`` effects share one blocked ``XREAD`` (:class:`StreamWatch`) on the
 channel's ``puts``/``gets`` streams, so a handle uses at most ``MAX_CONNECTIONS`` + 1 connections
-however many operations are in flight. Store I/O runs inline on the handle's thread, in issue order.
+however many operations are in flight (on a Redis Cluster, where every key of a channel lives on
+one node, a semaphore keeps at most ``MAX_CONNECTIONS`` commands in flight instead).
+Store I/O runs inline on the handle's thread, in issue order.
 """
 
 from __future__ import annotations
@@ -17,13 +19,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry as AsyncRetry
 
-from tq_redis import channel_ops, ops
+from tq_redis import channel_ops, connections, ops
 from tq_redis.channel_executor import Start, waiting
 from tq_redis.channel_ops import WAIT_SLICE_S, encode_item
 from tq_redis.channel_rules import key_token
-from tq_redis.driver import AsyncDriver, Offload, Wait, connection_options
+from tq_redis.driver import AsyncDriver, Offload, Wait
 from tq_redis.errors import ConfigError
 from tq_redis.keys import ChannelKeys
 
@@ -112,9 +113,8 @@ class StreamWatch:
         try:
             while any(self._waiters.values()):
                 if self._conn is None:
-                    self._conn = aioredis.Redis.from_url(
-                        self._url, single_connection_client=True, client_name=self._name,
-                        **{**connection_options(AsyncRetry), "health_check_interval": 0},
+                    self._conn = connections.async_client(
+                        self._url, single_connection_client=True, client_name=self._name, health_check_interval=0,
                     )
                 positions = {s: "{}-{}".format(*self._latest[s]) for s in self._streams}
                 reply = await self._conn.xread(positions, count=_WATCH_COUNT, block=_WATCH_BLOCK_MS)
@@ -143,12 +143,10 @@ class RedisDriver(AsyncDriver):
     store I/O run inline on the handle's thread (in issue order)."""
 
     def __init__(self, url: str, namespace: str, keys: ChannelKeys, allow_pickle: bool) -> None:
-        super().__init__(url)
         name = f"tq-channel:{namespace}:{keys.name}"
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=MAX_CONNECTIONS, timeout=None, client_name=name, **connection_options(AsyncRetry),
-        )
-        self.redis = aioredis.Redis(connection_pool=pool)
+        super().__init__(url, client_name=name, max_connections=MAX_CONNECTIONS, wait_for_connection=True)
+        # a cluster client's pool fails instead of waiting when full: hold a slot per command instead
+        self._bound = asyncio.Semaphore(MAX_CONNECTIONS) if self.cluster else None
         # items come back as they were put: a field whose rows share a shape as a dense tensor
         self.ctx = ops.Context(namespace=namespace, redis_url=url, allow_pickle=allow_pickle, nested_output=False)
         self.watch = StreamWatch(url, (keys.puts, keys.gets), self.redis, name)
@@ -160,12 +158,16 @@ class RedisDriver(AsyncDriver):
             return None
         if isinstance(effect, Offload):
             return effect.fn(*effect.args)
-        return await super()._execute(effect)
+        if self._bound is None:
+            return await super()._execute(effect)
+        async with self._bound:
+            return await super()._execute(effect)
 
     async def close(self) -> None:
         await self.watch.aclose()
         await self.redis.aclose()
-        await self.redis.connection_pool.aclose()
+        if not self.cluster:
+            await self.redis.connection_pool.aclose()
         if self.ctx.storage is not None:
             self.ctx.storage.close()
 

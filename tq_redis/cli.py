@@ -14,13 +14,27 @@ from collections.abc import Sequence
 import redis
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    from tq_redis.backends.dram_launcher import start_local_nodes
+def _start_redis(args: argparse.Namespace):
+    """The embedded single server, or with ``--cluster N`` an N-master cluster."""
+    if args.cluster:
+        from tq_redis.embedded_cluster import EmbeddedCluster
+
+        return EmbeddedCluster(args.cluster, host=args.host, data_dir=args.data_dir,
+                               appendonly=args.appendonly).start()
     from tq_redis.embedded import EmbeddedServer
 
-    server = EmbeddedServer(
-        port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host
-    ).start()
+    return EmbeddedServer(port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host).start()
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from tq_redis import connections
+    from tq_redis.backends.dram_launcher import start_local_nodes
+
+    if args.cluster and args.port is not None:
+        print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
+              file=sys.stderr)
+        return 2
+    server = _start_redis(args)
     nodes = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -29,16 +43,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if args.units > 0:
             nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
                                       token=args.token, spill=args.spill)
-        r = redis.Redis.from_url(server.url)
+        r = connections.sync_client(server.url)
         r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
                                                                    "options": {}}))
         r.close()
-        print(f"tq-redis up: {server.url} namespace {args.namespace!r}", flush=True)
+        kind = f"{args.cluster}-master cluster; any node's URL works" if args.cluster else "single server"
+        print(f"tq-redis up: {server.url} namespace {args.namespace!r} ({kind})", flush=True)
         if nodes is not None:
             print(f"storage nodes: {', '.join(nodes.addresses)}", flush=True)
         print(f"attach with: TQ_REDIS_URL={server.url} TQ_NAMESPACE={args.namespace}  (Ctrl-C stops)", flush=True)
         while not stop.wait(0.5):
-            if server.process is None or server.process.poll() is not None:
+            if not server.alive():
                 print("tq-redis up: the Redis server exited", file=sys.stderr)
                 return 1
     finally:
@@ -56,6 +71,7 @@ def _cmd_storage_unit(argv: list[str]) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from tq_redis import connections
     from tq_redis.errors import ConnectionFailed
     from tq_redis.status import render, snapshot
 
@@ -63,7 +79,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not url:
         print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
         return 2
-    r = redis.Redis.from_url(url, socket_connect_timeout=3)
+    r = connections.sync_client(url, socket_connect_timeout=3)
     try:
         while True:
             try:
@@ -109,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="embedded Valkey + N DRAM storage nodes in the foreground")
+    up = sub.add_parser("up", help="embedded Valkey (or --cluster N) + DRAM storage nodes in the foreground")
     up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
@@ -120,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
     up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
     up.add_argument("--token", default=os.environ.get("TQ_STORAGE_TOKEN"), help="storage-node auth token")
+    up.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="start an N-master Redis Cluster (Valkey, cluster mode) instead of one server")
     up.set_defaults(func=_cmd_up)
 
     sub.add_parser("storage-unit", help="one DRAM storage node (see: tq-redis storage-unit --help)",

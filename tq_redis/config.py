@@ -2,7 +2,9 @@
 
 Our own shape (every key optional)::
 
-    redis:     {url: null}               # null and no TQ_REDIS_URL -> start an embedded Valkey
+    redis:     {url: null,               # null and no TQ_REDIS_URL -> start an embedded Valkey
+                cluster: null}           # true/false: the URL is / is not a Redis Cluster node;
+                                         #   null: TQ_REDIS_CLUSTER, else ask the server (INFO cluster)
     namespace: tq                        # two jobs on one Redis use two namespaces
     storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {}}
                                          # spill: fsspec URL the embedded nodes overflow to
@@ -30,10 +32,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from tq_redis.connections import CLUSTER_ENV, check_url, parse_cluster_flag
 from tq_redis.errors import ConfigError
 
 DEFAULTS: dict[str, Any] = {
-    "redis": {"url": None},
+    "redis": {"url": None, "cluster": None},
     "namespace": "tq",
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {}},
     "sampler": "SequentialSampler",
@@ -126,7 +129,7 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def load(conf: Any = None) -> dict[str, Any]:
-    """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``) and ``conf``."""
+    """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``, ``TQ_REDIS_CLUSTER``) and ``conf``."""
     given = to_plain(conf)
     known = _OUR_SECTIONS | _REFERENCE_SECTIONS
     unknown = sorted(str(k) for k in set(given) - known)
@@ -141,6 +144,8 @@ def load(conf: Any = None) -> dict[str, Any]:
         out["redis"]["url"] = os.environ["TQ_REDIS_URL"]
     if os.environ.get("TQ_NAMESPACE"):
         out["namespace"] = os.environ["TQ_NAMESPACE"]
+    if os.environ.get(CLUSTER_ENV):
+        out["redis"]["cluster"] = parse_cluster_flag(os.environ[CLUSTER_ENV], CLUSTER_ENV)
     _from_reference(given, out)
     for section in _OUR_SECTIONS & set(given):
         value = given[section]
@@ -150,6 +155,9 @@ def load(conf: Any = None) -> dict[str, Any]:
             _merge(out[section], value)
         else:
             out[section] = value
+    out["redis"]["cluster"] = parse_cluster_flag(out["redis"].get("cluster"), "redis.cluster")
+    if out["redis"]["url"] is not None:
+        check_url(out["redis"]["url"])
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
     return out

@@ -213,11 +213,12 @@ def _attached_settings(cfg: DemoConfig) -> dict[bytes, bytes]:
     after checking that the DRAM store has storage nodes registered there."""
     import redis
 
+    from tq_redis import connections
     from tq_redis.errors import ConnectionFailed
     from tq_redis.keys import config_key, storage_nodes_key
 
     assert cfg.redis_url is not None
-    r = redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5)
+    r = connections.sync_client(cfg.redis_url, socket_connect_timeout=5)
     try:
         nodes = r.hlen(storage_nodes_key(cfg.namespace))
         settings = r.hgetall(config_key(cfg.namespace))
@@ -234,12 +235,11 @@ def _attached_settings(cfg: DemoConfig) -> dict[bytes, bytes]:
 
 
 def _restore_settings(cfg: DemoConfig, settings: dict[bytes, bytes]) -> None:
-    import redis
-
+    from tq_redis import connections
     from tq_redis.keys import config_key
 
     assert cfg.redis_url is not None
-    r = redis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5)
+    r = connections.sync_client(cfg.redis_url, socket_connect_timeout=5)
     try:
         with r.pipeline() as pipe:
             pipe.delete(config_key(cfg.namespace))

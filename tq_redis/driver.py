@@ -5,6 +5,14 @@ command, a function call, a pipeline, blocking store I/O, a wait on an event str
 their results. :class:`SyncDriver` runs them with redis-py's blocking client; :class:`AsyncDriver`
 runs the very same generators with ``redis.asyncio`` and moves blocking store I/O to a worker
 thread. So ``TransferQueueClient`` and ``AsyncTransferQueueClient`` share one implementation.
+
+Both get their Redis client from :mod:`tq_redis.connections`, so the same URL works for a single
+server and for any node of a Redis Cluster. On a cluster a function call goes to the primary that
+owns its first key (every key of a call shares that key's hash tag), a pipeline is split per node
+by redis-py, and the function library is kept on every primary: loaded on all of them at first use,
+its version checked once per node, and reloaded on the node that lost it (a restart without
+persistence, ``FUNCTION FLUSH``, a new primary after a failover) when a call there fails with
+"Function not found" -- that call is then retried once.
 """
 
 from __future__ import annotations
@@ -16,12 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from redis.exceptions import AskError, RedisClusterException
 
-from tq_redis import metrics, scripts
+from tq_redis import connections, metrics, scripts
 from tq_redis.errors import ConnectionFailed
 
 
@@ -78,17 +83,12 @@ class WaitToken:
 
 Operation = Generator[Any, Any, Any]
 
-_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-
-
-def connection_options(retry_class: type) -> dict[str, Any]:
-    """Reconnect with backoff across a Redis restart (~6 s in all) before giving up. redis.asyncio
-    needs its own Retry class: it awaits its retries, a sync ``Retry`` is never applied."""
-    return {
-        "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
-        "health_check_interval": 30,
-    }
+# Redis could not be reached (a cluster that lost slots or kept moving counts too); store I/O
+# errors derive from these as well and are told apart by the effect (see _as_redis_failure)
+_CONNECTION_ERRORS = (
+    redis.ConnectionError, redis.TimeoutError, OSError,
+    redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
+)
 
 
 def _fcall_args(call: FCall) -> tuple:
@@ -129,16 +129,65 @@ def _library_is_current(reply: Any) -> bool:
     return reply is not None and reply.decode() == scripts.library()[1]
 
 
-def _pipeline_results(results: list, first_attempt: bool) -> list | None:
-    """The results, None when the library must be reloaded and the pipeline re-sent, or raise."""
-    if first_attempt and any(
-        isinstance(r, redis.ResponseError) and scripts.is_missing_function(r) for r in results
-    ):
-        return None
+def _missing_library(calls: tuple, results: list) -> list[int]:
+    """Positions of the function calls whose reply says the library is not loaded where they ran."""
+    return [
+        i for i, (call, r) in enumerate(zip(calls, results))
+        if isinstance(call, FCall) and isinstance(r, redis.ResponseError) and scripts.is_missing_function(r)
+    ]
+
+
+def _first_error(results: list, url: str, cluster: bool) -> list:
+    """The pipeline's results, or raise the first error among them."""
     for r in results:
+        if isinstance(r, AskError) and not cluster:
+            raise connections.not_a_single_server(url, r) from r
         if isinstance(r, Exception):
             raise r
     return results
+
+
+def _on(node: Any) -> dict[str, Any]:
+    """Keyword arguments sending a command to ``node`` (None: the one server of a single-server client)."""
+    return {} if node is None else {"target_nodes": node}
+
+
+class _Library:
+    """Which nodes are known to run this client's library version (a single server is one node, None)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.cluster = connections.is_cluster_client(client)
+        self.current: set[str] = set()
+
+    @staticmethod
+    def name(node: Any) -> str:
+        return "" if node is None else node.name
+
+    def everywhere(self) -> list[Any]:
+        """Every node that must hold the library: each primary of a cluster, or the one server."""
+        return list(self.client.get_primaries()) if self.cluster else [None]
+
+    def serving(self, calls: list | tuple) -> list[Any]:
+        """The primaries that own the calls' first keys (every primary for a call without keys)."""
+        if not self.cluster:
+            return [None]
+        nodes: dict[str, Any] = {}
+        for call in calls:
+            if not call.keys:
+                return self.everywhere()
+            node = self.client.get_node_from_key(call.keys[0])
+            nodes[node.name] = node
+        return list(nodes.values())
+
+    def unchecked(self, calls: list | tuple) -> list[Any]:
+        """Nodes to check before ``calls`` run: every node at first use, later only new ones."""
+        nodes = self.serving(calls) if self.current else self.everywhere()
+        return [n for n in nodes if self.name(n) not in self.current]
+
+    def to_check(self, nodes: list[Any] | None, force: bool) -> list[Any]:
+        nodes = self.everywhere() if nodes is None else nodes
+        return [n for n in nodes if force or self.name(n) not in self.current]
 
 
 _call_histograms: dict[str, Any] = {}
@@ -151,29 +200,71 @@ def _observe_call(name: str, seconds: float) -> None:
     hist.observe(seconds)
 
 
-class SyncDriver:
-    """Runs operations with a blocking redis-py client (one connection pool per driver)."""
+class _Steps:
+    """Drives one operation: each ``next`` sends in the last effect's result (or throws its error) and
+    returns the next effect; when the operation returns, iteration stops and :attr:`result` holds it."""
 
-    def __init__(self, url: str, **redis_kwargs: Any) -> None:
+    def __init__(self, op: Operation, url: str) -> None:
+        self._op = op
+        self._url = url
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    def __iter__(self) -> _Steps:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return self._op.throw(self._error) if self._error is not None else self._op.send(self._value)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise StopIteration from None
+
+    def done(self, value: Any) -> None:
+        self._value, self._error = value, None
+
+    def failed(self, effect: Any, exc: BaseException) -> None:
+        """Hand ``exc`` to the operation, which decides (a lost Redis connection as ``ConnectionFailed``)."""
+        if isinstance(exc, _CONNECTION_ERRORS):
+            exc = _as_redis_failure(self._url, effect, exc)
+        elif isinstance(exc, RedisClusterException):  # an asyncio cluster client that could not start
+            exc = connections.cluster_failure(self._url, exc)
+        self._value, self._error = None, exc
+
+
+class _Driver:
+    """What both drivers share: the URL, a client from :mod:`tq_redis.connections`, the library state.
+
+    ``cluster``: True/False forces a cluster or single-server client; None decides as
+    :mod:`tq_redis.connections` says. ``redis_kwargs`` are redis-py connection options.
+    """
+
+    _client: Callable[..., Any] = staticmethod(connections.sync_client)
+
+    def __init__(self, url: str, *, cluster: bool | None = None, **redis_kwargs: Any) -> None:
         self.url = url
-        self.redis = redis.Redis.from_url(url, **{**connection_options(Retry), **redis_kwargs})
-        self._loaded = False
+        self.redis = self._client(url, cluster=cluster, **redis_kwargs)
+        self._library = _Library(self.redis)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this driver talks to a Redis Cluster."""
+        return self._library.cluster
+
+
+class SyncDriver(_Driver):
+    """Runs operations with a blocking redis-py client (one connection pool per driver)."""
 
     def run(self, op: Operation) -> Any:
         """Drive ``op`` to completion and return its result."""
-        value: Any = None
-        error: BaseException | None = None
-        while True:
+        steps = _Steps(op, self.url)
+        for effect in steps:
             try:
-                effect = op.throw(error) if error is not None else op.send(value)
-            except StopIteration as stop:
-                return stop.value
-            try:
-                value, error = self._execute(effect), None
-            except _CONNECTION_ERRORS as exc:
-                value, error = None, _as_redis_failure(self.url, effect, exc)
+                steps.done(self._execute(effect))
             except Exception as exc:  # handed to the operation, which decides
-                value, error = None, exc
+                steps.failed(effect, exc)
+        return steps.result
 
     def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
@@ -195,67 +286,68 @@ class SyncDriver:
                 return self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
         raise TypeError(f"unknown effect {effect!r}")
 
-    def ensure_loaded(self, force: bool = False) -> None:
-        """Load the Lua library unless the server already has this exact version."""
-        if self._loaded and not force:
-            return
-        try:
-            current = self.redis.execute_command("FCALL", "tq_version", 0)
-        except redis.ResponseError:
-            current = None
-        if not _library_is_current(current):
-            self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0])
-        self._loaded = True
+    def ensure_loaded(self, force: bool = False, nodes: list[Any] | None = None) -> None:
+        """Load the Lua library on each of ``nodes`` (every primary by default) that does not run this
+        exact version; ``force``: check again even nodes checked before."""
+        for node in self._library.to_check(nodes, force):
+            try:
+                current = self.redis.execute_command("FCALL", "tq_version", 0, **_on(node))
+            except redis.ResponseError:
+                current = None
+            if not _library_is_current(current):
+                self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0], **_on(node))
+            self._library.current.add(self._library.name(node))
 
     def _fcall(self, call: FCall) -> Any:
-        self.ensure_loaded()
+        self.ensure_loaded(nodes=self._library.unchecked((call,)))
         try:
             return self.redis.execute_command(*_fcall_args(call))
         except redis.ResponseError as exc:
             if not scripts.is_missing_function(exc):
                 raise
-            self.ensure_loaded(force=True)
+            self.ensure_loaded(force=True, nodes=self._library.serving((call,)))
             return self.redis.execute_command(*_fcall_args(call))
 
     def _pipe(self, effect: Pipe) -> list:
-        if any(isinstance(c, FCall) for c in effect.calls):
-            self.ensure_loaded()
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for call in effect.calls:
-                pipe.execute_command(*_as_args(call))
-            results = _pipeline_results(pipe.execute(raise_on_error=False), attempt == 0)
-            if results is not None:
-                return results
-            self.ensure_loaded(force=True)
-        raise AssertionError("unreachable")
+        fcalls = [c for c in effect.calls if isinstance(c, FCall)]
+        if fcalls:
+            self.ensure_loaded(nodes=self._library.unchecked(fcalls))
+        results = self._send(effect.calls)
+        missing = _missing_library(effect.calls, results)
+        if missing:  # only the calls that found no library run again, after it is loaded where they ran
+            again = tuple(effect.calls[i] for i in missing)
+            self.ensure_loaded(force=True, nodes=self._library.serving(again))
+            for i, result in zip(missing, self._send(again)):
+                results[i] = result
+        return _first_error(results, self.url, self.cluster)
+
+    def _send(self, calls: tuple) -> list:
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*_as_args(call))
+        return list(pipe.execute(raise_on_error=False))
 
     def close(self) -> None:
         self.redis.close()
 
 
-class AsyncDriver:
-    """Runs the same operations with ``redis.asyncio``; store I/O goes to a worker thread."""
+class AsyncDriver(_Driver):
+    """Runs the same operations with ``redis.asyncio``; store I/O goes to a worker thread.
 
-    def __init__(self, url: str, **redis_kwargs: Any) -> None:
-        self.url = url
-        self.redis = aioredis.Redis.from_url(url, **{**connection_options(AsyncRetry), **redis_kwargs})
-        self._loaded = False
+    Takes the same arguments as :class:`SyncDriver`; the client connects on first use.
+    """
+
+    _client = staticmethod(connections.async_client)
 
     async def run(self, op: Operation) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
+        """Drive ``op`` to completion and return its result."""
+        steps = _Steps(op, self.url)
+        for effect in steps:
             try:
-                effect = op.throw(error) if error is not None else op.send(value)
-            except StopIteration as stop:
-                return stop.value
-            try:
-                value, error = await self._execute(effect), None
-            except _CONNECTION_ERRORS as exc:
-                value, error = None, _as_redis_failure(self.url, effect, exc)
-            except Exception as exc:
-                value, error = None, exc
+                steps.done(await self._execute(effect))
+            except Exception as exc:  # handed to the operation, which decides
+                steps.failed(effect, exc)
+        return steps.result
 
     async def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
@@ -277,39 +369,52 @@ class AsyncDriver:
                 return await self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
         raise TypeError(f"unknown effect {effect!r}")
 
-    async def ensure_loaded(self, force: bool = False) -> None:
-        if self._loaded and not force:
-            return
-        try:
-            current = await self.redis.execute_command("FCALL", "tq_version", 0)
-        except redis.ResponseError:
-            current = None
-        if not _library_is_current(current):
-            await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0])
-        self._loaded = True
+    async def _unchecked(self, calls: list | tuple) -> list[Any]:
+        if self.cluster and not self._library.current:
+            await self.redis.initialize()  # the slot map, before the first routing decision
+        return self._library.unchecked(calls)
+
+    async def ensure_loaded(self, force: bool = False, nodes: list[Any] | None = None) -> None:
+        """As :meth:`SyncDriver.ensure_loaded`."""
+        if self.cluster and nodes is None:
+            await self.redis.initialize()
+        for node in self._library.to_check(nodes, force):
+            try:
+                current = await self.redis.execute_command("FCALL", "tq_version", 0, **_on(node))
+            except redis.ResponseError:
+                current = None
+            if not _library_is_current(current):
+                await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0], **_on(node))
+            self._library.current.add(self._library.name(node))
 
     async def _fcall(self, call: FCall) -> Any:
-        await self.ensure_loaded()
+        await self.ensure_loaded(nodes=await self._unchecked((call,)))
         try:
             return await self.redis.execute_command(*_fcall_args(call))
         except redis.ResponseError as exc:
             if not scripts.is_missing_function(exc):
                 raise
-            await self.ensure_loaded(force=True)
+            await self.ensure_loaded(force=True, nodes=self._library.serving((call,)))
             return await self.redis.execute_command(*_fcall_args(call))
 
     async def _pipe(self, effect: Pipe) -> list:
-        if any(isinstance(c, FCall) for c in effect.calls):
-            await self.ensure_loaded()
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for call in effect.calls:
-                pipe.execute_command(*_as_args(call))
-            results = _pipeline_results(await pipe.execute(raise_on_error=False), attempt == 0)
-            if results is not None:
-                return results
-            await self.ensure_loaded(force=True)
-        raise AssertionError("unreachable")
+        fcalls = [c for c in effect.calls if isinstance(c, FCall)]
+        if fcalls:
+            await self.ensure_loaded(nodes=await self._unchecked(fcalls))
+        results = await self._send(effect.calls)
+        missing = _missing_library(effect.calls, results)
+        if missing:
+            again = tuple(effect.calls[i] for i in missing)
+            await self.ensure_loaded(force=True, nodes=self._library.serving(again))
+            for i, result in zip(missing, await self._send(again)):
+                results[i] = result
+        return _first_error(results, self.url, self.cluster)
+
+    async def _send(self, calls: tuple) -> list:
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*_as_args(call))
+        return list(await pipe.execute(raise_on_error=False))
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -16,10 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 
+from tq_redis import connections
 from tq_redis.errors import ConfigError, ConnectionFailed
 
 
@@ -55,6 +57,7 @@ class EmbeddedServer:
         appendfsync: AOF fsync policy (``everysec`` by default; ``always`` loses nothing on a crash).
         binary: server binary; the bundled Valkey by default (tests also pass ``redis-server``).
         die_with_parent: stop the server if this process dies (off for ``tq-redis up --detach``).
+        extra_args: more ``--option value`` arguments for the server (cluster mode uses them).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class EmbeddedServer:
         binary: str | None = None,
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -76,6 +80,7 @@ class EmbeddedServer:
         self.appendfsync = appendfsync
         self.binary = binary or valkey_binary()
         self.die_with_parent = die_with_parent
+        self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -93,6 +98,7 @@ class EmbeddedServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
             "--protected-mode", "no",
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args,
@@ -102,7 +108,9 @@ class EmbeddedServer:
             start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop the server in order
         )
         atexit.register(self.stop)
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
+        # a plain client that fails at once: the server may not even listen yet, and a cluster-mode
+        # node answers PING before it is part of a cluster
+        client = connections.sync_client(self.url, cluster=False, reconnect=False, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -121,6 +129,10 @@ class EmbeddedServer:
                     time.sleep(0.02)  # waiting for an external process to open its port
         finally:
             client.close()
+
+    def alive(self) -> bool:
+        """Whether the server process is running."""
+        return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
         """SIGKILL the server (for crash tests); data written with AOF stays in ``data_dir``."""

@@ -50,10 +50,10 @@ class QueueDepthCollector:
     """Scrape-time gauges from Redis: ready-unconsumed samples and leases per partition and task."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
-        import redis
+        from tq_redis import connections
 
         self.namespace = namespace
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2)
+        self._redis = connections.sync_client(redis_url, socket_timeout=2)
 
     def collect(self):
         from tq_redis.status import snapshot

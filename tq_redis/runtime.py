@@ -1,7 +1,9 @@
 """Module-level ``init`` / ``close`` / ``get_client``: the process-wide default client.
 
 ``init()`` with no Redis URL (and no ``TQ_REDIS_URL``) starts an embedded Valkey and local DRAM
-storage nodes owned by this process; ``close()`` stops them. With a URL it only attaches. Either
+storage nodes owned by this process; ``close()`` stops them. With a URL it only attaches; the URL
+may name any node of a Redis Cluster (``redis.cluster`` / ``TQ_REDIS_CLUSTER`` force the choice,
+see :mod:`tq_redis.connections`). Either
 way the effective config it returns carries the URL and namespace other processes attach with.
 """
 
@@ -13,7 +15,7 @@ import threading
 from typing import Any
 
 from tq_redis import config as config_mod
-from tq_redis import metrics, ray_discovery, samplers
+from tq_redis import connections, metrics, ray_discovery, samplers
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import TQError
 from tq_redis.keys import config_key
@@ -54,6 +56,8 @@ def init(conf: Any = None) -> dict[str, Any]:
                     server = nodes = None
                     cfg["redis"]["url"], cfg["namespace"] = winner["url"], winner["namespace"]
                     explicit_storage = False
+            # every client this process builds for the URL follows redis.cluster (None: detect)
+            connections.declare_cluster(cfg["redis"]["url"], cfg["redis"]["cluster"])
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],
                 allow_pickle=bool(cfg["codec"]["allow_pickle"]),
@@ -79,6 +83,8 @@ def init(conf: Any = None) -> dict[str, Any]:
             if server is not None:
                 ray_discovery.withdraw(server.url)
             _stop(nodes, server)
+            if cfg["redis"]["url"] is not None:
+                connections.declare_cluster(cfg["redis"]["url"], None)
             raise
         # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
         if _gives_sampler(conf):
@@ -151,6 +157,7 @@ def close() -> None:
         cfg = _state["config"]
         samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], None)
         _state["client"].close()
+        connections.declare_cluster(cfg["redis"]["url"], None)
         if _state.get("server") is not None:
             ray_discovery.withdraw(_state["server"].url)
         _stop(_state.get("nodes"), _state.get("server"))

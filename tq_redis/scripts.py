@@ -11,9 +11,16 @@ loaded once and after the includes it depends on.
 The builder concatenates the resolved includes and the scripts into one Redis Function library
 (``#!lua name=tq_redis``), registers each script as ``tq_<name>`` and adds ``tq_version``, which
 returns a hash of the source so a client can tell whether the loaded library is its own.
-The driver (``tq_redis/driver.py``, ``ensure_loaded``) loads it once per connection pool; a
-missing function (``SCRIPT FLUSH``/``FUNCTION FLUSH``, a restarted server without persistence)
-triggers a reload.
+The driver (``tq_redis/driver.py``, ``ensure_loaded``) checks the version once per server and
+driver -- on a Redis Cluster on every primary at first use, and on a primary it has not met before
+(a new one after a failover) before its first call there -- and loads the library where it is
+missing or older. A call that finds no function (``FUNCTION FLUSH``, a restarted server without
+persistence) reloads it on the node that answered and is retried once.
+
+Every script derives all its keys from ``KEYS[1]`` (its partition's or channel's ``meta`` key) by
+cutting off ``meta``: the prefix keeps the ``{...}`` hash tag, so on a cluster a script touches a
+single slot (``tests/unit/test_scripts.py`` checks this statically; the cluster tests run every
+script on a cluster, which refuses a cross-slot access).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ from tq_redis.errors import ConfigError
 def test_defaults(monkeypatch):
     monkeypatch.delenv("TQ_REDIS_URL", raising=False)
     monkeypatch.delenv("TQ_NAMESPACE", raising=False)
+    monkeypatch.delenv("TQ_REDIS_CLUSTER", raising=False)
     cfg = config.load()
     assert cfg["redis"]["url"] is None
+    assert cfg["redis"]["cluster"] is None  # detect
     assert cfg["namespace"] == "tq"
     assert cfg["storage"]["backend"] == "dram"
 
@@ -78,9 +80,23 @@ def test_omegaconf_accepted():
     assert cfg["namespace"] == "x"
 
 
+def test_redis_cluster_from_config_or_environment(monkeypatch):
+    monkeypatch.delenv("TQ_REDIS_CLUSTER", raising=False)
+    assert config.load({"redis": {"url": "redis://h:1", "cluster": True}})["redis"]["cluster"] is True
+    assert config.load({"redis": {"cluster": "false"}})["redis"]["cluster"] is False
+    monkeypatch.setenv("TQ_REDIS_CLUSTER", "1")
+    assert config.load()["redis"]["cluster"] is True
+    assert config.load({"redis": {"cluster": False}})["redis"]["cluster"] is False  # the config wins
+    monkeypatch.setenv("TQ_REDIS_CLUSTER", "perhaps")
+    with pytest.raises(ConfigError, match="TQ_REDIS_CLUSTER='perhaps'"):
+        config.load()
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
+        ({"redis": {"url": "http://h:6379"}}, "scheme 'http'.*redis://host:port"),
+        ({"redis": {"cluster": "maybe"}}, "redis.cluster='maybe'"),
         ({"storgae": {"backend": "redis"}}, "did you mean 'storage'"),
         ({"rediss": {"url": "redis://h:1/0"}}, "did you mean 'redis'"),
         ({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": {"ssd_offload": {"enabled": True}}}},

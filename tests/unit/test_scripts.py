@@ -21,8 +21,10 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+from redis.crc import key_slot
 
 from tq_redis import scripts
+from tq_redis.keys import ChannelKeys, PartitionKeys
 from tq_redis.scripts import IncludeError, declared_includes, include_order
 
 LUA = Path(__file__).resolve().parents[2] / "lua"
@@ -448,3 +450,112 @@ def test_no_function_uses_too_many_upvalues():
         for sym, code in f.symbols.items():
             used = identifiers(code) & top - {sym}
             assert len(used) < LUA_MAX_UPVALUES, f"{sym} uses {len(used)} top-level locals (Lua 5.1 allows 60)"
+
+
+# ---------------------------------------------------------------------------------------------
+# One partition, one hash slot: no script reaches outside its first key's hash tag
+# ---------------------------------------------------------------------------------------------
+# On a Redis Cluster a function may touch only keys of the slot of the keys it was called with
+# (Redis 7 / Valkey refuse anything else: tests/integration/test_cluster.py runs every script on a
+# cluster). Here, statically: every key comes from KEYS[1] -- KEYS[1] itself, or the prefix cut
+# from it, which keeps its hash tag -- and nothing else can name a key.
+
+PREFIX_SOURCES = {"partition_prefix(KEYS[1])", "channel_prefix(KEYS[1])"}
+KEYLESS_COMMANDS = {"TIME"}
+KEY_ARGS = {"BITOP": slice(2, None)}  # BITOP op dest src...: every key after the operation; else the first
+
+
+def redis_calls(code: str) -> list[list[str]]:
+    """The argument lists of every ``redis.call(...)`` / ``redis.pcall(...)`` (split at top-level commas)."""
+    calls = []
+    blank = strip_strings_keep(code)
+    for m in re.finditer(r"redis\.p?call\(", blank):
+        depth, args, current = 1, [], []
+        for at in range(m.end(), len(code)):
+            c = blank[at]
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+                if depth == 0:
+                    break
+            if c == "," and depth == 1:
+                args.append("".join(current).strip())
+                current = []
+            else:
+                current.append(code[at])
+        args.append("".join(current).strip())
+        calls.append(args)
+    return calls
+
+
+def strip_strings_keep(code: str) -> str:
+    """``code`` with string contents blanked but every offset kept (so matches index the original)."""
+    return re.sub(r"'(?:\\.|[^'\\])*'|\"(?:\\.|[^\"\\])*\"", lambda m: "'" + " " * (len(m.group()) - 2) + "'", code)
+
+
+@pytest.mark.parametrize("f", all_files(), ids=lambda f: f.name)
+def test_only_the_first_key_is_passed_in(f: LuaFile):
+    others = sorted(set(re.findall(r"\bKEYS\[(\d+)\]", f.code)) - {"1"})
+    assert not others, f"{f.name}.lua uses KEYS[{', '.join(others)}]: derive every key from KEYS[1]'s prefix"
+
+
+@pytest.mark.parametrize("f", all_files(), ids=lambda f: f.name)
+def test_the_prefix_is_always_cut_from_the_first_key(f: LuaFile):
+    for m in re.finditer(r"(?<![\w.])prefix\s*=(?!=)\s*([^\n]+)", f.code):
+        source = m.group(1).strip()
+        assert source in PREFIX_SOURCES, (
+            f"{f.name}.lua sets prefix = {source}; only {sorted(PREFIX_SOURCES)} keep the hash tag"
+        )
+    if f.include is not None:  # helpers get the prefix from their caller, never make one
+        assert not re.search(r"(?<![\w.])prefix\s*=(?!=)", f.code), f"{f.name}.lua assigns a prefix"
+
+
+@pytest.mark.parametrize("f", all_files(), ids=lambda f: f.name)
+def test_no_literal_or_argument_names_a_key(f: LuaFile):
+    kinds, _ = prefix_keys(f.code)
+    braced = sorted(k for k in kinds if "{" in k or "}" in k)
+    assert not braced, f"{f.name}.lua builds keys with a hash tag brace after the prefix: {braced}"
+    for args in redis_calls(f.code):
+        command = args[0].strip("'\"").upper()
+        if command in KEYLESS_COMMANDS or len(args) < 2:
+            continue
+        for key in args[KEY_ARGS.get(command, slice(1, 2))]:
+            assert not key.startswith(("ARGV", "'", '"')), (
+                f"{f.name}.lua: redis.call({', '.join(args)}) takes a key from an argument or a literal; "
+                f"build it from the prefix"
+            )
+
+
+def _lua_function(name: str) -> str:
+    lib = library_model()
+    return lib.includes[lib.defined_in[name]].symbols[name]
+
+
+@pytest.mark.parametrize(
+    "helper, keys",
+    [
+        ("partition_prefix", [("ns", "p"), ("job-7", "step/3.train"), ("a", "x")]),
+        ("channel_prefix", [("ns", "rollouts"), ("job-7", "q.1")]),
+    ],
+)
+def test_the_prefix_keeps_the_first_keys_hash_slot(helper: str, keys):
+    r = fakeredis.FakeRedis()
+    for ns, name in keys:
+        k = PartitionKeys(ns, name) if helper == "partition_prefix" else ChannelKeys(ns, name)
+        prefix = r.eval(_lua_function(helper) + f"\nreturn {helper}(KEYS[1])", 1, k.meta).decode()
+        assert k.meta == prefix + "meta"
+        for kind in ("alive", "prod:x", "cons:task", "lease:t", "tag:uid", "q:default", "puts"):
+            assert key_slot((prefix + kind).encode()) == key_slot(k.meta.encode()), (prefix, kind)
+
+
+def test_key_analysis_finds_keys_from_arguments_and_literals():
+    assert redis_calls("redis.call('HSET', k, 'a,b)', f(x, y))") == [["'HSET'", "k", "'a,b)'", "f(x, y)"]]
+    assert redis_calls("redis.pcall('BITOP', 'OR', prefix .. 'a', ARGV[1])")[0][2:] == ["prefix .. 'a'", "ARGV[1]"]
+    bad = load("bad", "local function bad(KEYS, ARGV)\n  return redis.call('GET', ARGV[1])\nend\n")
+    with pytest.raises(AssertionError, match="takes a key from an argument"):
+        test_no_literal_or_argument_names_a_key(bad)
+    with pytest.raises(AssertionError, match="KEYS\\[2\\]"):
+        test_only_the_first_key_is_passed_in(load("two", "local x = KEYS[2]\n"))
+    with pytest.raises(AssertionError, match="keep the hash tag"):
+        test_the_prefix_is_always_cut_from_the_first_key(load("p", "local prefix = ARGV[1] .. ':'\n"))

@@ -1,0 +1,365 @@
+"""Every Redis connection of tq-redis is built here: blocking or asyncio, one server or a Redis Cluster.
+
+A URL is all a client needs: ``redis://host:port`` of a single server, or of *any* node of a Redis
+Cluster (``rediss://`` for TLS, ``unix:///path.sock`` for a local single server). Whether the URL
+names a cluster is decided per URL, by the first of these that says so:
+
+1. ``cluster=True|False`` passed to :func:`sync_client` / :func:`async_client`;
+2. what ``tq_redis.init`` recorded for the URL from its config ``redis.cluster`` (:func:`declare_cluster`);
+3. the environment: ``TQ_REDIS_CLUSTER=1|0|true|false|yes|no`` (``auto`` or empty: detect);
+4. detection: ``INFO cluster`` answers ``cluster_enabled:1``. The answer is cached per URL for the
+   life of the process. A server that cannot be reached at that moment counts as a single server
+   for that client (it fails on first use as before) and the next client asks again.
+
+On a cluster the clients are redis-py's ``RedisCluster`` (``redis.cluster`` / ``redis.asyncio.cluster``),
+with one change: ``FCALL``/``FCALL_RO`` and ``XREAD`` are routed by the keys in the call itself, as
+redis-py already does for ``EVAL``, instead of asking a server (``COMMAND GETKEYS``) on every call.
+A single-server client that meets a cluster anyway (``cluster=False`` forced against a cluster node)
+raises :class:`~tq_redis.errors.ConfigError` saying so, instead of redis-py's ``MovedError``.
+
+Every client reconnects with backoff across a server restart (:func:`connection_options`); a
+cluster client also refreshes its slot map and retries when a node moves or fails over.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import AskError
+from redis.retry import Retry
+
+from tq_redis.errors import ConfigError, ConnectionFailed, TQError
+
+CLUSTER_ENV = "TQ_REDIS_CLUSTER"
+SCHEMES = ("redis", "rediss", "unix")
+PROBE_TIMEOUT_S = 2.0
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_AUTO = {"", "auto", "none", "null"}
+
+_lock = threading.Lock()
+_declared: dict[str, bool] = {}
+_detected: dict[str, bool] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# URL and cluster settings
+# ---------------------------------------------------------------------------------------------
+
+
+def check_url(url: Any) -> str:
+    """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigError` saying how to fix it."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"the Redis URL must be a non-empty string like redis://127.0.0.1:6379, got {url!r}")
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"Redis URL {url!r} has scheme {scheme or 'none'!r}: write redis://host:port (rediss:// for TLS, "
+            f"unix:///path/to/redis.sock for a local socket); for a Redis Cluster any node's redis://host:port"
+        )
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(
+            f"cannot read Redis URL {url!r} ({exc}); write redis://[user:password@]host:port[/db]"
+        ) from None
+    return url
+
+
+def parse_cluster_flag(value: Any, where: str = "redis.cluster") -> bool | None:
+    """``True``/``False``, or ``None`` (detect), from a bool, None, or ``1/0/true/false/yes/no/auto``."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    if text in _AUTO:
+        return None
+    raise ConfigError(f"{where}={value!r} is not understood: use true or false (or leave it unset to detect)")
+
+
+def declare_cluster(url: str, cluster: Any) -> None:
+    """Record the ``redis.cluster`` setting ``init`` was given for ``url`` (``None``: forget it, detect)."""
+    flag = parse_cluster_flag(cluster)
+    with _lock:
+        if flag is None:
+            _declared.pop(url, None)
+        else:
+            _declared[url] = flag
+
+
+def forget(url: str | None = None) -> None:
+    """Drop what was declared or detected for ``url`` (every URL when None), so the next client asks again."""
+    with _lock:
+        for table in (_declared, _detected):
+            if url is None:
+                table.clear()
+            else:
+                table.pop(url, None)
+
+
+def detect_cluster(url: str) -> bool | None:
+    """Ask the server at ``url`` whether it runs in cluster mode; ``None`` when it cannot be reached.
+
+    Cached per URL (only answers, not failures to connect).
+    """
+    with _lock:
+        if url in _detected:
+            return _detected[url]
+    probe = redis.Redis.from_url(
+        url, socket_connect_timeout=PROBE_TIMEOUT_S, socket_timeout=PROBE_TIMEOUT_S, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        enabled = str(probe.info("cluster").get("cluster_enabled", 0)) == "1"
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return None  # down or refusing us: the real client reports it on first use
+    except redis.ResponseError:  # a server without cluster support (INFO cluster unknown)
+        enabled = False
+    finally:
+        probe.close()
+    with _lock:
+        _detected[url] = enabled
+    return enabled
+
+
+def cluster_mode(url: str, cluster: Any = None) -> bool:
+    """Whether clients of ``url`` are cluster clients (see the module docstring for the order of rules)."""
+    flag = parse_cluster_flag(cluster, "cluster")
+    if flag is not None:
+        return flag
+    with _lock:
+        declared = _declared.get(url)
+    if declared is not None:
+        return declared
+    flag = parse_cluster_flag(os.environ.get(CLUSTER_ENV), CLUSTER_ENV)
+    if flag is not None:
+        return flag
+    return bool(detect_cluster(url))
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+
+def connection_options(*, asyncio: bool = False, reconnect: bool = True) -> dict[str, Any]:
+    """Options every client gets: reconnect with backoff across a Redis restart (~6 s in all) before
+    giving up; ``reconnect=False``: fail at once (readiness probes). redis.asyncio needs its own
+    ``Retry`` class: it awaits its retries, a sync ``Retry`` is never applied."""
+    retry_class = AsyncRetry if asyncio else Retry
+    if not reconnect:
+        return {"retry": retry_class(NoBackoff(), 0)}
+    return {
+        "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": 30,
+    }
+
+
+@lru_cache(maxsize=1)
+def _async_cluster_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(AsyncRedisCluster.__init__).parameters) - {"self"}
+
+
+def _cluster_url(url: str) -> str:
+    parts = redis.connection.parse_url(url)
+    if "path" in parts:
+        raise ConfigError(f"{url!r} is a unix socket, which a Redis Cluster cannot use: give a node's redis://host:port")
+    if parts.get("db"):
+        raise ConfigError(f"a Redis Cluster has only database 0: drop '/{parts['db']}' from {url!r}")
+    return url
+
+
+# ---------------------------------------------------------------------------------------------
+# Key routing on a cluster
+# ---------------------------------------------------------------------------------------------
+
+
+def _text(arg: Any) -> str:
+    return arg.decode() if isinstance(arg, bytes) else str(arg)
+
+
+def keys_of_call(args: tuple) -> list | None:
+    """The keys of ``FCALL``/``FCALL_RO``/``XREAD`` read from the arguments; None for other commands.
+
+    ``FCALL fn numkeys key... arg...``; ``XREAD [COUNT n] [BLOCK ms] STREAMS key... id...``.
+    """
+    if not args:
+        return None
+    name = _text(args[0]).upper()
+    if name in ("FCALL", "FCALL_RO") and len(args) >= 3:
+        return list(args[3 : 3 + int(args[2])])
+    if name == "XREAD":
+        words = [_text(a).upper() for a in args]
+        if "STREAMS" in words:
+            rest = args[words.index("STREAMS") + 1 :]
+            return list(rest[: len(rest) // 2])
+    return None
+
+
+class _SyncKeys:
+    """redis-py's command parser, with the keys of :func:`keys_of_call`'s commands read from the call."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        keys = keys_of_call(args)
+        return keys if keys is not None else self._inner.get_keys(redis_conn, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _AsyncKeys(_SyncKeys):
+    async def get_keys(self, *args: Any) -> Any:  # type: ignore[override]
+        keys = keys_of_call(args)
+        return keys if keys is not None else await self._inner.get_keys(*args)
+
+
+class ClusterClient(RedisCluster):
+    """``redis.cluster.RedisCluster`` routing ``FCALL``/``XREAD`` by their own keys (pipelines too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _SyncKeys(self.commands_parser)
+
+
+class AsyncClusterClient(AsyncRedisCluster):
+    """``redis.asyncio.cluster.RedisCluster`` routing ``FCALL``/``XREAD`` by their own keys (pipelines too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _AsyncKeys(self.commands_parser)
+
+
+# ---------------------------------------------------------------------------------------------
+# A single-server client that meets a cluster
+# ---------------------------------------------------------------------------------------------
+
+
+def not_a_single_server(url: str, exc: BaseException) -> ConfigError:
+    """The error for a ``MOVED``/``ASK`` reply to a single-server client: the URL is a cluster node."""
+    return ConfigError(
+        f"the Redis at {url} is a cluster node (it answered {exc}) but this client was told it is a single "
+        f"server: remove TQ_REDIS_CLUSTER=0 / redis.cluster: false (or set them to true) so tq-redis uses "
+        f"a cluster client"
+    )
+
+
+def cluster_failure(url: str, exc: BaseException) -> TQError:
+    """What a cluster client's failure to start means: the URL names no cluster node
+    (:class:`ConfigError`), or the cluster cannot be reached (:class:`ConnectionFailed`)."""
+    if detect_cluster(url) is False:
+        return ConfigError(
+            f"the Redis at {url} is a single server, not a cluster node, but a cluster client was asked for: "
+            f"remove TQ_REDIS_CLUSTER=1 / redis.cluster: true (or set them to false)"
+        )
+    return ConnectionFailed(
+        f"cannot reach the Redis Cluster at {url} ({exc}); check that its nodes are running and the URL names one"
+    )
+
+
+class SingleClient(redis.Redis):
+    """``redis.Redis`` that reports a ``MOVED``/``ASK`` reply as :class:`ConfigError`
+    (see :func:`not_a_single_server`)."""
+
+    tq_url = ""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return super().execute_command(*args, **options)
+        except AskError as exc:
+            raise not_a_single_server(self.tq_url, exc) from exc
+
+
+class AsyncSingleClient(aioredis.Redis):
+    """``redis.asyncio.Redis`` that reports a ``MOVED``/``ASK`` reply as :class:`ConfigError`."""
+
+    tq_url = ""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **options)
+        except AskError as exc:
+            raise not_a_single_server(self.tq_url, exc) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# The factory
+# ---------------------------------------------------------------------------------------------
+
+
+def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **options: Any) -> redis.Redis | RedisCluster:
+    """A blocking client of ``url``: :class:`SingleClient` or, on a cluster, :class:`ClusterClient`.
+
+    ``options`` are redis-py connection options (``socket_timeout``, ``client_name`` ...); they
+    override :func:`connection_options`. Raises :class:`ConfigError` for a URL redis-py cannot use.
+    """
+    check_url(url)
+    base = connection_options(reconnect=reconnect)
+    if cluster_mode(url, cluster):
+        retry = options.pop("retry", base["retry"])
+        for name in ("single_connection_client", "connection_pool", "health_check_interval", "retry_on_error"):
+            options.pop(name, None)
+        try:
+            return ClusterClient.from_url(_cluster_url(url), retry=retry, **options)
+        except (redis.exceptions.RedisClusterException, redis.RedisError) as exc:  # it connects at once
+            raise cluster_failure(url, exc) from exc
+    client = SingleClient.from_url(url, **{**base, **options})
+    client.tq_url = url
+    return client
+
+
+def async_client(
+    url: str, *, cluster: Any = None, reconnect: bool = True, max_connections: int | None = None,
+    wait_for_connection: bool = False, **options: Any,
+) -> aioredis.Redis | AsyncRedisCluster:
+    """An asyncio client of ``url``: :class:`AsyncSingleClient` or, on a cluster, :class:`AsyncClusterClient`.
+
+    ``max_connections`` bounds the pool (per node on a cluster); with ``wait_for_connection`` a
+    single-server client waits for a free connection instead of failing (a cluster client always
+    fails fast: callers that need a bound there hold a semaphore). The client connects on first use.
+    """
+    check_url(url)
+    base = connection_options(asyncio=True, reconnect=reconnect)
+    if cluster_mode(url, cluster):
+        merged = {**base, **options}
+        if max_connections is not None:
+            merged["max_connections"] = max_connections
+        allowed = _async_cluster_parameters()
+        kept = {k: v for k, v in merged.items() if k in allowed and k != "health_check_interval"}
+        try:
+            return AsyncClusterClient.from_url(_cluster_url(url), **kept)
+        except redis.exceptions.RedisClusterException as exc:  # bad arguments: it connects on first use
+            raise ConfigError(f"cannot use {url!r} as a Redis Cluster: {exc}") from exc
+    merged = {**base, **options}
+    if max_connections is not None:
+        pool_class = aioredis.BlockingConnectionPool if wait_for_connection else aioredis.ConnectionPool
+        extra = {"timeout": None} if wait_for_connection else {}
+        pool = pool_class.from_url(url, max_connections=max_connections, **extra, **merged)
+        client = AsyncSingleClient(connection_pool=pool)
+        client.auto_close_connection_pool = True
+    else:
+        client = AsyncSingleClient.from_url(url, **merged)
+    client.tq_url = url
+    return client
+
+
+def is_cluster_client(client: Any) -> bool:
+    """Whether ``client`` (sync or asyncio) is a Redis Cluster client."""
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
