@@ -26,6 +26,12 @@ Design, in short:
   views of warm buffers from :mod:`tq_redis.buffers`, recycled once the caller drops them.
 * **Threads and processes**: thread-safe (connections are pooled per node, one thread at a time
   each); a store used after ``fork()`` opens its own connections in the child.
+* **Hostile or broken nodes**: no length a node announces is trusted before it is checked
+  against a bound (a HELLO reply is at most 8 KiB; other header maps 64 MiB; payloads the
+  ``max_frame`` option and the sizes in the reply), and a reply that does not decode or does not
+  fit its request is a :class:`~tq_redis.backends.dram_protocol.ProtocolError` (a
+  ``StorageUnavailable`` naming the node); its connection is dropped. With ``tls`` / ``tls_ca``
+  TCP connections use TLS and verify the node's certificate.
 * **Failures** are typed: an unreachable or silent node raises :class:`StorageUnavailable` naming
   it after at most ``timeout_s``; a full node :class:`StorageFull`; a missing key
   :class:`DataMissing`; a wrong token :class:`StorageAuthError`. A put spread over several nodes is
@@ -42,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import uuid
@@ -54,7 +61,19 @@ import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 from tq_redis.backends.batches import ValueTable
 from tq_redis.backends.dram_placement import Ring, group_by_node
-from tq_redis.backends.dram_pool import Conn, Link, Unpin, check_reply, exchange, hold, release, run
+from tq_redis.backends.dram_pool import (
+    Conn,
+    Link,
+    Unpin,
+    check_data_reply,
+    check_put_size,
+    check_reply,
+    exchange,
+    hold,
+    malformed,
+    release,
+    run,
+)
 from tq_redis.backends.dram_protocol import (
     OP_ABORT,
     OP_ALLOC,
@@ -63,13 +82,14 @@ from tq_redis.backends.dram_protocol import (
     OP_GET,
     OP_PUT,
     OP_STATS,
+    ProtocolError,
     format_size,
     layout,
     recv_into,
 )
 from tq_redis.backends.dram_values import Gathered, PutValues, private_copy
 
-from tq_redis import buffers
+from tq_redis import buffers, connections
 from tq_redis.config import parse_size
 from tq_redis.errors import (
     ConfigError,
@@ -83,6 +103,53 @@ from tq_redis.errors import (
 from tq_redis.keys import storage_nodes_key
 
 log = logging.getLogger(__name__)
+
+#: Redis's clock and the registry in one call that a Redis Cluster routes by the registry key
+_REGISTRY_SCRIPT = "local t = redis.call('TIME') return {t[1], t[2], redis.call('HGETALL', KEYS[1])}"
+#: offsets and lengths in replies stay below this (so their sums cannot overflow int64)
+_MAX_OFFSET = 1 << 48
+#: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
+_REGISTRY_POLL_S = 0.05
+
+
+def _int_table(raw: Any, dtype: str, n: int, link: Link, allow_negative: bool = False) -> np.ndarray:
+    """A reply's packed integer column of ``n`` entries, checked (``ProtocolError`` if it is not one)."""
+    width = np.dtype(dtype).itemsize
+    if not isinstance(raw, bytes) or len(raw) != n * width:
+        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed reply: a column is not {n} integers")
+    col = np.frombuffer(raw, dtype=dtype)
+    if n and (int(col.max()) > _MAX_OFFSET or (not allow_negative and int(col.min()) < 0)):
+        raise ProtocolError(f"DRAM storage node {link.label} sent an offset or length out of range")
+    return col
+
+
+def _put_reply(i: int, link: Link, conn: Conn, code: int, meta: dict[str, Any], plen: int, fds: list[int]) -> Any:
+    """Reply handler of PUT / ALLOC: the header map, its transaction id and reservation checked."""
+    meta = check_reply(i, link, conn, code, meta, plen, fds)
+    txn = meta.get("txn")
+    if txn is not None and type(txn) is not int:
+        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed transaction id {txn!r:.40}")
+    chunks = meta.get("chunks")
+    if chunks is not None and not (
+        isinstance(chunks, list)
+        and all(isinstance(c, list) and len(c) == 4 and all(type(x) is int for x in c) for c in chunks)
+    ):
+        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed reservation {chunks!r:.60}")
+    return meta
+
+
+def _release(links: dict[Any, Link], client: Any) -> None:
+    """Finaliser of a store dropped without ``close()``: close its sockets and unmap node slabs."""
+    for link in list(links.values()):
+        try:
+            link.close()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise; the OS reclaims the rest
+            pass
+    links.clear()
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 # format_size and parse_size were defined here before the split; importable from here still.
 __all__ = ["DramStore", "StorageAuthError", "format_size", "parse_size"]
@@ -105,6 +172,18 @@ class DramStore:
             the socket (one round trip) rather than through shared memory (two).
         refresh_s: how long the node list read from Redis is trusted.
         dead_after_s: a node whose heartbeat is older than this leaves the placement ring.
+        registry_wait_s: when every registered node looks dead (e.g. just after a Redis outage,
+            before the nodes' next heartbeat), how long to keep re-reading the registry before
+            ``StorageUnavailable``. Not waited when no node was ever registered.
+        tls: ``None`` (default): TLS to the nodes whose registration says they serve it
+            (``--tls-cert``); ``True``: TLS to every node over TCP (refuses plain ones);
+            ``False``: never (a TLS node's handshake then fails). The same-host shared-memory
+            path is a local Unix socket and never uses TLS.
+        tls_ca: PEM file of the CA (or the self-signed certificate) nodes' certificates are
+            verified with; default: the system's trusted CAs.
+        tls_check_hostname: check that a node's certificate names the host it is dialled at.
+        max_frame: the largest reply payload accepted from one node in one request (a node
+            announcing more is a protocol error, before anything is allocated); also caps puts.
     """
 
     name = "dram"
@@ -121,9 +200,28 @@ class DramStore:
         inline_threshold: int | str = 256 * 1024,
         refresh_s: float = 2.0,
         dead_after_s: float = 10.0,
+        registry_wait_s: float = 2.0,
+        tls: bool | None = None,
+        tls_ca: str | None = None,
+        tls_check_hostname: bool = True,
+        max_frame: int | str = "64GiB",
     ) -> None:
-        if timeout_s <= 0 or refresh_s < 0 or dead_after_s <= 0:
-            raise ConfigError("timeout_s and dead_after_s must be positive and refresh_s non-negative")
+        try:
+            bad = not (timeout_s > 0 and refresh_s >= 0 and dead_after_s > 0 and registry_wait_s >= 0)
+        except TypeError:
+            bad = True
+        if bad:
+            raise ConfigError(
+                "timeout_s and dead_after_s must be positive numbers, refresh_s and registry_wait_s non-negative"
+            )
+        if tls not in (None, True, False):
+            raise ConfigError(f"the dram store option tls must be true, false or null, not {tls!r}")
+        self.tls = tls
+        self.tls_ca = tls_ca
+        self.tls_check_hostname = bool(tls_check_hostname)
+        self._tls_ctx: ssl.SSLContext | None = None
+        self.max_frame = parse_size(max_frame)
+        self.registry_wait_s = float(registry_wait_s)
         self.redis_url = redis_url
         self.namespace = namespace
         self.token = token if token is not None else os.environ.get("TQ_STORAGE_TOKEN") or None
@@ -134,8 +232,9 @@ class DramStore:
         self.refresh_s = float(refresh_s)
         self.dead_after_s = float(dead_after_s)
         self.client_id = uuid.uuid4().hex
-        self._redis = redis.Redis.from_url(
-            redis_url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
+        # no reconnect loop of its own: while Redis is away the last known node list serves
+        self._redis = connections.sync_client(
+            redis_url, reconnect=False, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
         )
         self._key = storage_nodes_key(namespace)
         self._lock = threading.Lock()
@@ -143,15 +242,18 @@ class DramStore:
         self._ring: Ring | None = None
         self._fetched = 0.0
         self._stale = True
+        self._seen_live = False  # some node was live once: an empty registry may be a Redis restart
         self._closed = False
         self._pid = os.getpid()
+        # a store dropped without close() still lets go of its sockets and the nodes' memory slabs
+        self._finalizer = weakref.finalize(self, _release, self._links, self._redis)
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> DramStore:
         """Build from the store options of the tq config (keys: the keyword arguments of ``__init__``)."""
         allowed = {
             "token", "timeout_s", "shm", "zero_copy_get", "inline_threshold", "refresh_s",
-            "dead_after_s",
+            "dead_after_s", "registry_wait_s", "tls", "tls_ca", "tls_check_hostname", "max_frame",
         }  # fmt: skip
         unknown = set(options) - allowed
         if unknown:
@@ -164,25 +266,52 @@ class DramStore:
     def _mark_stale(self) -> None:
         self._stale = True
 
+    def tls_context(self, required: bool) -> ssl.SSLContext | None:
+        """The TLS context for a TCP connection to a node (None: plain TCP).
+
+        ``required``: the node's registration says it serves TLS. The ``tls`` option decides
+        (None follows the node); a context is built once, verifying with ``tls_ca``.
+        """
+        use = required if self.tls is None else self.tls
+        if not use:
+            return None
+        if self._tls_ctx is None:
+            try:
+                ctx = ssl.create_default_context(cafile=self.tls_ca)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"the dram store option tls_ca={self.tls_ca!r} is not a readable PEM file ({exc})"
+                ) from None
+            ctx.check_hostname = self.tls_check_hostname
+            self._tls_ctx = ctx
+        return self._tls_ctx
+
     def _read_registry(self) -> tuple[float, dict[str, dict[str, Any]]]:
+        """Redis's clock and every registration, in one round trip.
+
+        One script call on the registry key: on a Redis Cluster it runs on the node that owns
+        the key (a pipeline of ``TIME`` and ``HGETALL`` cannot be routed there as one unit).
+        """
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.time()
-            pipe.hgetall(self._key)
-            (sec, usec), raw = pipe.execute()
+            sec, usec, flat = self._redis.eval(_REGISTRY_SCRIPT, 1, self._key)
+            now = int(sec) + int(usec) / 1e6
         except redis.RedisError as exc:
             raise ConnectionFailed(
                 f"cannot read the DRAM storage nodes from Redis at {self.redis_url} ({exc}); "
                 f"check that Redis is running"
             ) from exc
+        except (TypeError, ValueError) as exc:
+            raise ConnectionFailed(f"unexpected reply reading the DRAM storage nodes from Redis ({exc})") from exc
         nodes = {}
-        for k, v in raw.items():
+        for k, v in zip(flat[::2], flat[1::2]):
             try:
                 info = json.loads(v)
-                nodes[k.decode()] = info
+                if not isinstance(info, dict):
+                    raise ValueError("not an object")
+                nodes[k.decode(errors="replace")] = info
             except ValueError:
                 log.warning("ignoring unreadable storage-node registration %r", k)
-        return sec + usec / 1e6, nodes
+        return now, nodes
 
     def _after_fork(self) -> None:
         """In a forked child: never talk over the parent's sockets; start with fresh state."""
@@ -191,7 +320,7 @@ class DramStore:
                 conn.sock.close()  # close (no shutdown): the parent's connection stays intact
             link.idle = []
             link.closed = True
-        self._links = {}
+        self._links.clear()  # the same dict: the finaliser holds it
         self._ring = None
         self._lock = threading.Lock()
         self.client_id = uuid.uuid4().hex
@@ -212,27 +341,12 @@ class DramStore:
             ):
                 return self._ring
             try:
-                rnow, nodes = self._read_registry()
+                live = self._read_live()
             except ConnectionFailed:
                 if self._ring is not None:  # keep serving with the last known ring
                     log.warning("Redis unreachable; using the last known storage-node list")
                     return self._ring
                 raise
-            live: list[Link] = []
-            seen = set()
-            for node_id, info in sorted(nodes.items()):
-                info.setdefault("node_id", node_id)
-                key = (node_id, str(info.get("instance")))
-                seen.add(key)
-                link = self._links.get(key)
-                if link is None:
-                    link = self._links[key] = Link(info, self)
-                else:
-                    link.info = info
-                if rnow - float(info.get("heartbeat", 0)) <= self.dead_after_s:
-                    live.append(link)
-            for key in [k for k in self._links if k not in seen]:
-                self._links.pop(key).close()  # deregistered or restarted as a new instance
             if not live:
                 raise StorageUnavailable(
                     f"no live DRAM storage node is registered in namespace {self.namespace!r} at "
@@ -240,9 +354,52 @@ class DramStore:
                     f"--redis {self.redis_url} --namespace {self.namespace} ...` or `tq-redis up`"
                 )
             self._ring = Ring(live)
+            self._seen_live = True
             self._fetched = time.monotonic()
             self._stale = False
             return self._ring
+
+    def _read_live(self) -> list[Link]:
+        """The live nodes' links (lock held), re-reading the registry for up to ``registry_wait_s``
+        while every registered node looks dead but one may be about to beat again.
+
+        That is the moment after a Redis outage longer than ``dead_after_s`` (or a Redis restart
+        that lost the registry): running nodes re-register within a fraction of a second of Redis
+        returning, and an operation should not fail in between.
+        """
+        deadline = time.monotonic() + self.registry_wait_s
+        while True:
+            rnow, nodes = self._read_registry()
+            live = self._update_links(rnow, nodes)
+            if live or not (nodes or self._seen_live) or time.monotonic() >= deadline:
+                return live
+            time.sleep(_REGISTRY_POLL_S)
+
+    def _update_links(self, rnow: float, nodes: dict[str, dict[str, Any]]) -> list[Link]:
+        """Links for the registered nodes (new ones made, departed ones closed); the live ones."""
+        live: list[Link] = []
+        seen = set()
+        for node_id, info in sorted(nodes.items()):
+            info.setdefault("node_id", node_id)
+            try:
+                heartbeat = float(info.get("heartbeat", 0))
+                if not (isinstance(info.get("address"), str) and isinstance(info.get("instance"), str)):
+                    raise ValueError("no address or instance")
+            except (TypeError, ValueError) as exc:
+                log.warning("ignoring malformed storage-node registration %r (%s)", node_id, exc)
+                continue
+            key = (node_id, info["instance"])
+            seen.add(key)
+            link = self._links.get(key)
+            if link is None:
+                link = self._links[key] = Link(info, self)
+            else:
+                link.info = info
+            if rnow - heartbeat <= self.dead_after_s:
+                live.append(link)
+        for key in [k for k in self._links if k not in seen]:
+            self._links.pop(key).close()  # deregistered or restarted as a new instance
+        return live
 
     def nodes(self) -> list[dict[str, Any]]:
         """Registration of every live node (address, capacity, used bytes, heartbeat ...)."""
@@ -296,23 +453,27 @@ class DramStore:
             gsizes = vals.sizes[idx]
             gkeys = list(map(keys.__getitem__, idx.tolist()))
             meta = {"keys": gkeys, "sizes": gsizes.astype("<i8").tobytes()}
-            shm = conn.shm and int(gsizes.sum()) >= self.inline_threshold
+            nbytes = int(gsizes.sum())
+            shm = conn.shm and nbytes >= self.inline_threshold
             if shm:
                 reqs.append((link, conn, OP_ALLOC, meta, ()))
             else:
+                check_put_size(conn, link, nbytes)
                 meta["commit"] = not two_phase
                 reqs.append((link, conn, OP_PUT, meta, vals.payload(idx)))
             plans.append((idx, gsizes, shm))
-        replies, err = exchange(reqs, check_reply)
+        replies, err = exchange(reqs, _put_reply)
         txns = [
             (link, conn, r["txn"]) for (link, conn, *_), r in zip(reqs, replies) if r and r.get("txn")
         ]
         spilling = [k for k, r in enumerate(replies) if err is None and r and r.get("inline")]
         if spilling:
             # a full node that spills to its tier takes these values inline on the socket instead
+            for k in spilling:
+                check_put_size(reqs[k][1], reqs[k][0], int(plans[k][1].sum()))
             again = [(reqs[k][0], reqs[k][1], OP_PUT, {**reqs[k][3], "commit": not two_phase},
                       vals.payload(plans[k][0])) for k in spilling]  # fmt: skip
-            more, err = exchange(again, check_reply)
+            more, err = exchange(again, _put_reply)
             txns += [(lk, c, r["txn"]) for (lk, c, *_), r in zip(again, more) if r and r.get("txn")]
             for k in spilling:
                 plans[k] = (plans[k][0], plans[k][1], False)
@@ -322,7 +483,7 @@ class DramStore:
         try:
             for (idx, gsizes, shm), (link, conn, *_), reply in zip(plans, reqs, replies):
                 if shm:
-                    self._copy_into(link, conn, reply["chunks"], idx, gsizes, vals)
+                    self._copy_into(link, conn, reply.get("chunks"), idx, gsizes, vals)
         except BaseException:
             self._end(txns, OP_ABORT)
             raise
@@ -337,10 +498,24 @@ class DramStore:
             raise err
 
     def _copy_into(self, link: Link, conn: Conn, chunks, idx: np.ndarray, gsizes, vals: PutValues) -> None:
-        """Write each value into the node's slab at the offsets it reserved."""
-        for sid, base, start, count in chunks:
-            offs, _ = layout(gsizes[start : start + count])
-            vals.copy_into(link.slab(conn, sid).rw_view, idx[start : start + count], offs + base)
+        """Write each value into the node's slab at the offsets it reserved.
+
+        The reservation must cover the batch and fit the slab (a node saying otherwise is a
+        protocol error: nothing is written past a slab's end).
+        """
+        try:
+            covered = 0
+            for sid, base, start, count in chunks:
+                if start != covered or count <= 0 or base < 0:
+                    raise ValueError(f"reservation chunk {[sid, base, start, count]} does not continue the batch")
+                covered += count
+                offs, _ = layout(gsizes[start : start + count])
+                vals.copy_into(link.slab(conn, sid).rw_view, idx[start : start + count], offs + base)
+            if covered != len(idx):
+                raise ValueError(f"the reservation covers {covered} of {len(idx)} values")
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            link.fail(conn)
+            raise malformed(link, exc) from None
 
     def get(self, keys: Sequence[str]) -> Sequence[Buffer]:
         """Return every key's value, in order; ``DataMissing`` names the keys no node holds.
@@ -393,18 +568,24 @@ class DramStore:
         pos_of = [positions[idx] for _n, idx in groups]
 
         def on_reply(i, link, conn, code, meta, plen, fds):
-            check_reply(i, link, conn, code, meta, plen, fds)
+            check_data_reply(i, link, conn, code, meta, plen, fds)
             pos = pos_of[i]
-            miss = meta.get("missing")
+            miss = meta.get("missing") or []
             if miss:
+                if not (isinstance(miss, list) and all(type(m) is int for m in miss)) or len(set(miss)) != len(
+                    miss
+                ) or min(miss) < 0 or max(miss) >= len(pos):
+                    raise ProtocolError(f"DRAM storage node {link.label} sent a malformed list of missing keys")
                 missing.append(pos[miss])
                 pos = np.delete(pos, miss)
             if "offs" in meta:
                 self._views(link, conn, meta, plen, pos, out)
                 return
-            mv = memoryview(buffers.take(plen))
+            lens = _int_table(meta.get("sizes"), "<i8", len(pos), link)
+            if int(lens.sum()) != plen:
+                raise ProtocolError(f"DRAM storage node {link.label} sent {plen} bytes for values of {int(lens.sum())}")
+            mv = memoryview(buffers.take(plen))  # lazily backed: only the bytes that arrive take memory
             recv_into(conn.sock, mv)
-            lens = np.frombuffer(meta["sizes"], dtype="<i8")
             out.add(mv, pos, np.cumsum(lens) - lens, lens)
 
         conns = hold(links)
@@ -425,22 +606,32 @@ class DramStore:
 
         Values the node spilled to its tier (slab -1) come in the reply's payload instead.
         """
-        sids = np.frombuffer(meta["slabs"], dtype="<i4")
-        offs = np.frombuffer(meta["offs"], dtype="<i8")
-        lens = np.frombuffer(meta["lens"], dtype="<i8")
+        n = len(pos)
+        sids = _int_table(meta.get("slabs"), "<i4", n, link, allow_negative=True)
+        offs = _int_table(meta.get("offs"), "<i8", n, link)
+        lens = _int_table(meta.get("lens"), "<i8", n, link)
+        spilled = sids < 0
+        if int(lens[spilled].sum()) != plen or bool((offs[spilled] + lens[spilled] > plen).any()):
+            raise ProtocolError(f"DRAM storage node {link.label} sent {plen} inline bytes that do not hold its values")
         if plen:
             inline = memoryview(buffers.take(plen))
             recv_into(conn.sock, inline)
-            spilled = sids < 0
             out.add(inline, pos[spilled], offs[spilled], lens[spilled])
             kept = ~spilled
             sids, offs, lens, pos = sids[kept], offs[kept], lens[kept], pos[kept]
         used = np.unique(sids).tolist()
         pin = meta.get("pin") or 0
+        if type(pin) is not int:
+            raise ProtocolError(f"DRAM storage node {link.label} sent a malformed pin {pin!r:.40}")
+        slabs = [link.slab(conn, sid) for sid in used]
+        for slab in slabs:
+            mine = sids == slab.id
+            if bool((offs[mine] + lens[mine] > slab.size).any()):
+                raise ProtocolError(f"DRAM storage node {link.label} sent values past the end of slab {slab.id}")
         unpin = Unpin(link, pin, len(used)) if pin else None
-        for sid in used:
+        for sid, slab in zip(used, slabs):
             # a fresh array per get: its finaliser fires once the last view of this get is gone
-            arr = np.frombuffer(link.slab(conn, sid).readonly(), dtype=np.uint8)
+            arr = np.frombuffer(slab.readonly(), dtype=np.uint8)
             if unpin is not None:
                 weakref.finalize(arr, unpin)
             mine = slice(None) if len(used) == 1 else sids == sid
@@ -522,11 +713,13 @@ class DramStore:
         finally:
             self._closed = True
             with self._lock:
-                links, self._links = list(self._links.values()), {}
+                links = list(self._links.values())
+                self._links.clear()
                 self._ring = None
             for link in links:
                 link.close()
             self._redis.close()
+            self._finalizer.detach()
 
     def __enter__(self) -> DramStore:
         return self

@@ -11,13 +11,19 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import select
 import socket
+import ssl
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tq_redis.backends.base import Buffer
 from tq_redis.backends.dram_protocol import (
+    HELLO_MAX,
+    MAX_HEADER,
     OP_FDS,
     OP_HELLO,
     PROTOCOL_VERSION,
@@ -25,21 +31,34 @@ from tq_redis.backends.dram_protocol import (
     ST_BAD,
     ST_FULL,
     ST_OK,
-    drain,
+    ProtocolError,
+    check_lengths,
+    format_size,
+    pack_meta,
     recv_header,
     recv_meta,
     send_frame,
     set_blocking_timeout,
 )
 
-from tq_redis.errors import InvalidArgument, StorageAuthError, StorageError, StorageFull, StorageUnavailable
+from tq_redis.errors import (
+    InvalidArgument,
+    StorageAuthError,
+    StorageError,
+    StorageFull,
+    StorageUnavailable,
+    TQError,
+)
 
 __all__ = [
     "Conn", "Link", "LinkOwner", "MappedSlab", "Request", "Unpin",
-    "check_reply", "error_from", "exchange", "hold", "release", "run",
+    "check_data_reply", "check_put_size", "check_reply", "error_from", "exchange", "hold", "malformed",
+    "release", "run",
 ]  # fmt: skip
 
 _HOSTNAME = socket.gethostname()
+#: how long a node that timed out moments ago is waited on for a new connection (see Link.unavailable)
+PROBE_S = 0.1
 
 
 class LinkOwner(Protocol):
@@ -49,6 +68,10 @@ class LinkOwner(Protocol):
     timeout_s: float
     token: str | None
     client_id: str
+    max_frame: int
+
+    def tls_context(self, required: bool) -> ssl.SSLContext | None:
+        """The context to wrap TCP connections in (None: plain TCP); ``required``: the node asks for TLS."""
 
     def _mark_stale(self) -> None:
         """The node list is out of date (a node restarted): read it again before the next operation."""
@@ -60,6 +83,9 @@ class MappedSlab:
     __slots__ = ("id", "size", "fd", "rw", "rw_view", "ro", "__weakref__")
 
     def __init__(self, slab_id: int, size: int, fd: int) -> None:
+        # a slab announced larger than its file would fault (SIGBUS) on first touch past the end
+        if not (type(slab_id) is int and type(size) is int and 0 < size <= os.fstat(fd).st_size):
+            raise ProtocolError(f"the node sent memory slab {slab_id!r:.20} with a size that does not match its file")
         self.id, self.size, self.fd = slab_id, size, fd
         self.rw = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.rw_view = memoryview(self.rw)
@@ -103,11 +129,25 @@ class Unpin:
 class Conn:
     """One socket to a node; used by one thread at a time (taken from and returned to a pool)."""
 
-    __slots__ = ("sock", "local", "shm", "gen", "broken")
+    __slots__ = ("sock", "local", "shm", "gen", "broken", "max_frame", "max_header")
 
-    def __init__(self, sock: socket.socket, local: bool, shm: bool, gen: int) -> None:
+    def __init__(
+        self, sock: socket.socket, local: bool, shm: bool, gen: int, max_frame: int, max_header: int = MAX_HEADER
+    ) -> None:
         self.sock, self.local, self.shm, self.gen = sock, local, shm, gen
         self.broken = False
+        self.max_frame = max_frame  # the largest request payload the node takes (it said so in HELLO)
+        self.max_header = max_header
+
+    def closed_by_peer(self) -> bool:
+        """Whether the node closed this idle connection (or sent something unasked): not reusable."""
+        try:
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            # readable while idle: the node closed it (EOF, reset) or sent bytes nobody asked for
+            return bool(poller.poll(0)) or (isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0)
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         self.broken = True
@@ -125,7 +165,8 @@ class Link:
         self.node_id: str = info["node_id"]
         self.instance: str = info["instance"]
         self.address: str = info["address"]
-        self.store = store
+        # weakly: a store dropped without close() must be collectable (its finaliser closes the links)
+        self.store = store if isinstance(store, weakref.ProxyTypes) else weakref.proxy(store)
         self.lock = threading.Lock()
         self.idle: list[Conn] = []
         self.slabs: dict[int, MappedSlab] = {}
@@ -133,6 +174,7 @@ class Link:
         self.gen = 0
         self.local_ok: bool | None = None  # None: not tried yet
         self.closed = False
+        self.down_until = 0.0  # monotonic time until which a node that just timed out is not waited on again
 
     @property
     def label(self) -> str:
@@ -143,10 +185,27 @@ class Link:
         with self.lock:
             if self.closed:
                 raise StorageUnavailable(f"DRAM storage node {self.label} left the cluster")
-            if self.idle:
-                return self.idle.pop()
+            while self.idle:
+                conn = self.idle.pop()
+                if not conn.closed_by_peer():
+                    return conn
+                conn.close()  # the node dropped it while idle (its --idle-timeout): use another
             gen = self.gen
-        return self._connect(gen)
+            # a node that just timed out gets a short probe, not a second full wait
+            probe = self.down_until > 0 and time.monotonic() < self.down_until
+        if not probe:
+            return self._connect(gen, self.store.timeout_s)
+        try:
+            conn = self._connect(gen, min(PROBE_S, self.store.timeout_s))
+        except StorageUnavailable as exc:
+            raise StorageUnavailable(
+                f"DRAM storage node {self.label} did not answer within {self.store.timeout_s:g} s moments "
+                f"ago, nor to a {min(PROBE_S, self.store.timeout_s):g} s probe now; check that it is "
+                f"running, or raise the store option timeout_s"
+            ) from exc.__cause__
+        set_blocking_timeout(conn.sock, self.store.timeout_s)
+        self.down_until = 0.0
+        return conn
 
     def release(self, conn: Conn) -> None:
         with self.lock:
@@ -174,7 +233,8 @@ class Link:
         with self.lock:
             self.closed = True
 
-    def _connect(self, gen: int) -> Conn:
+    def _connect(self, gen: int, wait: float) -> Conn:
+        """A new connection, handshake done; ``wait``: its socket timeout until then."""
         st = self.store
         uds = self.info.get("uds")
         try_local = (
@@ -184,10 +244,10 @@ class Link:
         errors: list[str] = []
         if try_local:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(st.timeout_s)
+            s.settimeout(wait)
             try:
                 s.connect("\0" + uds)
-                set_blocking_timeout(s, st.timeout_s)
+                set_blocking_timeout(s, wait)
                 conn = self._hello(s, True, gen)
                 self.local_ok = True
                 return conn
@@ -197,9 +257,10 @@ class Link:
                 s.close()
                 errors.append(f"unix socket: {exc}")
         host, _, port = self.address.rpartition(":")
+        tls = st.tls_context(bool(self.info.get("tls")))
         try:
-            s = socket.create_connection((host, int(port)), timeout=st.timeout_s)
-        except OSError as exc:
+            s = socket.create_connection((host, int(port)), timeout=wait)
+        except (OSError, ValueError) as exc:
             errors.append(f"tcp: {exc}")
             self.fail(None)  # a node that is gone must not keep its memory alive through our mappings
             raise StorageUnavailable(
@@ -207,11 +268,30 @@ class Link:
                 f"is it running? (tq-redis storage-unit ...)"
             ) from exc
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_blocking_timeout(s, st.timeout_s)
+        if tls is not None:
+            s = self._tls(s, tls, host)
+        set_blocking_timeout(s, wait)
         conn = self._hello(s, False, gen)
         if try_local:
             self.local_ok = False  # alive over TCP but not over the unix socket: another netns
         return conn
+
+    def _tls(self, s: socket.socket, ctx: ssl.SSLContext, host: str) -> ssl.SSLSocket:
+        """``s`` after a TLS handshake with the node (certificate verified as ``ctx`` says)."""
+        try:
+            return ctx.wrap_socket(s, server_hostname=host.strip("[]") or None)
+        except ssl.SSLCertVerificationError as exc:
+            s.close()
+            raise StorageAuthError(
+                f"DRAM storage node {self.label}: its TLS certificate did not verify ({exc.verify_message}); "
+                f"set the store option tls_ca to the CA (or self-signed certificate) that issued it"
+            ) from None
+        except OSError as exc:  # ssl.SSLError included: e.g. the node does not speak TLS
+            s.close()
+            raise StorageUnavailable(
+                f"DRAM storage node {self.label}: TLS handshake failed ({exc}); is the node started with "
+                f"--tls-cert (and the store option tls set to match)?"
+            ) from None
 
     def _hello(self, s: socket.socket, local: bool, gen: int) -> Conn:
         meta = {
@@ -220,28 +300,48 @@ class Link:
             "client": self.store.client_id,
             "shm": local,
         }
+        fds: list[int] = []
         try:
             send_frame(s, OP_HELLO, meta)
             code, mlen, plen, fds = recv_header(s, local)
-            reply = recv_meta(s, mlen)
+            # the reply to a HELLO is a small map and nothing else: no trust in the lengths before it
+            check_lengths(mlen, plen, HELLO_MAX, 0, f"DRAM storage node {self.label}'s HELLO reply")
+            reply = recv_meta(s, mlen, HELLO_MAX, f"DRAM storage node {self.label}")
         except OSError as exc:
             s.close()
             raise self.unavailable(exc) from exc
-        for fd in fds:
-            os.close(fd)
+        except ProtocolError:
+            s.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
         if code != ST_OK:
             s.close()
             raise error_from(code, reply, self)
+        max_frame = reply.get("max_frame", self.store.max_frame)
+        if type(max_frame) is not int or max_frame < 0:
+            s.close()
+            raise ProtocolError(f"DRAM storage node {self.label} sent a malformed HELLO reply (max_frame)")
         if reply.get("instance") != self.instance:
             s.close()
             self.store._mark_stale()
             raise StorageUnavailable(
                 f"DRAM storage node {self.label} restarted (instance changed); retry the operation"
             )
-        return Conn(s, local, bool(reply.get("shm")), gen)
+        return Conn(s, local, bool(reply.get("shm")), gen, min(max_frame, self.store.max_frame))
 
     def unavailable(self, exc: BaseException) -> StorageUnavailable:
+        """The error for a node whose connection failed with ``exc``.
+
+        A node that timed out is not waited on again for ``timeout_s``: a new connection to it
+        gets a short probe (``PROBE_S``) instead, so the cleanup after a failed put does not wait
+        a second time for the same node, and a node that is back answers the probe.
+        """
+        if isinstance(exc, StorageUnavailable):
+            return exc
         if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO expired
+            self.down_until = time.monotonic() + self.store.timeout_s
             what = f"did not answer within {self.store.timeout_s:g} s"
         else:
             what = f"is unreachable ({exc})"
@@ -252,41 +352,76 @@ class Link:
 
     # -- slabs --------------------------------------------------------------------------------
     def map_slabs(self, fds: list[int], meta: dict[str, Any]) -> None:
-        """Take ownership of slab fds sent with a reply; forget slabs the node has released."""
+        """Take ownership of slab fds sent with a reply; forget slabs the node has released.
+
+        Every fd is either mapped or closed here, whatever the reply says.
+        """
         fd_slabs = meta.get("fd_slabs") or []
-        new = []
+        live = meta.get("live")
+        new: list[MappedSlab] = []
+        pending = list(fds)
         try:
-            for (sid, size), fd in zip(fd_slabs, fds):
-                if sid in self.slabs:
+            if not isinstance(fd_slabs, list) or len(fd_slabs) != len(fds):
+                raise ProtocolError(f"DRAM storage node {self.label} sent {len(fds)} slab fds for {fd_slabs!r:.60}")
+            if live is not None and not (isinstance(live, list) and all(type(x) is int for x in live)):
+                raise ProtocolError(f"DRAM storage node {self.label} sent a malformed list of live slabs")
+            for entry in fd_slabs:
+                if not (isinstance(entry, list) and len(entry) == 2):
+                    raise ProtocolError(f"DRAM storage node {self.label} sent a malformed slab entry {entry!r:.60}")
+                fd = pending.pop(0)
+                if entry[0] in self.slabs:
                     os.close(fd)
                 else:
-                    new.append(MappedSlab(sid, size, fd))
+                    try:
+                        new.append(MappedSlab(entry[0], entry[1], fd))
+                    except BaseException:
+                        os.close(fd)
+                        raise
         except BaseException:
-            for fd in fds[len(new) :]:
+            for fd in pending:
                 os.close(fd)
+            for m in new:
+                m.drop()
             raise
-        live = meta.get("live")
         with self.lock:
-            for s in new:
-                self.slabs.setdefault(s.id, s)
+            for m in new:
+                self.slabs.setdefault(m.id, m)
             keep = None if live is None else set(live)
             gone = [] if keep is None else [sid for sid in self.slabs if sid not in keep]
             dropped = [self.slabs.pop(sid) for sid in gone]
-        for s in dropped:
-            s.drop()
+        for m in dropped:
+            m.drop()
 
     def slab(self, conn: Conn, sid: int) -> MappedSlab:
+        """The mapped slab ``sid`` (asked for again on ``conn`` if this client no longer maps it)."""
         s = self.slabs.get(sid)
-        if s is None:  # fds were sent on another connection whose mappings we dropped: ask again
+        if s is not None:
+            return s
+        # fds were sent on another connection whose mappings we dropped: ask again
+        fds: list[int] = []
+        try:
             send_frame(conn.sock, OP_FDS, {"slabs": [sid]})
-            code, mlen, _plen, fds = recv_header(conn.sock, True)
-            meta = recv_meta(conn.sock, mlen)
-            if code != ST_OK:
-                raise error_from(code, meta, self)
-            self.map_slabs(fds, meta)
-            s = self.slabs.get(sid)
-            if s is None:
-                raise StorageError(f"DRAM storage node {self.label} no longer has memory slab {sid}")
+            code, mlen, plen, fds = recv_header(conn.sock, True)
+            check_lengths(mlen, plen, conn.max_header, 0, f"DRAM storage node {self.label}")
+            meta = recv_meta(conn.sock, mlen, conn.max_header, f"DRAM storage node {self.label}")
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            self.fail(conn)
+            raise self.unavailable(exc) from exc
+        except ProtocolError:
+            for fd in fds:
+                os.close(fd)
+            self.fail(conn)
+            raise
+        if code != ST_OK:
+            for fd in fds:
+                os.close(fd)
+            raise error_from(code, meta, self)
+        self.map_slabs(fds, meta)
+        s = self.slabs.get(sid)
+        if s is None:
+            raise StorageError(f"DRAM storage node {self.label} no longer has memory slab {sid}")
         return s
 
     def take_unpins(self) -> list[int]:
@@ -299,7 +434,8 @@ class Link:
 
 def error_from(code: int, meta: dict[str, Any], link: Link) -> StorageError:
     """The typed error for a refusal (status ``code``) from ``link``'s node."""
-    msg = meta.get("msg") or f"error {code}"
+    msg = meta.get("msg")
+    msg = f"{msg:.2000}" if isinstance(msg, str) and msg else f"error {code}"
     if code == ST_FULL:
         return StorageFull(msg)
     if code == ST_AUTH:
@@ -309,10 +445,43 @@ def error_from(code: int, meta: dict[str, Any], link: Link) -> StorageError:
     return StorageError(f"DRAM storage node {link.label} failed: {msg}")
 
 
+def malformed(link: Link, exc: BaseException) -> ProtocolError:
+    """The error for a reply that could not be used (its fields did not fit the request)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    return ProtocolError(
+        f"DRAM storage node {link.label} sent a malformed reply ({type(exc).__name__}: {exc!s:.200}); "
+        f"is that address really a tq-redis storage node of this version?"
+    )
+
+
 #: (link, connection, op, header map, payload buffers)
 Request = tuple[Link, Conn, int, dict[str, Any], Sequence[Buffer]]
 #: reads one reply: ``handle(i, link, conn, code, meta, plen, fds)`` -> that request's result
 Handler = Callable[..., Any]
+
+
+def _check_request(conn: Conn, link: Link, meta: dict[str, Any]) -> None:
+    """Refuse, before sending, a header map larger than the node reads (it would drop the connection)."""
+    keys = meta.get("keys")
+    if not keys or len(keys) < 1024:
+        return
+    estimate = sum(map(len, keys)) + 9 * len(keys) + 64  # a little over msgpack's size
+    if estimate > conn.max_header and len(pack_meta(meta)) > conn.max_header:
+        raise InvalidArgument(
+            f"a batch of {len(keys)} keys for DRAM storage node {link.label} needs a header map over "
+            f"the protocol's {format_size(conn.max_header)}; split the batch"
+        )
+
+
+def check_put_size(conn: Conn, link: Link, nbytes: int) -> None:
+    """Refuse, before sending, a put larger than the node takes in one request (its ``--max-frame``)."""
+    if nbytes > conn.max_frame:
+        raise InvalidArgument(
+            f"a put of {format_size(nbytes)} to DRAM storage node {link.label} exceeds the "
+            f"{format_size(conn.max_frame)} it accepts in one request (its --max-frame, or the store "
+            f"option max_frame); split the batch or raise those limits"
+        )
 
 
 def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseException | None]:
@@ -320,8 +489,10 @@ def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseE
 
     Returns ``(results, first_error)``. A connection that breaks is closed and marked broken
     (its node's error is a ``StorageUnavailable`` naming it); after a protocol-level error the
-    stream is still in step and the connection stays usable. Unpins a link owes its node ride
-    along with the first request to it.
+    stream is still in step and the connection stays usable. A reply that breaks the protocol
+    (lengths over the limits, an undecodable header map, fields that do not fit the request)
+    is a :class:`ProtocolError` (a ``StorageUnavailable``) and its connection is dropped. Unpins a
+    link owes its node ride along with the first request to it.
     """
     sent = [False] * len(reqs)
     results: list[Any] = [None] * len(reqs)
@@ -331,24 +502,40 @@ def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseE
         if unpins:
             meta = {**meta, "unpin": unpins}
         try:
+            _check_request(conn, link, meta)
             send_frame(conn.sock, op, meta, payload)
             sent[i] = True
         except OSError as exc:
             link.unpins.extend(unpins)
             link.fail(conn)
             first_err = first_err or link.unavailable(exc)
+        except InvalidArgument as exc:
+            link.unpins.extend(unpins)
+            first_err = first_err or exc
     for i, (link, conn, _op, _meta, _payload) in enumerate(reqs):
         if not sent[i]:
             continue
+        fds: list[int] = []
         try:
             code, mlen, plen, fds = recv_header(conn.sock, conn.local)
-            meta = recv_meta(conn.sock, mlen)
-            results[i] = handle(i, link, conn, code, meta, plen, fds)
+            what = f"DRAM storage node {link.label}"
+            check_lengths(mlen, plen, conn.max_header, link.store.max_frame, what)
+            meta = recv_meta(conn.sock, mlen, conn.max_header, what)
+            got, fds = fds, []  # the handler owns them now
+            results[i] = handle(i, link, conn, code, meta, plen, got)
         except OSError as exc:
             link.fail(conn)
             first_err = first_err or link.unavailable(exc)
-        except Exception as exc:
+        except TQError as exc:
+            if isinstance(exc, ProtocolError):
+                link.fail(conn)
             first_err = first_err or exc
+        except Exception as exc:  # a reply whose fields do not fit: the stream is not trusted any more
+            link.fail(conn)
+            first_err = first_err or malformed(link, exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
     return results, first_err
 
 
@@ -379,10 +566,21 @@ def release(links: Sequence[Link], conns: Sequence[Conn]) -> None:
 
 
 def check_reply(i: int, link: Link, conn: Conn, code: int, meta: dict[str, Any], plen: int, fds: list[int]) -> Any:
-    """Reply handler for requests that only return a status (and maybe slab fds): the header map."""
+    """Reply handler for requests that only return a status (and maybe slab fds): the header map.
+
+    Such replies carry no payload (nor do refusals of any request).
+    """
     if fds or "live" in meta:
         link.map_slabs(fds, meta)
+    if plen:
+        raise ProtocolError(f"DRAM storage node {link.label} sent a {plen}-byte payload with a reply that has none")
     if code != ST_OK:
-        drain(conn.sock, plen)
         raise error_from(code, meta, link)
     return meta
+
+
+def check_data_reply(
+    i: int, link: Link, conn: Conn, code: int, meta: dict[str, Any], plen: int, fds: list[int]
+) -> Any:
+    """:func:`check_reply` for a reply that may carry a payload when it succeeds (GET)."""
+    return check_reply(i, link, conn, code, meta, 0 if code == ST_OK else plen, fds)

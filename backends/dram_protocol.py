@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -26,11 +27,14 @@ import msgpack
 import numpy as np
 from tq_redis.backends.base import Buffer
 
+from tq_redis.errors import StorageUnavailable
+
 __all__ = [
     "ALIGN", "HEADER", "PROTOCOL_VERSION", "OP_ABORT", "OP_ALLOC", "OP_COMMIT", "OP_DEL", "OP_FDS",
     "OP_GET", "OP_HELLO", "OP_PUT", "OP_STATS", "ST_AUTH", "ST_BAD", "ST_FULL", "ST_INTERNAL", "ST_OK",
     "aligned", "drain", "format_size", "layout", "recv_header", "recv_into", "recv_into_buffers", "recv_meta",
-    "send_frame", "set_blocking_timeout",
+    "send_frame", "set_blocking_timeout", "HELLO_MAX", "MAX_HEADER", "ProtocolError", "check_lengths",
+    "is_tls", "IdleTimeout", "decode_meta",
 ]  # fmt: skip
 
 PROTOCOL_VERSION = 1
@@ -46,6 +50,39 @@ MAX_IOV = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 MAX_FDS = 200  # per message; below the kernel's SCM_MAX_FD (253)
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 _DRAIN = memoryview(bytearray(1 << 20))
+
+#: the largest header map either side reads before the handshake (HELLO and its reply) succeeded;
+#: a HELLO carries a version, a token, a client id and a flag, so anything bigger is not one
+HELLO_MAX = 8 << 10
+#: the largest header map of any message after the handshake (a batch's keys and sizes)
+MAX_HEADER = 64 << 20
+
+_DECODE_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
+
+
+class ProtocolError(StorageUnavailable):
+    """A peer sent a message that breaks the storage-node protocol: an oversized length, a
+    truncated or undecodable header map, or a reply that does not match its request.
+
+    Raised to the client as a :class:`~tq_redis.errors.StorageUnavailable` naming the node (its
+    connection is dropped: the stream can no longer be trusted); a node logs it and closes the
+    connection.
+    """
+
+
+def is_tls(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a TLS socket (no ``sendmsg``/``recvmsg``/``MSG_WAITALL`` there)."""
+    return isinstance(sock, ssl.SSLSocket)
+
+
+def check_lengths(mlen: int, plen: int, max_header: int, max_payload: int, what: str) -> None:
+    """Refuse a header whose announced lengths exceed the limits, before anything is allocated."""
+    if mlen > max_header:
+        raise ProtocolError(f"{what} announced a {mlen}-byte header map (the limit is {format_size(max_header)})")
+    if plen > max_payload:
+        raise ProtocolError(
+            f"{what} announced a {format_size(plen)} payload (the limit is {format_size(max_payload)})"
+        )
 
 
 def aligned(sizes: np.ndarray) -> np.ndarray:
@@ -86,6 +123,10 @@ def send_frame(
 
 def send_buffers(sock: socket.socket, bufs: list[Buffer], anc: list | None = None) -> None:
     """``sendall`` for a list of byte buffers (``len`` must be the byte length), gathered."""
+    if is_tls(sock):  # TLS has no sendmsg: small buffers are joined, large ones sent as they are
+        for chunk in _coalesce(bufs):
+            sock.sendall(chunk)
+        return
     n = len(bufs)
     i = 0
     while i < n:
@@ -99,9 +140,30 @@ def send_buffers(sock: socket.socket, bufs: list[Buffer], anc: list | None = Non
             bufs[i] = memoryview(bufs[i])[sent:]
 
 
+def _coalesce(bufs: list[Buffer], small: int = 64 << 10) -> list[Buffer]:
+    """Runs of small buffers joined into one (fewer TLS records), large ones left as they are."""
+    out: list[Buffer] = []
+    run: list[Buffer] = []
+    for b in bufs:
+        if len(b) < small:
+            run.append(b)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(b)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
 def recv_into_buffers(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every (byte) view in order from the socket, scattered, in as few syscalls as the kernel allows."""
     views = [v for v in views if len(v)]
+    if is_tls(sock):
+        for v in views:
+            recv_into(sock, v)
+        return
     n = len(views)
     i = 0
     while i < n:
@@ -118,8 +180,9 @@ def recv_into_buffers(sock: socket.socket, views: list[memoryview]) -> None:
 def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` completely from the socket."""
     got, n = 0, len(view)
+    flags = 0 if is_tls(sock) else socket.MSG_WAITALL
     while got < n:
-        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        k = sock.recv_into(view[got:], 0, flags)
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
@@ -129,19 +192,40 @@ def set_blocking_timeout(sock: socket.socket, seconds: float) -> None:
     """Blocking socket whose sends/receives give up after ``seconds`` without progress.
 
     Kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO) instead of Python's, which make the socket
-    non-blocking and so split every large send/receive into many short syscalls.
+    non-blocking and so split every large send/receive into many short syscalls. A TLS socket
+    gets Python's timeout (its reads must not see a kernel timeout in the middle of a record).
     """
+    if is_tls(sock):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+#: reads above this size grow with the bytes that arrive instead of being allocated up front
+_GROW = 1 << 20
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """The next ``n`` bytes of the stream."""
-    buf = bytearray(n)
-    if n:
-        recv_into(sock, memoryview(buf))
+    """The next ``n`` bytes of the stream.
+
+    Memory follows the bytes that actually arrive (a peer that announces more and stops costs
+    only what it sent), and a freed buffer leaves no large block behind in the allocator.
+    """
+    if n <= _GROW:
+        buf = bytearray(n)
+        if n:
+            recv_into(sock, memoryview(buf))
+        return buf
+    buf = bytearray()
+    chunk = bytearray(_GROW)
+    view = memoryview(chunk)
+    while len(buf) < n:
+        want = min(_GROW, n - len(buf))
+        recv_into(sock, view[:want])
+        buf += view[:want]
     return buf
 
 
@@ -154,35 +238,67 @@ def drain(sock: socket.socket, n: int) -> None:
         n -= k
 
 
+class IdleTimeout(TimeoutError):
+    """No byte of a new message arrived within the socket's timeout (the peer is idle, not stuck)."""
+
+
+_TIMEOUTS = (BlockingIOError, TimeoutError)  # SO_RCVTIMEO expiring / Python's (TLS) timeout
+
+
 def recv_header(sock: socket.socket, want_fds: bool = False) -> tuple[int, int, int, list[int]]:
-    """Read a message header: (code, header-map length, payload length, received fds)."""
+    """Read a message header: (code, header-map length, payload length, received fds).
+
+    A timeout before the first byte raises :class:`IdleTimeout`; one after it, the socket's error.
+    """
     buf = bytearray(HEADER.size)
     mv = memoryview(buf)
     got = 0
     fds: list[int] = []
-    while got < HEADER.size:
-        if want_fds:
-            k, anc, _flags, _addr = sock.recvmsg_into([mv[got:]], _ANC_SPACE)
-            for level, kind, data in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(data[: len(data) - len(data) % a.itemsize])
-                    fds.extend(a)
-        else:
-            k = sock.recv_into(mv[got:])
-        if k == 0:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("connection closed by peer")
-        got += k
+    try:
+        while got < HEADER.size:
+            if want_fds:
+                k, anc, _flags, _addr = sock.recvmsg_into([mv[got:]], _ANC_SPACE)
+                for level, kind, data in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        a = array.array("i")
+                        a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                        fds.extend(a)
+            else:
+                k = sock.recv_into(mv[got:])
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            got += k
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if got == 0 and isinstance(exc, _TIMEOUTS):
+            raise IdleTimeout(str(exc) or "timed out") from exc
+        raise
     code, _flags, _res, mlen, plen = HEADER.unpack(buf)
     return code, mlen, plen, fds
 
 
-def recv_meta(sock: socket.socket, mlen: int) -> dict[str, Any]:
-    """Read and decode a message's header map of ``mlen`` bytes."""
-    return msgpack.unpackb(recv_exact(sock, mlen), raw=False) if mlen else {}
+def recv_meta(sock: socket.socket, mlen: int, limit: int = MAX_HEADER, what: str = "the peer") -> dict[str, Any]:
+    """Read and decode a message's header map of ``mlen`` bytes (at most ``limit``).
 
+    Anything but a map, or bytes msgpack cannot decode, raises :class:`ProtocolError`.
+    """
+    if mlen > limit:
+        raise ProtocolError(f"{what} announced a {mlen}-byte header map (the limit is {format_size(limit)})")
+    if not mlen:
+        return {}
+    return decode_meta(recv_exact(sock, mlen), what)
+
+
+def decode_meta(data: bytes | bytearray, what: str = "the peer") -> dict[str, Any]:
+    """A header map from its msgpack bytes; anything else raises :class:`ProtocolError`."""
+    try:
+        meta = msgpack.unpackb(data, raw=False)
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"{what} sent an undecodable header map ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"{what} sent a header map that is a {type(meta).__name__}, not a map")
+    return meta
 
 
 def format_size(n: int | float) -> str:

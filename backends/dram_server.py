@@ -10,6 +10,16 @@ the node moves payloads between the socket and its slabs with scatter/gather sys
 protocol lives in :mod:`tq_redis.backends.dram_protocol`; each connection is a :class:`_Session`
 served by its own thread.
 
+**Wire safety.** Every connection starts with a HELLO; until it succeeds the node reads only a
+header map of at most 8 KiB and no payload, so garbage (an HTTP request, random bytes) allocates
+nothing and the connection is closed with a logged reason. After it, a request's header map is
+bounded by 64 MiB and its payload by ``--max-frame`` (default: the capacity, at least 64 MiB),
+checked before anything is allocated; large reads commit memory only as bytes arrive. A
+connection that has not completed TLS and HELLO within ``--handshake-timeout`` is closed (also one
+that trickles bytes), as is an authenticated one that stalls mid-message for ``--io-timeout`` or,
+if set, idles for ``--idle-timeout``; TCP keepalive notices peers whose host vanished. With
+``--tls-cert``/``--tls-key`` the TCP listener speaks TLS (the same-host Unix socket stays local).
+
 **Stopping** (SIGTERM, SIGINT, or the parent that spawned the node exiting) is orderly: the node
 stops accepting, lets every session finish the request it is serving (idle ones end at once),
 waits for those threads and for the heartbeat, deregisters, and only then frees its memory and
@@ -26,20 +36,25 @@ import gc
 import hmac
 import json
 import logging
+import mmap
 import os
 import selectors
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import redis
 from tq_redis.backends.dram_node import Refused, StorageNode, Txn
 from tq_redis.backends.dram_protocol import (
+    HELLO_MAX,
+    MAX_HEADER,
     OP_ABORT,
     OP_ALLOC,
     OP_COMMIT,
@@ -54,14 +69,19 @@ from tq_redis.backends.dram_protocol import (
     ST_BAD,
     ST_INTERNAL,
     ST_OK,
+    IdleTimeout,
+    ProtocolError,
+    check_lengths,
     drain,
     format_size,
     recv_header,
     recv_into_buffers,
     recv_meta,
     send_frame,
+    set_blocking_timeout,
 )
 
+from tq_redis import connections
 from tq_redis.config import parse_size
 from tq_redis.keys import storage_nodes_key
 
@@ -72,17 +92,72 @@ __all__ = ["LocalNodes", "StorageNode", "main", "spawn_node", "start_local_nodes
 
 #: how long a stopping node waits for its sessions to finish the requests they are serving
 DRAIN_S = 5.0
+#: a plain socket's receive timeout expiring (SO_RCVTIMEO), or Python's (TLS sockets)
+_TIMEOUTS = (BlockingIOError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a node accepts from a connection, and how long it waits for it."""
+
+    #: largest request payload after the handshake (``--max-frame``)
+    max_frame: int
+    #: largest header map after the handshake
+    max_header: int = MAX_HEADER
+    #: a connection that has not completed TLS and HELLO by then is closed (``--handshake-timeout``)
+    handshake_s: float = 10.0
+    #: an authenticated connection that stops mid-message (or stops reading a reply) for this long
+    #: is closed (``--io-timeout``)
+    io_s: float = 30.0
+    #: an authenticated connection idle between requests this long is closed; 0: never (``--idle-timeout``)
+    idle_s: float = 0.0
+
+
+#: what a malformed request's fields raise when handlers use them
+_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
+
+
+class _Malformed(Exception):
+    """A request whose header map does not have the fields its op needs (the connection is closed)."""
+
+
+def _keys(keys: Any, what: str = "request") -> list[str]:
+    """A request's key list, checked: a list of strings."""
+    if not isinstance(keys, list) or not all(type(k) is str for k in keys):
+        raise Refused(ST_BAD, f"malformed {what}: keys must be a list of strings")
+    return keys
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    """A request's list of ids, checked: a list of integers."""
+    if not isinstance(values, list) or not all(type(v) is int for v in values):
+        raise Refused(ST_BAD, f"malformed request: {what} must be a list of integers")
+    return values
 
 
 class _Session:
     """One client connection, served by its own thread."""
 
-    def __init__(self, node: StorageNode, sock: socket.socket, local: bool, token: str | None, shm: bool):
+    def __init__(
+        self,
+        node: StorageNode,
+        sock: socket.socket,
+        local: bool,
+        token: str | None,
+        shm: bool,
+        limits: Limits,
+        tls: ssl.SSLContext | None = None,
+        peer: str = "?",
+    ):
         self.node, self.sock, self.local = node, sock, local
         self.token = token
+        self.limits = limits
+        self.tls = tls
+        self.peer = peer
         self.shm_ok = shm and local
         self.shm = False
-        self.authed = token is None
+        self.authed = False  # every connection starts with a HELLO (which checks the token, if any)
+        self.started = time.monotonic()
         self.client: str | None = None
         self.txns: dict[int, Txn] = {}
         self.sent_slabs: set[int] = set()
@@ -97,7 +172,8 @@ class _Session:
             idle = not self._busy
         if idle or now:
             with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on this socket
+                # the plain socket's shutdown (a TLS socket's own would drop its state under the reader)
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # wakes the blocked thread
 
     def _begin(self) -> bool:
         with self._state:
@@ -110,50 +186,111 @@ class _Session:
             return not self._ending
 
     def run(self) -> None:
-        """Serve requests until the client disconnects or :meth:`end` is called."""
-        sock = self.sock
+        """Serve requests until the client disconnects, breaks the protocol or :meth:`end` is called."""
+        reason: str | None = None
         try:
-            while True:
-                try:
-                    op, mlen, plen, _fds = recv_header(sock)
-                except (ConnectionError, OSError):
-                    return
-                if not self._begin():
-                    return
-                meta = recv_meta(sock, mlen)
-                try:
-                    self._dispatch(op, meta, plen)
-                except Refused as exc:
-                    send_frame(sock, exc.code, {"msg": str(exc)})
-                if not self._done():
-                    return
+            reason = self._serve()
+        except ProtocolError as exc:
+            reason = str(exc)
+        except _Malformed as exc:
+            reason = f"malformed request: {exc}"
+        except IdleTimeout:
+            reason = "no HELLO within the handshake timeout" if not self.authed else "idle timeout"
+        except ssl.SSLError as exc:
+            reason = f"TLS failed: {exc}"
+        except _TIMEOUTS:
+            reason = "stalled in the middle of a message (timeout)"
         except (ConnectionError, OSError):
             pass
         except Exception:  # a bug: report it to the client and drop the connection
             log.exception("request failed")
             with contextlib.suppress(OSError):
-                send_frame(sock, ST_INTERNAL, {"msg": "internal error in the storage node (see its log)"})
+                send_frame(self.sock, ST_INTERNAL, {"msg": "internal error in the storage node (see its log)"})
         finally:
+            if reason is not None and not self._ending:
+                log.warning("closing connection from %s: %s", self.peer, reason)
             for txn in self.txns.values():
                 self.node.abort(txn)
             if self.client is not None:
                 self.node.client_disconnected(self.client)
             with contextlib.suppress(OSError):
-                sock.close()
+                self.sock.close()
+
+    def _serve(self) -> str | None:
+        """The request loop; returns why it closes the connection (None: the peer left)."""
+        if self.tls is not None:
+            self.sock.settimeout(self.limits.handshake_s)
+            self.sock = self.tls.wrap_socket(self.sock, server_side=True)
+        set_blocking_timeout(self.sock, self.limits.handshake_s)
+        idle = 0.0
+        while True:
+            sock = self.sock
+            try:
+                op, mlen, plen, _fds = recv_header(sock)
+            except IdleTimeout:
+                if not self.authed or self._ending:
+                    raise
+                idle += self.limits.io_s  # authenticated and between requests: idle, not stuck
+                if self.limits.idle_s and idle >= self.limits.idle_s:
+                    raise
+                continue
+            except (ConnectionError, OSError):
+                return None
+            idle = 0.0
+            if not self._begin():
+                return None
+            if not self.authed:
+                refusal = self._check_first(op, mlen, plen)
+                if refusal:
+                    return refusal
+            else:
+                check_lengths(mlen, plen, self.limits.max_header, self.limits.max_frame, "the client")
+            meta = recv_meta(sock, mlen, self.limits.max_header if self.authed else HELLO_MAX, "the client")
+            was_authed = self.authed
+            try:
+                self._dispatch(op, meta, plen)
+            except Refused as exc:
+                send_frame(sock, exc.code, {"msg": str(exc)})
+                if not self.authed:  # a failed handshake: no second guess on this connection
+                    return f"handshake refused: {exc}"
+            except _MALFORMED as exc:
+                with contextlib.suppress(OSError):
+                    send_frame(sock, ST_BAD, {"msg": f"malformed request {op}: {type(exc).__name__}"})
+                raise _Malformed(f"op {op}: {type(exc).__name__}: {exc}") from None
+            if self.authed and not was_authed:
+                set_blocking_timeout(sock, self.limits.io_s)
+            if not self._done():
+                return None
+
+    def _check_first(self, op: int, mlen: int, plen: int) -> str | None:
+        """Before the handshake only a small HELLO is read; anything else closes the connection."""
+        if op == OP_HELLO and mlen <= HELLO_MAX and plen == 0:
+            return None
+        if mlen <= HELLO_MAX and plen == 0 and op < 64:  # a well-formed request, but too early
+            recv_meta(self.sock, mlen, HELLO_MAX, "the client")
+            with contextlib.suppress(OSError):
+                send_frame(
+                    self.sock, ST_AUTH,
+                    {"msg": f"DRAM storage node {self.node.node_id!r} requires a HELLO (and its token, "
+                     "if it has one) before any request"},
+                )  # fmt: skip
+            return f"request {op} before the handshake"
+        return (
+            f"not a HELLO before the handshake (op {op}, header map {mlen} bytes, payload {plen} bytes; "
+            f"at most {HELLO_MAX} and 0 are read before the handshake)"
+        )
 
     def _dispatch(self, op: int, meta: dict[str, Any], plen: int) -> None:
         node = self.node
         if op == OP_HELLO:
             return self._hello(meta)
-        if not self.authed:
-            drain(self.sock, plen)
-            raise Refused(
-                ST_AUTH,
-                f"DRAM storage node {node.node_id!r} requires a token: set the store option "
-                f"'token' or TQ_STORAGE_TOKEN to the value the node was started with",
-            )
         if meta.get("unpin"):
-            node.unpin(meta["unpin"])
+            try:
+                pins = _ints(meta["unpin"], "unpin")
+            except Refused:
+                drain(self.sock, plen)
+                raise
+            node.unpin(pins)
         if op == OP_PUT:
             return self._put(meta, plen)
         if plen:
@@ -164,7 +301,7 @@ class _Session:
         if op == OP_ALLOC:
             return self._alloc(meta)
         if op in (OP_COMMIT, OP_ABORT):
-            for t in meta.get("txns") or ():
+            for t in _ints(meta.get("txns") or [], "txns"):
                 txn = self.txns.pop(t, None)
                 if txn is not None:
                     (node.commit if op == OP_COMMIT else node.abort)(txn)
@@ -172,12 +309,12 @@ class _Session:
                     raise Refused(ST_BAD, f"unknown transaction {t} (reservation lost?)")
             return send_frame(self.sock, ST_OK)
         if op == OP_DEL:
-            reply: dict[str, Any] = {"deleted": node.delete(list(meta.get("keys") or ()))}
+            reply: dict[str, Any] = {"deleted": node.delete(_keys(meta.get("keys") or []))}
             if self.shm:  # lets the client unmap slabs the delete released
                 reply["live"] = node.live_slabs()
             return send_frame(self.sock, ST_OK, reply)
         if op == OP_FDS:
-            return self._reply_with_slabs({}, list(meta.get("slabs") or ()), force=True)
+            return self._reply_with_slabs({}, _ints(meta.get("slabs") or [], "slabs"), force=True)
         if op == OP_STATS:
             return send_frame(self.sock, ST_OK, node.stats())
         raise Refused(ST_BAD, f"unknown request {op}")
@@ -185,9 +322,11 @@ class _Session:
     def _hello(self, meta: dict[str, Any]) -> None:
         node = self.node
         if meta.get("v") != PROTOCOL_VERSION:
-            raise Refused(ST_BAD, f"protocol version {meta.get('v')} is not {PROTOCOL_VERSION}")
+            raise Refused(ST_BAD, f"protocol version {meta.get('v')!r:.40} is not {PROTOCOL_VERSION}")
         if self.token is not None:
             given = meta.get("token") or ""
+            if not isinstance(given, str):
+                raise _Malformed("HELLO: the token is not a string")
             if not hmac.compare_digest(given.encode(), self.token.encode()):
                 raise Refused(
                     ST_AUTH,
@@ -200,13 +339,18 @@ class _Session:
             node.client_connected(self.client)
         self.shm = self.shm_ok and bool(meta.get("shm"))
         send_frame(
-            self.sock, ST_OK, {"node_id": node.node_id, "instance": node.instance, "shm": self.shm}
-        )
+            self.sock, ST_OK,
+            {"node_id": node.node_id, "instance": node.instance, "shm": self.shm,
+             "max_frame": self.limits.max_frame, "max_header": self.limits.max_header},
+        )  # fmt: skip
 
     def _batch(self, meta: dict[str, Any]) -> tuple[list[str], np.ndarray]:
-        keys = meta.get("keys")
-        sizes = np.frombuffer(meta.get("sizes") or b"", dtype="<i8")
-        if not isinstance(keys, list) or len(keys) != len(sizes) or (sizes < 0).any():
+        keys = _keys(meta.get("keys"))
+        raw = meta.get("sizes") or b""
+        if not isinstance(raw, bytes) or len(raw) % 8:
+            raise Refused(ST_BAD, "malformed put: sizes are not 8-byte integers")
+        sizes = np.frombuffer(raw, dtype="<i8")
+        if len(keys) != len(sizes) or (sizes < 0).any():
             raise Refused(ST_BAD, "malformed put: keys and sizes disagree")
         if len(set(keys)) != len(keys):
             raise Refused(ST_BAD, "put got the same key twice in one batch")
@@ -215,14 +359,15 @@ class _Session:
     def _put(self, meta: dict[str, Any], plen: int) -> None:
         try:
             keys, sizes = self._batch(meta)
-            if int(sizes.sum()) != plen:
+            if int(sizes.sum(dtype=np.uint64)) != plen or (len(sizes) and int(sizes.max()) > plen):
                 raise Refused(ST_BAD, "malformed put: payload length is not the sum of the sizes")
             txn = self.node.reserve(keys, sizes)
         except Refused:
             drain(self.sock, plen)
             raise
         if txn.spilled:
-            buf = memoryview(bytearray(plen))
+            # pages are committed as bytes arrive (and returned when it is dropped)
+            buf = memoryview(mmap.mmap(-1, max(plen, 1)))[:plen]
             offs = np.concatenate(([0], np.cumsum(sizes))).tolist()
             views = list(map(buf.__getitem__, map(slice, offs[:-1], offs[1:])))
             recv_into_buffers(self.sock, views)
@@ -267,9 +412,7 @@ class _Session:
             send_frame(self.sock, ST_OK, meta, fds=fds)
 
     def _get(self, meta: dict[str, Any]) -> None:
-        keys = meta.get("keys")
-        if not isinstance(keys, list):
-            raise Refused(ST_BAD, "malformed get: no keys")
+        keys = _keys(meta.get("keys"), "get")
         node = self.node
         shm = self.shm and bool(meta.get("shm"))
         present, missing, pin, exts = node.lookup(keys, self.client if shm else None)
@@ -344,6 +487,8 @@ class _Server:
                 keep_warm=parse_size(args.keep_warm, allow_zero=True),
                 spill=args.spill,
             )
+            self.limits = _limits(args, node.capacity)
+            self.tls = _tls_context(args)
             if args.shm:
                 self.uds_name = f"tq-dram-{node.instance}"
                 self.uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -355,7 +500,8 @@ class _Server:
                 node.close()  # removes the spill directory it made
             raise
         self.node = node
-        self.redis = redis.Redis.from_url(args.redis, socket_timeout=5, socket_connect_timeout=5)
+        # a cluster client on a Redis Cluster; no reconnect loop: the heartbeat retries by itself
+        self.redis = connections.sync_client(args.redis, reconnect=False, socket_timeout=5, socket_connect_timeout=5)
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
         self.registered = False
@@ -382,6 +528,7 @@ class _Server:
             "heartbeat": now,
             "started": self.started,
             "auth": self.token is not None,
+            "tls": self.tls is not None,
             "version": PROTOCOL_VERSION,
         }
 
@@ -395,7 +542,9 @@ class _Server:
 
     def start(self, parent_fd: int | None = None) -> None:
         """Start the heartbeat and accept threads (and the parent watch when ``parent_fd`` is given)."""
-        for target, name in ((self._heartbeat_loop, "dram-heartbeat"), (self._accept_loop, "dram-accept")):
+        loops = ((self._heartbeat_loop, "dram-heartbeat"), (self._accept_loop, "dram-accept"),
+                 (self._reap_loop, "dram-reaper"))  # fmt: skip
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)  # close() waits for these
@@ -403,8 +552,14 @@ class _Server:
             threading.Thread(target=self._watch_parent, args=(parent_fd,), name="dram-parent", daemon=True).start()
 
     def _heartbeat_loop(self) -> None:
+        """Beat every ``--heartbeat-s``; while Redis is unreachable, retry every ``RETRY_S``.
+
+        So the node is back in the registry within ``RETRY_S`` of Redis returning (even after
+        an outage longer than the clients' liveness window, or a restart that lost the registry),
+        rather than a whole heartbeat period later.
+        """
         failing = False
-        while not self.stop.wait(self.args.heartbeat_s):
+        while not self.stop.wait(min(RETRY_S, self.args.heartbeat_s) if failing else self.args.heartbeat_s):
             try:
                 self.beat()
                 if failing:
@@ -414,6 +569,21 @@ class _Server:
                 if not failing:
                     log.warning("heartbeat to Redis failed (will keep trying): %s", exc)
                 failing = True
+
+    def _reap_loop(self) -> None:
+        """Close connections that have not completed their handshake within ``--handshake-timeout``.
+
+        The socket timeout bounds each wait for bytes; this bounds the whole handshake, so a peer
+        that trickles a byte at a time cannot hold a session thread.
+        """
+        period = max(0.05, min(1.0, self.limits.handshake_s / 4))
+        while not self.stop.wait(period):
+            cutoff = time.monotonic() - self.limits.handshake_s
+            with self._sessions_lock:
+                late = [s for s in self._sessions if not s.authed and s.started < cutoff]
+            for session in late:
+                log.warning("closing connection from %s: no HELLO within the handshake timeout", session.peer)
+                session.end(now=True)
 
     def _deregister(self) -> None:
         if not self.registered:
@@ -437,16 +607,20 @@ class _Server:
                     if key.data is None or self.stop.is_set():
                         return
                     try:
-                        conn, _addr = key.fileobj.accept()  # type: ignore[union-attr]
+                        conn, addr = key.fileobj.accept()  # type: ignore[union-attr]
                     except OSError:
                         continue
-                    self._serve(conn, local=bool(key.data))
+                    self._serve(conn, local=bool(key.data), peer=_peer(addr, bool(key.data)))
 
-    def _serve(self, conn: socket.socket, local: bool) -> None:
-        """Start a session thread for an accepted connection."""
+    def _serve(self, conn: socket.socket, local: bool, peer: str = "?") -> None:
+        """Start a session thread for an accepted connection (TLS, if on, is set up in that thread)."""
         if not local:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session = _Session(self.node, conn, local, self.token, self.uds is not None)
+            _keepalive(conn)
+        session = _Session(
+            self.node, conn, local, self.token, self.uds is not None, self.limits,
+            tls=None if local else self.tls, peer=peer,
+        )  # fmt: skip
         thread = threading.Thread(target=self._run_session, args=(session,), name="dram-session", daemon=True)
         with self._sessions_lock:
             self._sessions[session] = thread
@@ -504,6 +678,61 @@ class _Server:
         self.redis.close()
 
 
+#: while Redis is unreachable, the heartbeat is retried this often
+RETRY_S = 0.1
+
+
+def _peer(addr: Any, local: bool) -> str:
+    """How logs name a connection's peer."""
+    if local:
+        return "a local client (unix socket)"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """TCP keepalive, so a peer whose host vanished (a half-open connection) is noticed in ~1 min."""
+    with contextlib.suppress(OSError, AttributeError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def default_max_frame(capacity: int) -> int:
+    """``--max-frame`` by default: the node's capacity (no put can be larger), at least 64 MiB."""
+    return max(capacity, 64 << 20)
+
+
+def _limits(args: argparse.Namespace, capacity: int) -> Limits:
+    """The connection limits from the command line (sizes parsed, timeouts checked)."""
+    max_frame = parse_size(args.max_frame) if args.max_frame else default_max_frame(capacity)
+    for name in ("handshake_timeout", "io_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    if not args.idle_timeout >= 0:
+        raise ValueError("--idle-timeout must be >= 0 seconds (0: never)")
+    return Limits(
+        max_frame=max_frame,
+        max_header=MAX_HEADER,
+        handshake_s=args.handshake_timeout,
+        io_s=args.io_timeout,
+        idle_s=args.idle_timeout,
+    )
+
+
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The TCP listener's TLS context, from ``--tls-cert``/``--tls-key`` (None: plain TCP)."""
+    if not args.tls_cert and not args.tls_key:
+        return None
+    if not args.tls_cert:
+        raise ValueError("--tls-key needs --tls-cert (the certificate chain, PEM)")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(args.tls_cert, args.tls_key or None)
+    ctx.num_tickets = 0  # no session resumption: nothing unasked on an idle connection
+    return ctx
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tq-redis storage-unit",
@@ -532,6 +761,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-warm", default="128MiB", help="empty slab bytes kept for reuse (default 128MiB)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period in seconds")
+    p.add_argument(
+        "--max-frame",
+        default=None,
+        help="largest request payload accepted from an authenticated client (default: --capacity, "
+        "at least 64MiB); before its HELLO a connection may send only a HELLO of at most 8 KiB",
+    )
+    p.add_argument(
+        "--handshake-timeout", type=float, default=10.0,
+        help="seconds a connection has to complete TLS and its HELLO (default 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--io-timeout", type=float, default=30.0,
+        help="seconds an authenticated connection may stall mid-message before it is closed (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--idle-timeout", type=float, default=0.0,
+        help="close authenticated connections idle this many seconds between requests (default 0: never)",
+    )  # fmt: skip
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TCP clients over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (if not in that file)")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--parent-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -568,9 +817,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     server.start(args.parent_fd)
     log.info(
-        "storage node %s listening on %s (capacity %s, shared memory %s)",
+        "storage node %s listening on %s (capacity %s, shared memory %s, TLS %s, max frame %s)",
         info["node_id"], server.address, format_size(server.node.capacity),
-        "on" if server.uds is not None else "off",
+        "on" if server.uds is not None else "off", "on" if server.tls is not None else "off",
+        format_size(server.limits.max_frame),
     )  # fmt: skip
     if args.ready_fd is not None:
         with contextlib.suppress(OSError):
