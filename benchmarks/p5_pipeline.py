@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -146,6 +147,7 @@ class _Stage:
         self.sh = shared
         self.deadline = deadline
         self.busy_s = 0.0
+        self.compute_s = 0.0  # CPU seconds of the stage's own work (model, rewards, burns), no I/O
         self.batches = 0
         self.samples = 0
         self.tokens = 0
@@ -196,6 +198,16 @@ class _Stage:
         self.client.put(TensorDict(outputs, batch_size=[meta.size]), metadata=meta)
         self.done(t0, meta.size, tokens)
 
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Count the CPU time of the block as the stage's compute (``thread_time``: a worker
+        descheduled by the others on a busy machine is not charged for the wait)."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.compute_s += time.thread_time() - t0
+
     def done(self, t0: float, n: int, tokens: int) -> None:
         self.busy_s += time.perf_counter() - t0
         self.batches += 1
@@ -205,6 +217,7 @@ class _Stage:
     def figures(self) -> dict[str, Any]:
         return {
             "busy_s": self.busy_s,
+            "compute_s": self.compute_s,
             "batches": self.batches,
             "samples": self.samples,
             "tokens": self.tokens,
@@ -260,11 +273,12 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
             t0 = time.perf_counter()
             data = st.client.get_data(meta)
             responses, logps = [], []
-            for uid, prompt in zip(_flat(data["uid"]).tolist(), _rows(data["prompts"])):
-                gen = wl.generator(cfg["seed"], uid, 2)
-                tokens, logp = policy.generate(int(prompt[-1]), _response_len(cfg, uid), gen)
-                responses.append(tokens)
-                logps.append(logp)
+            with st.computing():
+                for uid, prompt in zip(_flat(data["uid"]).tolist(), _rows(data["prompts"])):
+                    gen = wl.generator(cfg["seed"], uid, 2)
+                    tokens, logp = policy.generate(int(prompt[-1]), _response_len(cfg, uid), gen)
+                    responses.append(tokens)
+                    logps.append(logp)
             tokens = sum(len(r) for r in responses)
             st.store(meta, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
     return {}
@@ -279,14 +293,15 @@ def _stage_reward(st: _Stage) -> dict[str, Any]:
             responses = _rows(data["responses"])
             pids = _flat(data["prompt_id"])
             tokens = sum(len(r) for r in responses)
-            rewards = wl.rewards(responses)
-            advantages = torch.zeros_like(rewards)
-            for pid in pids.unique():  # normalised over each prompt's rows in the micro-batch
-                mask = pids == pid
-                if int(mask.sum()) != cfg["n_samples"]:
-                    split_groups += 1
-                advantages[mask] = wl.group_advantages(rewards[mask])
-            burn.charge("reward", tokens)
+            with st.computing():
+                rewards = wl.rewards(responses)
+                advantages = torch.zeros_like(rewards)
+                for pid in pids.unique():  # normalised over each prompt's rows in the micro-batch
+                    mask = pids == pid
+                    if int(mask.sum()) != cfg["n_samples"]:
+                        split_groups += 1
+                    advantages[mask] = wl.group_advantages(rewards[mask])
+                burn.charge("reward", tokens)
             st.store(meta, t0, tokens, rewards=rewards.unsqueeze(1), advantages=advantages.unsqueeze(1))
     return {"split_groups": split_groups}
 
@@ -298,9 +313,10 @@ def _stage_ref(st: _Stage) -> dict[str, Any]:
     for step in range(cfg["steps"]):
         for meta, data, t0 in st.step_batches(["prompts", "responses"], cfg["stage_batch"], step, "ref"):
             responses = _rows(data["responses"])
-            rows = wl.ref_log_probs(ref, _rows(data["prompts"]), responses)
             tokens = sum(len(r) for r in responses)
-            burn.charge("ref", tokens)
+            with st.computing():
+                rows = wl.ref_log_probs(ref, _rows(data["prompts"]), responses)
+                burn.charge("ref", tokens)
             st.store(meta, t0, tokens, ref_log_prob=wl.jagged(rows))
     return {}
 
@@ -326,9 +342,10 @@ def _stage_trainer(st: _Stage) -> dict[str, Any]:
             ref = _rows(data["ref_log_prob"])
             if [len(x) for x in old] != sizes or [len(x) for x in ref] != sizes:
                 bad.append(f"step {step}: log-prob lengths do not match the responses")
-            learner.update(prompts, responses, torch.cat(old), torch.cat(ref), _flat(data["advantages"]))
             total = sum(len(p) for p in prompts) + sum(sizes)
-            burn.charge("trainer", total)
+            with st.computing():
+                learner.update(prompts, responses, torch.cat(old), torch.cat(ref), _flat(data["advantages"]))
+                burn.charge("trainer", total)
             st.done(t0, meta.size, total)
         st.client.clear_partition(_partition(step))
         trained[step] = seen
@@ -463,9 +480,10 @@ def _summarize(
     )
     stages: dict[str, dict[str, Any]] = {}
     for stage, rs in by_stage.items():
-        keys = ("busy_s", "batches", "samples", "tokens", "get_meta_calls", "empty_polls", "claim_s")
+        keys = ("busy_s", "compute_s", "batches", "samples", "tokens", "get_meta_calls", "empty_polls", "claim_s")
         stages[stage] = {"workers": len(rs), **{k: sum(r.get(k, 0) for r in rs) for k in keys}}
     tokens = stages["rollout"]["tokens"]
+    bound = compute_bound(stages)
     result = {
         "steps": steps_done,
         "wall_s": wall,
@@ -484,6 +502,9 @@ def _summarize(
         "reward_split_groups": sum(r.get("split_groups", 0) for r in by_stage["reward"]),
         "stages": stages,
         "busy_sum_s": sum(s["busy_s"] for s in stages.values()),
+        "compute_bound_s": bound,
+        "overhead_s": (wall - bound) if wall else None,
+        "overhead_pct_of_bound": 100.0 * (wall - bound) / bound if wall and bound else None,
         "attach_all_s": attach_all_s,
         "workers_reported": len(reports),
         "errors": errors,
@@ -496,15 +517,35 @@ def _summarize(
         f"exactly once: {exactly_once}",
         flush=True,
     )
+    if wall and bound:
+        print(
+            f"[{name}] compute-bound lower bound {bound:.2f} s -> overhead {wall - bound:.2f} s "
+            f"({result['overhead_pct_of_bound']:.0f}% of the bound)",
+            flush=True,
+        )
     for stage, s in stages.items():
         print(
-            f"[{name}]   {stage:8s} busy {s['busy_s']:6.2f} s, {s['batches']:4d} batches, "
+            f"[{name}]   {stage:8s} busy {s['busy_s']:6.2f} s (compute {s['compute_s']:6.2f} s), "
+            f"{s['batches']:4d} batches, "
             f"{s['get_meta_calls']:5d} get_meta ({s['empty_polls']} empty)",
             flush=True,
         )
     if errors:
         print(f"[{name}] {len(errors)} worker error(s): {errors[:3]}", flush=True)
     return result
+
+
+def compute_bound(stages: dict[str, dict[str, Any]], cores: int | None = None) -> float:
+    """The wall time the pipeline needs at least for its compute alone: the larger of the busiest
+    stage's compute spread over its workers (a stage cannot go faster than its workers) and all the
+    compute spread over the cores that run it (``min(cores, workers)``). Same work in both systems
+    (same seeds, same tokens), so the wall time above it is each system's overhead: waiting, data
+    movement, coordination."""
+    cores = cores or os.cpu_count() or 1
+    workers = sum(s["workers"] for s in stages.values())
+    total = sum(s["compute_s"] for s in stages.values())
+    per_stage = max((s["compute_s"] / s["workers"] for s in stages.values() if s["workers"]), default=0.0)
+    return max(per_stage, total / max(1, min(cores, workers)))
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
