@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tq_redis import kv, ops, streaming
+from tq_redis import arguments, kv, ops, streaming
 from tq_redis.client_methods import awaiting
 from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
@@ -25,6 +25,7 @@ from tq_redis.metadata import BatchMeta, KVBatchMeta
 
 def lease_task(metadata: BatchMeta) -> str:
     """The task a leased batch belongs to (recorded by ``get_meta``)."""
+    arguments.batch_meta(metadata, "ack/nack/extend_lease")
     task = metadata.get_extra_info("task_name")
     if task is None or metadata.get_extra_info("delivery_counts") is None:
         raise LeaseError("this BatchMeta holds no lease; get_meta(..., lease_s=S) hands out leased batches")

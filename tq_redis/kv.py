@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import names, ops, transitions
+from tq_redis import arguments, names, ops, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Pipe
 from tq_redis.errors import (
@@ -47,7 +47,8 @@ from tq_redis.errors import (
 )
 from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta, KVBatchMeta
-from tq_redis.schemas import describe_field, to_batchmeta_schema
+from tq_redis.ops_data import check_one_batch_dim, encode_batch, write_fields
+from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.transitions import text
 
 Op = ops.Op
@@ -85,6 +86,7 @@ def _single_row(fields: Mapping[str, Any] | TensorDictBase) -> TensorDict:
     if isinstance(fields, TensorDictBase):
         if len(fields.batch_size) == 0:
             return fields.unsqueeze(0)  # type: ignore[return-value]
+        check_one_batch_dim(fields, "kv_put")  # type: ignore[arg-type]
         return fields  # type: ignore[return-value]
     if not isinstance(fields, Mapping):
         raise UnsupportedValue(f"kv_put: fields must be a dict or a TensorDict, got {type(fields).__name__}")
@@ -122,15 +124,8 @@ def _batch(fields: Any, n: int) -> TensorDict:
         )
     if not list(td.keys()):
         raise InvalidArgument("kv_batch_put: fields has no field; pass fields=None to update tags only")
+    check_one_batch_dim(td, "kv_batch_put")
     return td  # type: ignore[return-value]
-
-
-def _schemas(td: TensorDict | None) -> dict[str, str]:
-    """``{field: canonical schema JSON}`` of the fields a put offers (none without fields)."""
-    if td is None:
-        return {}
-    n = td.batch_size[0]
-    return {names.field_name(name): ops.canonical(describe_field(name, td.get(name), n)) for name in td.keys()}
 
 
 # ------------------------------------------------------------------ resolution
@@ -189,9 +184,7 @@ def retrieve_meta(ctx: ops.Context, keys: Any, partition_id: str, create: bool =
 
 def retrieve_keys(ctx: ops.Context, global_indexes: Any, partition_id: str) -> Op:
     """The user key of each sample id; raises :class:`SampleNotFound` for ids without a key."""
-    if isinstance(global_indexes, int):
-        global_indexes = [global_indexes]
-    ids = [int(i) for i in global_indexes]
+    ids = arguments.ids(global_indexes, "kv_retrieve_keys: global_indexes")
     if not ids:
         raise InvalidArgument("kv_retrieve_keys: global_indexes is empty")
     pk = ctx.keys(partition_id)
@@ -229,8 +222,9 @@ def batch_put(
         if any(not isinstance(t, Mapping) for t in tags):
             raise InvalidArgument(f"{who}: every tag entry must be a dict")
         for t in tags:
-            for name in t:
+            for name, value in t.items():
                 names.tag_name(name)
+                transitions.encode_tag(value)  # a value with no JSON form fails before any write
     td = None
     if fields is not None:
         td = _single_row(fields) if single else _batch(fields, len(keys))
@@ -240,8 +234,11 @@ def batch_put(
             )
         if data_parser is not None:
             td = apply_data_parser(td, data_parser)
+    # Everything is checked and encoded before the first write: a bad field, value or tag must
+    # not create keys, advance the partition's id sequence or register the partition.
+    schemas, values = encode_batch(ctx, td) if td is not None else ({}, {})
     pk = ctx.keys(partition_id)
-    res = yield from resolve(ctx, pk, keys, True, _schemas(td))
+    res = yield from resolve(ctx, pk, keys, True, schemas)
     meta = res.meta(partition_id, list(res.schemas))
     merged = meta.get_all_custom_meta()
     for row, new in zip(merged, tags or ()):
@@ -252,7 +249,7 @@ def batch_put(
             # Tags before fields: whoever claims a key once its fields are produced sees its tags.
             yield from ops.set_custom_meta(ctx, BatchMeta.from_columns(res.ids, partition_id, {}, custom_meta=tags))
         if td is not None:
-            meta = yield from ops.put(ctx, td, meta)
+            meta = yield from write_fields(ctx, schemas, values, meta)
     except Exception:
         if res.created:  # leave no half-created keys behind
             yield from _forget(ctx, pk, _created_pairs(keys, res))

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tq_redis import samplers, transitions
+from tq_redis import arguments, samplers, transitions
 from tq_redis.driver import Cmd, WaitToken
 from tq_redis.errors import InvalidArgument
 from tq_redis.keys import PartitionKeys, check_name, config_key
@@ -65,18 +65,19 @@ def get_meta(
     pk = ctx.keys(partition_id)
     if mode == "force_fetch":
         return (yield from describe_partition(ctx, pk, fields))
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size <= 0:
-        raise InvalidArgument(f"batch_size must be a positive integer, got {batch_size!r}")
-    batch_size = int(batch_size)
+    batch_size = arguments.count(batch_size, "batch_size")
     if mode == "insert":
         return (yield from allocate(ctx, pk, fields, batch_size))
     if task_name is None:
         raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
     check_name("task_name", task_name)
-    if timeout is None or timeout < 0:
-        raise InvalidArgument(f"timeout must be >= 0 seconds, got {timeout!r}")
-    if lease_s is not None and lease_s <= 0:
-        raise InvalidArgument(f"lease_s must be > 0 seconds (or None for no lease), got {lease_s!r}")
+    if not fields:
+        raise InvalidArgument(
+            "get_meta(mode='fetch') needs at least one field in data_fields: with none, every sample would "
+            "count as ready and be marked consumed with no data to read; name the fields the task reads"
+        )
+    timeout = arguments.seconds(timeout, "timeout")
+    lease_s = arguments.seconds(lease_s, "lease_s", allow_zero=False, allow_none=True)
     if sampling_config is not None and not isinstance(sampling_config, dict):
         raise InvalidArgument(f"sampling_config must be a dict, got {type(sampling_config).__name__}")
     config = dict(sampling_config or {})
@@ -305,8 +306,9 @@ def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease
     check_name("task_name", task_name)
     if action not in ("ack", "nack", "extend"):
         raise InvalidArgument(f"settle action must be 'ack', 'nack' or 'extend', got {action!r}")
-    if action == "extend" and not lease_s > 0:
-        raise InvalidArgument(f"extend_lease needs seconds > 0, got {lease_s!r}")
+    metadata = arguments.batch_meta(metadata, action if action != "extend" else "extend_lease")
+    if action == "extend":
+        lease_s = arguments.seconds(lease_s, "extend_lease seconds", allow_zero=False)
     fences = _fences(metadata)
     not_held: list[int] = []
     for pid, positions in group_by_partition(metadata).items():

@@ -9,7 +9,7 @@ fails after writing part of its batch cleans up the same way (:func:`discard_byt
 
 from __future__ import annotations
 
-from tq_redis import bitmaps, transitions
+from tq_redis import arguments, bitmaps, transitions
 from tq_redis.driver import Cmd, Offload, Pipe
 from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key
 from tq_redis.metadata import BatchMeta
@@ -24,6 +24,7 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
     If a store is unreachable the bytes stay in the partition's trash (in Redis) and the error is
     raised; clearing the same samples again, or the partition, deletes them.
     """
+    arguments.batch_meta(metadata, "clear_samples")
     store = yield from storage(ctx)
     for pid, positions in group_by_partition(metadata).items():
         pk = ctx.keys(pid)

@@ -8,6 +8,7 @@ reading the bytes, so a sample cleared concurrently is never returned.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import codec, names, transitions
+from tq_redis import arguments, codec, names, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Offload
 from tq_redis.errors import (
@@ -36,6 +37,9 @@ from tq_redis.transitions import text
 
 # ------------------------------------------------------------------ put
 
+MAX_INSERT = 2**24
+"""The most empty samples one ``get_meta(mode="insert")`` allocates (each is listed in its reply)."""
+
 
 def _as_tensordict(data: Any) -> TensorDict:
     if isinstance(data, TensorDict):
@@ -52,7 +56,23 @@ def _as_tensordict(data: Any) -> TensorDict:
         raise UnsupportedValue(f"put() takes a TensorDict (or a dict of batched fields), got {type(data).__name__}")
     if len(td.batch_size) == 0 or td.batch_size[0] == 0 or not list(td.keys()):
         raise EmptyBatch(f"put() got an empty batch (batch_size={list(td.batch_size)}, fields={list(td.keys())})")
+    check_one_batch_dim(td, "put")
     return td
+
+
+def check_one_batch_dim(td: TensorDict, call: str) -> None:
+    """Refuse a TensorDict with more than one batch dimension.
+
+    A sample is one row of the first dimension; the reference system stores each field's row whole
+    and returns ``batch_size=[n]``, so a ``[n, m]`` batch would silently come back as ``[n]``.
+    """
+    if len(td.batch_size) > 1:
+        dims = list(td.batch_size)
+        raise InvalidArgument(
+            f"{call}() takes a TensorDict with one batch dimension (one row per sample), got batch_size={dims}; "
+            f"the data would come back with batch_size={dims[:1]}. Pass td.view(-1) to store {math.prod(dims)} "
+            f"samples, or a TensorDict with batch_size={dims[:1]} to keep each sample's {dims[1:]} inside its fields"
+        )
 
 
 def _batch_len(data: dict[str, Any]) -> int:
@@ -65,7 +85,13 @@ def _batch_len(data: dict[str, Any]) -> int:
         raise UnsupportedValue(f"field value {first!r} has no batch dimension") from None
 
 
-def _encode(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, list]]:
+def encode_batch(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str, list]]:
+    """``({field: schema JSON}, {field: per-sample stored values})`` of a batch: every field name,
+    value and dtype is checked here, before anything is written.
+
+    Raises:
+        InvalidName, UnsupportedValue, BatchSizeMismatch, EmptyBatch: what the field holds cannot be stored.
+    """
     n = td.batch_size[0]
     schemas: dict[str, str] = {}
     values: dict[str, list] = {}
@@ -109,7 +135,7 @@ def put(
 def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     pk = ctx.keys(partition_id)
     n = td.batch_size[0]
-    schemas, values = _encode(ctx, td)
+    schemas, values = encode_batch(ctx, td)
     first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
     ids = list(range(first, first + n))
     store = yield from storage(ctx)
@@ -135,6 +161,7 @@ def allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> 
     """``mode="insert"``: ``count`` new samples with no field produced yet, for a later
     ``put(data, metadata=...)``. They are alive (listed, clearable) but no task can claim them
     before their fields are put."""
+    count = arguments.count(count, "batch_size (mode='insert')", maximum=MAX_INSERT)
     first = yield from transitions.reserve(pk, count).call()
     yield from transitions.pipeline(
         transitions.insert(pk, first, count),
@@ -148,7 +175,13 @@ def allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> 
 
 
 def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
-    schemas, values = _encode(ctx, td)
+    schemas, values = encode_batch(ctx, td)
+    return (yield from write_fields(ctx, schemas, values, metadata))
+
+
+def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list], metadata: BatchMeta) -> Op:
+    """Write fields :func:`encode_batch` encoded to the samples of ``metadata`` (bytes first, then
+    the bits and, from ``metadata.custom_meta``, the tags); returns the metadata with them."""
     store = yield from storage(ctx)
     groups = group_by_partition(metadata)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
@@ -210,6 +243,7 @@ def _tag_writes(ctx: Context, metadata: BatchMeta) -> dict[str, transitions.Tran
 
 def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
     """Write ``metadata.custom_meta`` as per-sample tags."""
+    arguments.batch_meta(metadata, "set_custom_meta")
     for write in _tag_writes(ctx, metadata).values():
         yield from write.call()
 

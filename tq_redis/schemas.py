@@ -97,6 +97,11 @@ def _object_schema() -> dict:
 
 
 def _classify_tensor(name: str, value: torch.Tensor, batch_size: int) -> dict:
+    if value.device.type == "meta":
+        raise UnsupportedValue(
+            f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
+            "materialise it first (e.g. torch.empty_like(t, device='cpu') and fill it)"
+        )
     if value.is_nested:
         n = value.size(0)
         if n != batch_size:

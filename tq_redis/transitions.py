@@ -120,8 +120,20 @@ def _json_default(value: Any) -> Any:
 
 
 def encode_tag(value: Any) -> str:
-    """A tag (custom meta) value as the JSON text ``set_tags`` stores."""
-    return json.dumps(value, default=_json_default, separators=(",", ":"))
+    """A tag (custom meta) value as the JSON text ``set_tags`` stores.
+
+    Raises:
+        UnsupportedValue: the value has no JSON form (bytes, objects, tuple keys, a cycle ...).
+    """
+    try:
+        return json.dumps(value, default=_json_default, separators=(",", ":"))
+    except UnsupportedValue:
+        raise
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnsupportedValue(
+            f"custom meta value {value!r:.120} is not JSON-serialisable ({exc}); use str keys and "
+            f"JSON values (None, bool, int, float, str, list, dict)"
+        ) from None
 
 
 def _pairs(flat: Sequence[Any]) -> list[tuple[str, Any]]:

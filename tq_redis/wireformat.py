@@ -158,7 +158,16 @@ def np_byte_view(a: np.ndarray) -> memoryview:
 
 
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Detached, conj/neg-resolved, contiguous CPU tensor: one copy at most, for the whole batch."""
+    """Detached, conj/neg-resolved, contiguous CPU tensor: one copy at most, for the whole batch.
+
+    Raises:
+        UnsupportedValue: the tensor is on the meta device (it has no data).
+    """
+    if t.device.type == "meta":
+        raise UnsupportedValue(
+            "a tensor on the meta device has a shape but no data to store; materialise it first "
+            "(e.g. torch.empty_like(t, device='cpu') and fill it)"
+        )
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()

@@ -214,3 +214,138 @@ def test_insert_into_sealed_partition_is_refused(client):
         client.put(TensorDict({"x": torch.ones(2)}, batch_size=[2]), partition_id="p")
     assert _state(client, "p") == before
     assert client.get_meta(["x"], 2, "p", task_name="t").size == 2  # sealed data is still served
+
+
+# ------------------------------------------------------------------ issue 14, items 8 and 9
+
+
+@pytest.fixture
+def vclient(valkey, namespace):
+    """A client on the embedded Valkey (argument checks run before any Redis call: one flavour is enough)."""
+    client = make_client(valkey.url, namespace)
+    yield client
+    client.close()
+
+
+def _ns_state(client) -> dict:
+    return _state(client, "")
+
+
+BAD_SECONDS = [float("nan"), float("inf"), float("-inf"), "1", True, 1e300]
+
+
+@pytest.mark.parametrize("bad", BAD_SECONDS)
+def test_bad_timeout_and_lease_are_typed_errors(vclient, bad):
+    vclient.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    before = _ns_state(vclient)
+    with pytest.raises(errors.InvalidArgument, match="timeout must be a finite number of seconds"):
+        vclient.get_meta(["x"], 1, "p", task_name="t", timeout=bad)
+    with pytest.raises(errors.InvalidArgument, match="lease_s must be a finite number of seconds"):
+        vclient.get_meta(["x"], 1, "p", task_name="t", lease_s=bad)
+    assert _ns_state(vclient) == before  # nothing claimed
+
+
+@pytest.mark.parametrize("bad", [*BAD_SECONDS, 0, -1, None])
+def test_bad_extend_lease_is_a_typed_error(vclient, bad):
+    vclient.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    leased = vclient.get_meta(["x"], 2, "p", task_name="t", lease_s=30)
+    with pytest.raises(errors.InvalidArgument, match="extend_lease seconds must be"):
+        vclient.extend_lease(leased, bad)
+    assert vclient.ack(leased) == []  # the lease is intact
+
+
+def test_none_where_a_batchmeta_belongs(vclient):
+    for call in (vclient.clear_samples, vclient.ack, vclient.nack, vclient.set_custom_meta, vclient.get_data):
+        with pytest.raises(errors.InvalidArgument, match="BatchMeta"):
+            call(None)
+    with pytest.raises(errors.InvalidArgument, match="BatchMeta"):
+        vclient.extend_lease(None, 5)
+    with pytest.raises(errors.InvalidArgument, match="BatchMeta"):
+        asyncio.run(vclient.async_ack(None))
+    with pytest.raises(errors.InvalidArgument, match="BatchMeta"):
+        asyncio.run(vclient.async_clear_samples(None))
+
+
+def test_meta_device_tensors_are_refused_before_any_write(vclient):
+    before = _ns_state(vclient)
+    with pytest.raises(errors.UnsupportedValue, match="meta device"):
+        vclient.put(TensorDict({"x": torch.empty(2, 3, device="meta")}, batch_size=[2]), partition_id="p")
+    with pytest.raises(errors.UnsupportedValue, match="meta device"):
+        vclient.put(TensorDict({"x": torch.empty(2, 3)}, batch_size=[2], device="meta"), partition_id="p")
+    with pytest.raises(errors.UnsupportedValue, match="meta device"):
+        vclient.kv_put("k", "p", {"x": torch.empty(3, device="meta")})
+    with pytest.raises(errors.UnsupportedValue, match="meta device"):
+        vclient.put({"obj": [{"t": torch.empty(1, device="meta")}]}, partition_id="p")
+    assert _ns_state(vclient) == before
+
+
+def test_fetch_with_no_fields_is_refused_and_consumes_nothing(vclient):
+    """The reference marks every unconsumed sample consumed and returns a meta with no data to read."""
+    vclient.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id="p")
+    with pytest.raises(errors.InvalidArgument, match="at least one field"):
+        vclient.get_meta([], 3, "p", task_name="t")
+    with pytest.raises(errors.InvalidArgument, match="at least one field"):
+        vclient.get_meta([], 3, "p", task_name="t", lease_s=5)
+    got = vclient.get_meta(["x"], 3, "p", task_name="t")
+    assert got.global_indexes == [0, 1, 2]
+    # force_fetch with no fields marks nothing: it still lists the samples, as in the reference
+    assert vclient.get_meta([], 3, "p", mode="force_fetch").global_indexes == [0, 1, 2]
+
+
+@pytest.mark.parametrize("shape", [[2, 2], [2, 1], [1, 3, 2]])
+def test_more_than_one_batch_dimension_is_refused(vclient, shape):
+    td = TensorDict({"x": torch.ones(*shape, 4)}, batch_size=shape)
+    before = _ns_state(vclient)
+    with pytest.raises(errors.InvalidArgument, match="one batch dimension"):
+        vclient.put(td, partition_id="p")
+    keys = [f"k{i}" for i in range(shape[0])]
+    with pytest.raises(errors.InvalidArgument, match="one batch dimension"):
+        vclient.kv_batch_put(keys, "p", td)
+    if shape[0] == 1:
+        with pytest.raises(errors.InvalidArgument, match="one batch dimension"):
+            vclient.kv_put("k", "p", td)
+    assert _ns_state(vclient) == before
+    # what the message suggests works, and round-trips
+    meta = vclient.put(td.view(-1), partition_id="p")
+    assert torch.equal(vclient.get_data(meta)["x"], td.view(-1)["x"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tags": [{"t": object()}]},
+        {"tags": [{"t": {(1, 2): 3}}]},
+        {"tags": [{"t": b"bytes"}]},
+        {"fields": {"x": torch.empty(1, 2, device="meta")}},
+        {"fields": {"x": [object()]}},
+        {"fields": {"bad name": torch.ones(1)}},
+    ],
+)
+def test_kv_batch_put_validates_before_any_write(vclient, bad):
+    """A refused kv_batch_put leaves no key, no id drawn from ``{p}:seq``, no partition."""
+    pk = PartitionKeys(vclient.namespace, "kvp")
+    kwargs = {"fields": TensorDict({"x": torch.ones(1)}, batch_size=[1])} | bad
+    if isinstance(kwargs["fields"], dict):
+        kwargs["fields"] = TensorDict(kwargs["fields"], batch_size=[1])
+    with pytest.raises((errors.UnsupportedValue, errors.InvalidName)):
+        vclient.kv_batch_put(["a"], "kvp", **kwargs)
+    assert vclient.redis.get(pk.seq) is None
+    assert not vclient.redis.exists(pk.meta, pk.kv)
+    assert vclient.get_partition_list() == []
+    vclient.kv_batch_put(["a"], "kvp", TensorDict({"x": torch.ones(1)}, batch_size=[1]))
+    assert vclient.kv_retrieve_keys([0], "kvp") == ["a"]  # the first good put gets id 0
+
+
+@pytest.mark.parametrize("bad", [None, "a", [1.5], [float("nan")], [-1], [2**40], [True]])
+def test_kv_retrieve_keys_bad_ids(vclient, bad):
+    vclient.kv_put("a", "p", {"x": torch.ones(2)})
+    with pytest.raises(errors.InvalidArgument, match="global_indexes"):
+        vclient.kv_retrieve_keys(bad, "p")
+
+
+def test_insert_mode_batch_size_is_bounded(vclient):
+    from tq_redis.ops_data import MAX_INSERT
+
+    with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_INSERT}"):
+        vclient.get_meta(["x"], MAX_INSERT + 1, "p", mode="insert")
+    assert vclient.get_partition_list() == []
