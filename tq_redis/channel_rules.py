@@ -73,8 +73,10 @@ def deadline_after(timeout: float | None) -> float | None:
     """The ``time.monotonic()`` at which a call given ``timeout`` seconds gives up (None: never)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, Real) or timeout < 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, Real) or math.isnan(timeout) or timeout < 0:
         raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    if math.isinf(timeout):  # waiting forever, as None says
+        return None
     return time.monotonic() + timeout
 
 

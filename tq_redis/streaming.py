@@ -13,9 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tq_redis import ops, transitions
+from tq_redis import arguments, ops, transitions
 from tq_redis.driver import Cmd, Wait
-from tq_redis.errors import InvalidArgument
 from tq_redis.keys import check_name, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.transitions import Progress
@@ -69,8 +68,7 @@ def next_batch(
     sealed partition may be smaller than ``batch_size``. Raises ``TimeoutError`` if ``timeout``
     seconds pass without a batch.
     """
-    if timeout is not None and timeout < 0:
-        raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    timeout = arguments.seconds(timeout, "timeout", allow_none=True)
     deadline = None if timeout is None else time.monotonic() + timeout
     fields = list(data_fields)
     previous: Progress | None = None

@@ -349,3 +349,22 @@ def test_insert_mode_batch_size_is_bounded(vclient):
     with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_INSERT}"):
         vclient.get_meta(["x"], MAX_INSERT + 1, "p", mode="insert")
     assert vclient.get_partition_list() == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1, "1", True])
+def test_channel_and_stream_timeouts_refuse_nan_and_nonsense(server, namespace, bad):
+    from tq_redis import Channel
+    from tq_redis.streaming import next_batch
+
+    chan = Channel.create(f"c{namespace}", redis_url=server.url, namespace=namespace)
+    try:
+        with pytest.raises(errors.InvalidArgument):
+            chan.get(timeout=bad)
+    finally:
+        chan.delete()
+    client = make_client(server.url, namespace)
+    try:
+        with pytest.raises(errors.InvalidArgument):
+            client.run(next_batch(client.context, ["x"], 1, "p", "t", timeout=bad))
+    finally:
+        client.close()
