@@ -19,6 +19,7 @@ EXAMPLES = {
     "channel.py": "channel OK",
     "transfer_dock.py": "transfer_dock OK",
     "pipeline.py": "pipeline OK: 64 samples",
+    "ray_placement.py": "ray_placement OK",  # starts a local Ray: about 20 s
 }
 # small sizes for the examples that take options
 ARGS = {"pipeline.py": ["--steps", "2", "--batch", "32"]}
