@@ -16,37 +16,8 @@
 ]]
 -- @include bits
 -- @include prefix
+-- @include visibility
 
 local function check_visible(KEYS, ARGV)
-  local prefix = partition_prefix(KEYS[1])
-  local ranges = parse_ranges(ARGV[1])
-  local function missing(key)
-    local out = {}
-    for i = 1, #ranges do
-      local first, last = ranges[i][1], ranges[i][2]
-      if redis.call('BITCOUNT', key, first, last, 'BIT') < last - first + 1 then
-        local ids = {}
-        for id = first, last do ids[#ids + 1] = id end
-        local bits = get_bits(key, ids)
-        for j = 1, #ids do
-          if bits[j] == 0 then out[#out + 1] = ids[j] end
-        end
-      end
-    end
-    return out
-  end
-  local gone = missing(prefix .. 'alive')
-  if #gone > 0 then
-    table.insert(gone, 1, -1)
-    return gone
-  end
-  for i = 2, #ARGV do
-    local absent = missing(prefix .. 'prod:' .. ARGV[i])
-    if #absent > 0 then
-      table.insert(absent, 1, ARGV[i])
-      table.insert(absent, 1, -2)
-      return absent
-    end
-  end
-  return {0}
+  return visibility(partition_prefix(KEYS[1]), parse_ranges(ARGV[1]), {unpack(ARGV, 2)})
 end

@@ -39,7 +39,7 @@
                                  wait_ms > 0 it is registered as waiting that long (see `wait`),
                                  otherwise it is removed from the task's waiters
   Output:
-    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered}
+    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered[, inline]}
       last_event_id              what to pass to `wait` when ids is empty ('' otherwise)
     A claim that hands out samples wakes one more waiting consumer of the task, if any (the
     baton: one wake per event, then one per successful claim, never every waiter at once).
@@ -50,10 +50,12 @@
       deliveries                 delivery count per id (lease mode), else empty
       next_deadline_ms           earliest lease deadline of the task, -1 if none
       registered                 1 when the waiter was registered (BLPOP <prefix>wake:<task> next)
+      inline                     (with ids) 1 when the partition keeps values inline, so get_data
+                                 reads them with read_inline first
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
-    <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
+    <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include balance
@@ -106,7 +108,7 @@ local function claim(KEYS, ARGV)
     pass_baton(prefix, task) -- there may be more for the other waiters
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
     return {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
-            next_lease_deadline(prefix, task)}
+            next_lease_deadline(prefix, task), 0, redis.call('EXISTS', prefix .. 'inline')}
   end
   local function known_deliveries(ids)
     if lease_ms <= 0 or #ids == 0 then return {} end

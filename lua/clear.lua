@@ -14,12 +14,15 @@
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>
-    <p>:trash  <p>:trashfields
+    <p>:trash  <p>:trashfields  <p>:inline
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+  Flags:
+    allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
 -- @include bits
 -- @include chunks
 -- @include events
+-- @include inline
 -- @include prefix
 
 local function clear(KEYS, ARGV)
@@ -37,6 +40,7 @@ local function clear(KEYS, ARGV)
   if #alive == 0 then return {{}, fields, older} end
 
   set_bits(prefix .. 'alive', alive, 0)
+  inline_drop(prefix, alive, fields) -- inline values go with the bits; store bytes via the trash
   set_bits(prefix .. 'trash', alive, 1)
   if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
   for i = 1, #fields do set_bits(prefix .. 'prod:' .. fields[i], alive, 0) end

@@ -13,9 +13,11 @@
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx
-    <p>:kv  <p>:kvkeys
+    <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+  Flags:
+    allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
 -- @include chunks
 -- @include events
@@ -32,7 +34,8 @@ local function drop_partition(KEYS, ARGV)
     if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
   end
   local doomed = {KEYS[1], prefix .. 'alive', prefix .. 'fields', prefix .. 'tasks', prefix .. 'tagnames',
-                  prefix .. 'groups', prefix .. 'groupidx', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events'}
+                  prefix .. 'groups', prefix .. 'groupidx', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events',
+                  prefix .. 'inline'}
   for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do

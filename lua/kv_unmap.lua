@@ -9,6 +9,8 @@
     number of keys removed
   Touches:
     <p>:kv  <p>:kvkeys
+  Flags:
+    allow-oom  it only deletes: kv_clear must free memory when Redis is full
 ]]
 -- @include prefix
 

@@ -2,23 +2,29 @@
   produce: mark fields of existing samples produced (a rewrite or a later pipeline stage).
   Data first, then bits: the client calls this only after every value is in its store.
 
+  Small values may come inline (see includes/inline.lua): stored in <p>:inline in this same
+  atomic step. Values written to a store instead replace any inline value the samples had.
+
   Input:
     KEYS[1]  partition meta key  <ns>:{<p>}:meta
     ARGV[1]  nfields
     ARGV[2..1+2*nfields]         field name, canonical schema JSON pairs
-    ARGV[2+2*nfields..]          sample ids
+    ARGV[2+2*nfields]            nids
+    then                         nids sample ids
+    then                         optional: nids x nfields inline values, field-major
   Output:
     {1}                          bits set, `produced` event emitted
     {-1}                         the partition does not exist
     {-2, id...}                  these ids are not alive (never inserted or cleared); nothing written
     {0, field, registered}       a field's schema conflicts; nothing written
   Touches:
-    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include alive
 -- @include bits
 -- @include events
+-- @include inline
 -- @include prefix
 -- @include schemas
 
@@ -27,8 +33,11 @@ local function produce(KEYS, ARGV)
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
   local nfields = tonumber(ARGV[1])
   local pairs_ = {unpack(ARGV, 2, 1 + 2 * nfields)}
+  local at = 2 + 2 * nfields
+  local nids = tonumber(ARGV[at])
   local ids = {}
-  for i = 2 + 2 * nfields, #ARGV do ids[#ids + 1] = tonumber(ARGV[i]) end
+  for i = 1, nids do ids[i] = tonumber(ARGV[at + i]) end
+  local values_at = at + nids + 1
 
   local missing = missing_ids(prefix, ids)
   if #missing > 0 then
@@ -40,10 +49,13 @@ local function produce(KEYS, ARGV)
 
   register_schemas(prefix, pairs_)
   local names = {}
-  for i = 1, #pairs_, 2 do
-    set_bits(prefix .. 'prod:' .. pairs_[i], ids, 1)
-    names[#names + 1] = pairs_[i]
+  for i = 1, #pairs_, 2 do names[#names + 1] = pairs_[i] end
+  if #ARGV >= values_at then
+    inline_put(prefix, ids, names, ARGV, values_at)
+  else
+    inline_drop(prefix, ids, names) -- the store holds the new values: no stale inline copy
   end
+  for i = 1, #names do set_bits(prefix .. 'prod:' .. names[i], ids, 1) end
   emit(prefix, 'produced', 'count', #ids, 'fields', table.concat(names, ','))
   return {1}
 end

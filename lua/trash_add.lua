@@ -12,6 +12,8 @@
     number of ids now in the partition's trash
   Touches:
     <p>:trash  <p>:trashfields
+  Flags:
+    allow-oom  records bytes to delete after a failed put (a put that hit maxmemory, too)
 ]]
 -- @include bits
 -- @include prefix

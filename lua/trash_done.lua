@@ -9,6 +9,8 @@
     number of ids still in the trash
   Touches:
     <p>:trash  <p>:trashfields
+  Flags:
+    allow-oom  it only deletes: emptying the trash must work when Redis is full
 ]]
 -- @include bits
 -- @include prefix

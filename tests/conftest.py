@@ -121,12 +121,14 @@ def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-def make_client(url: str, namespace: str, backend: str = "redis", **kwargs):
-    """A client whose namespace stores data in ``backend`` (``redis`` inline by default).
+def make_client(url: str, namespace: str, backend: str = "redis", *, inline_max_bytes: int = 0, **kwargs):
+    """A client whose namespace stores data in ``backend`` (the ``redis`` store by default).
 
     Tests of the data plane compare what comes back with the dense tensors they put, so this
     client returns dense fields (``nested_output=False``) unless told otherwise; the default,
     the reference's nested layout, is covered by ``test_reference_defaults.py`` and ``tests/compat``.
+    Values go to ``backend`` unless ``inline_max_bytes`` > 0 (the default of ``init``, 4 KiB,
+    keeps small values in the metadata plane: ``test_inline.py``, and every test through ``init``).
     """
     import json
 
@@ -135,7 +137,8 @@ def make_client(url: str, namespace: str, backend: str = "redis", **kwargs):
 
     kwargs.setdefault("nested_output", False)
     client = TransferQueueClient(url, namespace, **kwargs)
-    client.redis.hset(config_key(namespace), "storage", json.dumps({"backend": backend, "options": {}}))
+    spec = {"backend": backend, "options": {}, "inline_max_bytes": inline_max_bytes}
+    client.redis.hset(config_key(namespace), "storage", json.dumps(spec))
     return client
 
 

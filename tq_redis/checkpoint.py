@@ -68,7 +68,8 @@ def _partition_keys(r: Any, pk: PartitionKeys, with_data: bool) -> list[str]:
     fields, tasks, waiting, tagnames, trash_fields, alive, trash = pipe.execute()
     fields = [_text(f) for f in fields]
     keys = [pk.meta, pk.seq, pk.alive, pk.fields, pk.tasks, pk.tagnames, pk.groups, pk.groupidx, pk.kv,
-            pk.kvkeys, pk.events, pk.waittasks, pk.trash, pk.trash_fields, pk.dock, pk.dockstate, pk.dockmetrics]
+            pk.kvkeys, pk.events, pk.waittasks, pk.trash, pk.trash_fields, pk.inline, pk.dock, pk.dockstate,
+            pk.dockmetrics]
     keys += [pk.prod(f) for f in fields]
     for task in sorted(map(_text, tasks)):
         keys += [pk.cons(task), pk.lease(task), pk.deliveries(task), pk.poison(task)]
@@ -223,9 +224,10 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
     for n, pid in enumerate(_text(p) for p in r.zrange(partitions_key(ns), 0, -1)):
         pk = client.context.keys(pid)
         alive = set(bitmaps.set_ids(r.get(pk.alive)))
+        inline = {_text(name) for name in r.hkeys(pk.inline)}  # saved with the metadata
         columns: dict[str, dict[str, list]] = {}
         for field in (_text(f) for f in r.hkeys(pk.fields)):
-            ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive]
+            ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive and f"{i}:{field}" not in inline]
             if ids:
                 values = store.get(pk, ids, [field])[field]
                 columns[field] = {"ids": ids, "values": [bytes(v) for v in values]}

@@ -39,7 +39,9 @@ key                                type    holds
 ``ns:{p}:wakebudget:<task>``       STRING  wakes left for waiters passing on unused samples (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
 ``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
-``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` inline store)
+``ns:{p}:inline``                   HASH    ``<id>:<field>`` -> bytes of values put inline (at most
+                                           ``storage.inline_max_bytes`` each), written with the bits
+``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` store)
 ``ns:{p}:dock``                    HASH    prompts_num, n_samples_per_prompt of a GRPOTransferDock
                                            (kept across clears)
 ``ns:{p}:dockstate``               HASH    ``cur_index``: the dock's prefetch_request_index cursor
@@ -180,6 +182,7 @@ class PartitionKeys(_Tagged):
     wake = _KeyOf("wake:")
     wakebudget = _KeyOf("wakebudget:")
     trash = _Key("trash", "Bitmap of samples whose bytes are still to be deleted from the stores.")
+    inline = _Key("inline", "Hash of small values kept in the metadata plane: ``<id>:<field>`` -> bytes.")
     trash_fields = _Key("trashfields", "Set of the field names the trashed samples may hold bytes for.")
     dock = _Key("dock", "A GRPOTransferDock's shape (prompts_num, n_samples_per_prompt).")
     dockstate = _Key("dockstate")

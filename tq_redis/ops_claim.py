@@ -90,7 +90,7 @@ def get_meta(
     sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
-        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields)
+        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions)
     else:
         attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
     # Waiting is for a wake token, not for any event: each event wakes one waiting consumer of
@@ -138,15 +138,19 @@ def _default_sampler(ctx: Context) -> Op:
 
 
 def _builtin_claim(
-    pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str]
-):
+    pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str],
+    inline_hints: dict[str, bool],
+):  # fmt: skip
     """One claim with a built-in sampler: an attempt ``(waiter, wait_ms)`` yielding ``(meta|None,
-    last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself."""
+    last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself.
+    A claim also says whether the partition keeps values inline (``inline_hints``, for get_data)."""
 
     def attempt(waiter: str | None, wait_ms: int) -> Op:
         got = yield from transitions.claim(
             pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms
         ).call()
+        if got.inline is not None:
+            inline_hints[pk.partition] = got.inline
         meta = _claimed_meta(pk.partition, got) if got.ids else None
         return meta, got.last_event_id, got.next_deadline_ms, got.registered
 

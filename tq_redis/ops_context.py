@@ -19,7 +19,7 @@ from tq_redis.errors import InvalidArgument
 from tq_redis.keys import PartitionKeys, config_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.schemas import to_batchmeta_schema
-from tq_redis.storage import KVStorageManager
+from tq_redis.storage import DEFAULT_INLINE_MAX_BYTES, KVStorageManager
 
 Op = Generator[Any, Any, Any]
 
@@ -38,6 +38,9 @@ class Context:
     default_sampler: Any = None
     resolved_sampler: samplers.BaseSampler | None = None
     storage: KVStorageManager | None = None
+    # partition -> whether its last claim said it keeps values inline (get_data reads those with
+    # read_inline first; a partition said not to goes to the store first)
+    inline_partitions: dict[str, bool] = field(default_factory=dict)
     _keys: dict[str, PartitionKeys] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,7 +73,8 @@ def storage(ctx: Context) -> Op:
         raw = yield Cmd(("HGET", config_key(ctx.namespace), "storage"))
         spec = json.loads(raw) if raw else {"backend": "redis", "options": {}}
         ctx.storage = KVStorageManager(
-            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace)
+            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace),
+            inline_max_bytes=int(spec.get("inline_max_bytes", DEFAULT_INLINE_MAX_BYTES)),
         )
     return ctx.storage
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import arguments, codec, names, transitions
+from tq_redis.backends.base import Segments, join_segments
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Offload
 from tq_redis.errors import (
@@ -33,6 +35,7 @@ from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_clear import discard_bytes
 from tq_redis.ops_context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
+from tq_redis.storage import INLINE_MAX_BATCH_BYTES, KVStorageManager
 from tq_redis.transitions import text
 
 # ------------------------------------------------------------------ put
@@ -136,9 +139,19 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     pk = ctx.keys(partition_id)
     n = td.batch_size[0]
     schemas, values = encode_batch(ctx, td)
+    store = yield from storage(ctx)
+    inline = inline_payload(values, store.inline_max_bytes)
+    if inline is not None:  # small values: ids, values and bits in one script, one round trip
+        first, _ = yield from transitions.pipeline(
+            transitions.insert(pk, None, n, schemas, ctx.strict_schema, values=inline),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
+        )
+        return BatchMeta.from_columns(
+            list(range(first, first + n)), partition_id, batchmeta_schema(schemas),
+            production_status=np.ones(n, dtype=np.int8),
+        )  # fmt: skip
     first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
     ids = list(range(first, first + n))
-    store = yield from storage(ctx)
     try:
         # A put that fails may still have written part of the batch (on the nodes that took it).
         yield Offload(store.put, (pk, ids, values))
@@ -155,6 +168,34 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     return BatchMeta.from_columns(
         ids, partition_id, batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
     )
+
+
+def _nbytes(buffer: Any) -> int:
+    return len(buffer) if isinstance(buffer, bytes | bytearray) else memoryview(buffer).nbytes
+
+
+def inline_payload(values: dict[str, Sequence[Segments]], limit: int) -> list[bytes] | None:
+    """The batch's values joined, field-major, when every one is at most ``limit`` bytes and all of
+    them together at most :data:`~tq_redis.storage.INLINE_MAX_BATCH_BYTES`; else ``None`` (the
+    values go to the store). ``limit`` 0 turns inline values off."""
+    if limit <= 0:
+        return None
+    total = 0
+    for column in values.values():
+        size = getattr(column, "value_size", None)  # a RowBlock: every row the same size
+        if size is not None:
+            if size > limit:
+                return None
+            total += size * len(column)
+        else:
+            for segments in column:
+                size = sum(map(_nbytes, segments))
+                if size > limit:
+                    return None
+                total += size
+        if total > INLINE_MAX_BATCH_BYTES:
+            return None
+    return [join_segments(segments) for column in values.values() for segments in column]
 
 
 def allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> Op:
@@ -184,6 +225,13 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
     the bits and, from ``metadata.custom_meta``, the tags); returns the metadata with them."""
     store = yield from storage(ctx)
     groups = group_by_partition(metadata)
+    inline = inline_payload(values, store.inline_max_bytes)
+    if inline is not None and len(groups) == 1 and not any(metadata.custom_meta):
+        # One partition, small values, no tags: the produce script checks the partition, the
+        # samples and the schemas itself and writes values and bits at once (one round trip).
+        pk = ctx.keys(next(iter(groups)))
+        yield from transitions.produce(pk, metadata.global_indexes, schemas, ctx.strict_schema, inline).call()
+        return _with_fields(metadata, schemas)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
     checks: list[Any] = []
     for pid, positions in groups.items():
@@ -208,9 +256,17 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
         part = {name: [vals[i] for i in positions] for name, vals in values.items()}
-        yield Offload(store.put, (pk, ids, part))
+        part_inline = inline_payload(part, store.inline_max_bytes) if inline is not None else None
+        if part_inline is None:
+            yield Offload(store.put, (pk, ids, part))
         tags = [tag_writes[pid]] if pid in tag_writes else []
-        yield from transitions.pipeline(*tags, transitions.produce(pk, ids, schemas, ctx.strict_schema))
+        produce = transitions.produce(pk, ids, schemas, ctx.strict_schema, part_inline or ())
+        yield from transitions.pipeline(*tags, produce)
+    return _with_fields(metadata, schemas)
+
+
+def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
+    """``metadata`` with ``schemas``' fields produced (what a put with metadata returns)."""
     result = metadata.copy()
     result.field_schema.update(batchmeta_schema(schemas))
     result.production_status[:] = 1
@@ -267,16 +323,12 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        try:
-            got = yield Offload(store.get, (pk, ids, fields))
-        except DataMissing:
-            got = None
-        # Bits are cleared before bytes are deleted, so reading the bits after the bytes proves
-        # the bytes belong to live, produced samples (ids are never reused).
-        yield from _verify_visible(pk, ids, fields)
-        if got is None:
-            raise DataMissing(f"data of partition {pid!r} is missing from the store although marked produced")
-        if len(groups) == 1:  # one partition: the store's order is already the batch's
+        got = None
+        if store.inline_max_bytes <= 0 or not ctx.inline_partitions.get(pid, True):
+            got = yield from _read_store_first(store, pk, ids, fields)
+        if got is None:  # values may be inline (or the store lacked some): one round trip for those
+            got = yield from _read_inline_first(ctx, store, pk, ids, fields)
+        if len(groups) == 1:  # one partition: the reads' order is already the batch's
             per_field = got
             break
         for name in fields:
@@ -291,8 +343,58 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
     return TensorDict(out, batch_size=[n])
 
 
+def _read_store_first(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """Read from the store, then check the bits; ``None`` when the store lacks a value (it may be
+    inline: the caller reads with :func:`_read_inline_first` then)."""
+    try:
+        got = yield Offload(store.get, (pk, ids, fields))
+    except DataMissing:
+        return None
+    # Bits are cleared before bytes are deleted, so reading the bits after the bytes proves
+    # the bytes belong to live, produced samples (ids are never reused).
+    yield from _verify_visible(pk, ids, fields)
+    return got
+
+
+def _read_inline_first(
+    ctx: Context, store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]
+) -> Op:
+    """One round trip checks the samples and returns their inline values; values kept in the store
+    are read from it afterwards and checked again (bytes before bits)."""
+    read = yield from transitions.read_inline(pk, ids, fields).call()
+    _raise_invisible(pk, read.visibility)
+    ctx.inline_partitions[pk.partition] = bool(read.values)
+    got = {f: [read.values.get(f, {}).get(i) for i in ids] for f in fields}
+    lacking = {f: [i for i, v in zip(ids, got[f]) if v is None] for f in fields}
+    lacking = {f: missing for f, missing in lacking.items() if missing}
+    if not lacking:
+        return got
+    whole = [f for f, missing in lacking.items() if len(missing) == len(ids)]
+    reads = [(ids, whole)] if whole else []
+    reads += [(missing, [f]) for f, missing in lacking.items() if f not in whole]
+    for read_ids, read_fields in reads:
+        try:
+            part = yield Offload(store.get, (pk, read_ids, read_fields))
+        except DataMissing:
+            part = None
+        yield from _verify_visible(pk, read_ids, read_fields)
+        if part is None:
+            raise DataMissing(f"data of partition {pk.partition!r} is missing from the store although marked produced")
+        for name in read_fields:
+            if len(read_ids) == len(ids):
+                got[name] = list(part[name])
+            else:
+                at = {i: v for i, v in zip(read_ids, part[name])}
+                got[name] = [at.get(i, v) if v is None else v for i, v in zip(ids, got[name])]
+    return got
+
+
 def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
     visible = yield from transitions.check_visible(pk, ids, fields).call()
+    _raise_invisible(pk, visible)
+
+
+def _raise_invisible(pk: PartitionKeys, visible: transitions.Visibility) -> None:
     if visible.not_alive:
         raise SampleNotFound(f"samples {visible.not_alive[:10]} of partition {pk.partition!r} were cleared")
     if visible.field is not None:

@@ -18,13 +18,25 @@ from tq_redis.backends.base import Buffer, Segments, StorageClient, StoreContext
 from tq_redis.backends.batches import ValueChain, total_bytes
 from tq_redis.keys import PartitionKeys
 
+DEFAULT_INLINE_MAX_BYTES = 4096
+"""``storage.inline_max_bytes`` when the namespace's config does not say: values up to 4 KiB (a
+reward, an id, a short token row) travel with the metadata, larger ones go to the store."""
+
+INLINE_MAX_BATCH_BYTES = 1 << 20
+"""A put carries its values inline only while the whole batch's values fit in this: one script
+call must not hold the server's single thread for long."""
+
 
 class KVStorageManager:
     """Routes a batch's data-plane keys to the namespace's store. Thread-safe; the store is
     created lazily on first use."""
 
-    def __init__(self, backend: str, options: dict[str, Any], ctx: StoreContext) -> None:
+    def __init__(
+        self, backend: str, options: dict[str, Any], ctx: StoreContext, *, inline_max_bytes: int = 0
+    ) -> None:
         self.backend = backend
+        # values of at most this many bytes travel in the metadata plane (``ns:{p}:inline``)
+        self.inline_max_bytes = inline_max_bytes
         self.options = dict(options)
         self.ctx = ctx
         self._store: StorageClient | None = None

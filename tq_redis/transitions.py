@@ -216,6 +216,7 @@ class ClaimReply(NamedTuple):
     deliveries: list[int]  # delivery count per id (lease mode), else empty
     next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
     registered: bool  # the waiter was registered: BLPOP the task's wake list next
+    inline: bool | None = None  # with ids: whether the partition keeps values inline (None: not said)
 
 
 class ClaimIdsReply(NamedTuple):
@@ -356,13 +357,17 @@ def reserve(
 
 
 def insert(
-    pk: PartitionKeys, first_id: int, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False,
-    *, now_ms: int | None = None,
-) -> Transition[None]:  # fmt: skip
-    """``lua/insert.lua``: make reserved samples alive with the fields (stored already) produced.
-    Raises ``PartitionSealed`` or the schema conflict that appeared since ``reserve``."""
-    args = (first_id, count, _now(now_ms), len(schemas), *_flat_schemas(schemas, strict))
-    return Transition(FCall("insert", (pk.meta,), args), partial(_read_insert, pk.partition, schemas))
+    pk: PartitionKeys, first_id: int | None, count: int, schemas: Mapping[str, str] = NO_SCHEMAS,
+    strict: bool = False, *, values: Sequence[bytes] = (), now_ms: int | None = None,
+) -> Transition[int]:  # fmt: skip
+    """``lua/insert.lua``: make ``count`` new samples alive with the fields of ``schemas`` produced;
+    the first id is the result. Either ids ``first_id..`` from ``reserve`` whose bytes are stored
+    already, or (``first_id`` None) small ``values`` (``count`` per field, field-major) stored inline
+    with the bits while the ids are allocated, in one step. Raises ``PartitionSealed`` or the schema
+    conflict."""
+    start = "" if first_id is None else first_id
+    args = (start, count, _now(now_ms), len(schemas), *_flat_schemas(schemas, strict), *values)
+    return Transition(FCall("insert", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
 def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
@@ -377,11 +382,13 @@ def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]
 
 
 def produce(
-    pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False
-) -> Transition[None]:
-    """``lua/produce.lua``: mark fields of existing samples produced (their bytes are stored).
-    Raises ``UnknownPartition``, ``SampleNotFound`` or the schema conflict."""
-    args = (len(schemas), *_flat_schemas(schemas, strict), *ids)
+    pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False,
+    inline_values: Sequence[bytes] = (),
+) -> Transition[None]:  # fmt: skip
+    """``lua/produce.lua``: mark fields of existing samples produced: their bytes are stored, or
+    come here as ``inline_values`` (``len(ids)`` per field of ``schemas``, field-major). Raises
+    ``UnknownPartition``, ``SampleNotFound`` or the schema conflict."""
+    args = (len(schemas), *_flat_schemas(schemas, strict), len(ids), *ids, *inline_values)
     return Transition(FCall("produce", (pk.meta,), args), partial(_read_write, pk.partition, schemas))
 
 
@@ -413,22 +420,52 @@ def check_visible(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str] =
     return Transition(FCall("check_visible", (pk.meta,), (id_ranges(ids), *fields)), _read_visible)
 
 
+class InlineRead(NamedTuple):
+    """``lua/read_inline.lua``: the visibility check and, when it passed, the inline values."""
+
+    visibility: Visibility
+    values: dict[str, dict[int, bytes]]  # field -> {id: value} of the values kept inline
+
+
+def _read_inline(ids: Sequence[int], fields: Sequence[str], reply: Sequence[Any]) -> InlineRead:
+    if int(reply[0]) != 0:
+        return InlineRead(_read_visible(reply), {})
+    flat = reply[1]
+    order = sorted(set(ids))
+    n = len(order)
+    values: dict[str, dict[int, bytes]] = {}
+    if flat:
+        for k, name in enumerate(fields):
+            column = flat[k * n : (k + 1) * n]
+            values[name] = {i: v for i, v in zip(order, column, strict=True) if v is not None}
+    return InlineRead(Visibility([], None, []), values)
+
+
+def read_inline(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[InlineRead]:
+    """``lua/read_inline.lua``: check that ``ids`` are alive with every one of ``fields`` and return
+    the values of theirs kept inline (one round trip for small values)."""
+    args = (id_ranges(ids), *fields)
+    return Transition(FCall("read_inline", (pk.meta,), args), partial(_read_inline, list(ids), list(fields)))
+
+
 # ------------------------------------------------------------------ claims
 
 
 def _claim_reply(
-    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_deadline: Any, registered: bool
-) -> ClaimReply:
+    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_deadline: Any, registered: bool,
+    inline: bool | None = None,
+) -> ClaimReply:  # fmt: skip
     tag_list = tag_rows(tags, len(ids)) if tags and ids else None
     return ClaimReply(
         text(last_id), [int(i) for i in ids], schema_pairs(schemas), tag_list, [int(d) for d in deliveries],
-        int(next_deadline), registered,
+        int(next_deadline), registered, inline,
     )  # fmt: skip
 
 
 def _read_claim(reply: Sequence[Any]) -> ClaimReply:
     last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
-    return _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])))
+    inline = bool(int(rest[1])) if len(rest) > 1 else None
+    return _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])), inline)
 
 
 def claim(
@@ -645,7 +682,7 @@ def channel_pop(
 BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
     f.__name__: f
     for f in (
-        reserve, insert, produce, set_tags, check_visible,
+        reserve, insert, produce, set_tags, check_visible, read_inline,
         claim, claim_ids, ready_ids, wait, settle,
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,

@@ -41,7 +41,8 @@ def test_reference_shape_is_mapped():
         }
     )
     assert cfg["sampler"] == "GRPOGroupNSampler"
-    assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "spill": None, "options": {}}
+    assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "spill": None, "options": {},
+                              "inline_max_bytes": 4096}
     assert cfg["metrics"] == {"enabled": True, "port": 9000}
 
 
@@ -154,3 +155,13 @@ def test_parse_size_takes_zero_where_allowed():
     assert config.parse_size("0", allow_zero=True) == 0 and config.parse_size("0MiB", allow_zero=True) == 0
     with pytest.raises(ConfigError, match="must be non-negative"):
         config.parse_size(-1, allow_zero=True)
+
+
+@pytest.mark.parametrize(("given", "bytes_"), [("4KiB", 4096), (0, 0), ("64KiB", 65536), (100, 100)])
+def test_inline_max_bytes_is_a_size_and_zero_turns_it_off(given, bytes_):
+    assert config.load({"storage": {"inline_max_bytes": given}})["storage"]["inline_max_bytes"] == bytes_
+
+
+def test_inline_max_bytes_refuses_what_is_not_a_size():
+    with pytest.raises(ConfigError, match="inline|size"):
+        config.load({"storage": {"inline_max_bytes": "lots"}})

@@ -125,7 +125,8 @@ def input_spec(name: str) -> tuple[int, int, bool]:
 EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "reserve": (transitions.reserve(PK, 4, {"a": F32}, strict=True), (4, "a", "!" + F32)),
     "insert": (transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW), (10, 4, NOW, 1, "a", F32)),
-    "produce": (transitions.produce(PK, [3, 5], {"a": F32}), (1, "a", F32, 3, 5)),
+    "produce": (transitions.produce(PK, [3, 5], {"a": F32}), (1, "a", F32, 2, 3, 5)),
+    "read_inline": (transitions.read_inline(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
     "set_tags": (
         transitions.set_tags(PK, [3, 5], ["len", "uid"], [{"len": 7}, {"uid": "x"}]),
         (2, 3, 5, "len", "7", "", "uid", "", '"x"'),
@@ -239,9 +240,9 @@ def test_call_yields_the_effect_and_returns_the_read_reply():
 
 def test_pipeline_sends_one_pipe_and_reads_only_the_transitions():
     zadd = Cmd(("ZADD", "ns:partitions", "NX", 1.0, "p"))
-    results, effects = drive(transitions.pipeline(transitions.insert(PK, 0, 2, now_ms=NOW), zadd), [[[1], 1]])
+    results, effects = drive(transitions.pipeline(transitions.insert(PK, 0, 2, now_ms=NOW), zadd), [[[1, 0], 1]])
     assert effects == [Pipe((transitions.insert(PK, 0, 2, now_ms=NOW).effect, zadd))]
-    assert results == [None, 1]
+    assert results == [0, 1]
     with pytest.raises(PartitionSealed):
         drive(transitions.pipeline(transitions.insert(PK, 0, 2), zadd), [[[-3], 0]])
 
@@ -275,8 +276,8 @@ def test_a_conflict_on_a_field_not_offered_is_still_an_error():
         transitions.reserve(PK, 1).read([0, b"zz", F32.encode()])
 
 
-def test_insert_reads_done_sealed_and_conflict():
-    assert read("insert", [1]) is None
+def test_insert_reads_first_id_sealed_and_conflict():
+    assert read("insert", [1, 10]) == 10
     with pytest.raises(PartitionSealed):
         read("insert", [-3])
     with pytest.raises(DTypeConflict):
@@ -290,6 +291,23 @@ def test_writes_read_done_missing_partition_and_cleared_samples(name: str):
         read(name, [-1])
     with pytest.raises(SampleNotFound, match=r"samples \[3, 5\] of partition 'p' were cleared"):
         read(name, [-2, 3, 5])
+
+
+def test_inline_writes_append_their_values_field_major():
+    insert = transitions.insert(PK, None, 2, {"a": F32, "b": F32}, values=[b"a0", b"a1", b"b0", b"b1"], now_ms=NOW)
+    assert insert.effect.args == ("", 2, NOW, 2, "a", F32, "b", F32, b"a0", b"a1", b"b0", b"b1")
+    produce = transitions.produce(PK, [7, 9], {"a": F32}, inline_values=[b"x", b"y"])
+    assert produce.effect.args == (1, "a", F32, 2, 7, 9, b"x", b"y")
+
+
+def test_read_inline_maps_values_to_ids_and_fields():
+    call = transitions.read_inline(PK, [5, 0, 1], ["a", "b"])
+    got = call.read([0, [b"a0", None, b"a5", None, b"b1", b"b5"]])  # ascending ids 0, 1, 5; field-major
+    assert got.visibility.ok
+    assert got.values == {"a": {0: b"a0", 5: b"a5"}, "b": {1: b"b1", 5: b"b5"}}
+    assert call.read([0, []]).values == {}
+    assert call.read([-1, 5]).visibility.not_alive == [5]
+    assert call.read([-2, b"b", 1]).visibility == Visibility([], "b", [1])
 
 
 def test_produce_reads_a_conflict():
