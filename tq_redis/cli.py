@@ -1,4 +1,5 @@
-"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``, ``demo``."""
+"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``, ``demo``, and the admin steps of a shared
+Redis: ``acl`` (a namespace's ACL user) and ``load-library`` (the function library)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,79 @@ def _cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
+def _admin_url(args: argparse.Namespace, command: str) -> str | None:
+    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    if not url:
+        print(f"tq-redis {command}: pass --redis URL (an admin user's) or set TQ_REDIS_URL", file=sys.stderr)
+    return url
+
+
+def _cmd_load_library(args: argparse.Namespace) -> int:
+    """Load the function library on every primary (an admin step on a shared Redis)."""
+    from tq_redis import connections, scripts, server_policy
+    from tq_redis.errors import TQError
+
+    url = _admin_url(args, "load-library")
+    if not url:
+        return 2
+    try:
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=5)
+    except TQError as exc:
+        print(f"tq-redis load-library: {exc}", file=sys.stderr)
+        return 1
+    try:
+        nodes = scripts.load_everywhere(r)
+    except redis.RedisError as exc:
+        typed = server_policy.typed_error(url, exc)
+        print(f"tq-redis load-library: {typed or exc}", file=sys.stderr)
+        return 1
+    finally:
+        r.close()
+    where = ", ".join(n for n in nodes if n) or server_policy.redact(url)
+    print(f"tq-redis load-library: library {scripts.LIBRARY_NAME} version {scripts.library()[1]} loaded on {where}")
+    return 0
+
+
+def _cmd_acl(args: argparse.Namespace) -> int:
+    """Print (or apply) the ACL rules of a namespace's user."""
+    from tq_redis import acl, connections, server_policy
+    from tq_redis.errors import TQError
+
+    try:
+        user = args.user or acl.default_user(args.namespace, args.role)
+        password = args.password or os.environ.get("TQ_ACL_PASSWORD") or acl.new_password()
+        line = acl.setuser_args(user, args.namespace, password, args.role)
+    except TQError as exc:
+        print(f"tq-redis acl: {exc}", file=sys.stderr)
+        return 2
+    if not args.apply:
+        print(acl.render(line))
+        if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+            print(f"# generated password for {user}: {password}", file=sys.stderr)
+        return 0
+    url = _admin_url(args, "acl --apply")
+    if not url:
+        return 2
+    try:
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=5)
+        try:
+            sent = acl.apply(r, user, args.namespace, password, args.role)
+        finally:
+            r.close()
+    except redis.RedisError as exc:
+        print(f"tq-redis acl: {server_policy.typed_error(url, exc) or exc}", file=sys.stderr)
+        return 1
+    except TQError as exc:
+        print(f"tq-redis acl: {exc}", file=sys.stderr)
+        return 1
+    left_out = [a for a in line if a not in sent]
+    note = f" (this server does not know {', '.join(left_out)}: left out)" if left_out else ""
+    print(f"tq-redis acl: user {user} set for namespace {args.namespace!r} ({args.role}){note}")
+    if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+        print(f"password: {password}")
+    return 0
+
+
 def _version_line() -> str:
     """The package version, and whether this install copies batches with the native module."""
     from importlib.metadata import PackageNotFoundError, version
@@ -152,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval", type=float, default=1.0)
     status.set_defaults(func=_cmd_status)
+
+    load = sub.add_parser("load-library", help="admin: load the Lua function library on every primary")
+    load.add_argument("--redis", default=None, help="Redis URL of a user allowed to FUNCTION LOAD "
+                      "(default: $TQ_REDIS_URL)")
+    load.set_defaults(func=_cmd_load_library)
+
+    acl_cmd = sub.add_parser("acl", help="print (or --apply) the Redis ACL rules of a namespace's user")
+    acl_cmd.add_argument("namespace")
+    acl_cmd.add_argument("--user", default=None, help="user name (default: tq-NAMESPACE, tq-NAMESPACE-node)")
+    acl_cmd.add_argument("--password", default=None,
+                         help="the user's password (default: $TQ_ACL_PASSWORD, else a generated one)")
+    acl_cmd.add_argument("--role", choices=("client", "storage-node"), default="client",
+                         help="client: a job's ranks; storage-node: a DRAM node (registers itself only)")
+    acl_cmd.add_argument("--apply", action="store_true", help="run ACL SETUSER on the server (an admin's URL)")
+    acl_cmd.add_argument("--redis", default=None, help="Redis URL for --apply (default: $TQ_REDIS_URL)")
+    acl_cmd.set_defaults(func=_cmd_acl)
     return parser
 
 

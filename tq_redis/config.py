@@ -3,11 +3,23 @@
 Our own shape (every key optional)::
 
     redis:     {url: null,               # null and no TQ_REDIS_URL -> start an embedded Valkey
-                cluster: null}           # true/false: the URL is / is not a Redis Cluster node;
+                cluster: null,           # true/false: the URL is / is not a Redis Cluster node;
                                          #   null: TQ_REDIS_CLUSTER, else ask the server (INFO cluster)
+                on_eviction: error,      # error|warn: a server whose maxmemory-policy evicts any key
+                                         #   (allkeys-*) is refused / only warned about
+                                         #   (TQ_REDIS_ON_EVICTION; see tq_redis.server_policy)
+                load_library: auto,      # auto|never: clients load the Lua library themselves / only an
+                                         #   admin does (tq-redis load-library) (TQ_REDIS_LOAD_LIBRARY)
+                sentinel: null,          # {hosts: [h:26379, ...], service: mymaster, db, username, password,
+                                         #   sentinel_username, sentinel_password}: becomes redis.url
+                                         #   redis+sentinel://... (the canonical form; see tq_redis.sentinel)
+                durable: none,           # none | replicas[:N] | aof[:N]: WAIT / WAITAOF after every write
+                durable_timeout_ms: 1000}  #   (TQ_REDIS_DURABLE[_TIMEOUT_MS]; see tq_redis.durability)
     namespace: tq                        # two jobs on one Redis use two namespaces
-    storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {}}
-                                         # spill: fsspec URL the embedded nodes overflow to
+    storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {},
+                inline_max_bytes: 4KiB}  # spill: fsspec URL the embedded nodes overflow to
+                                         # inline_max_bytes: a put whose every value is at most this
+                                         #   keeps them in Redis with the bits (one round trip); 0: never
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
     compat:    {nested_output: true,     # the reference's layout: tensor fields come back nested;
                 strict_schema: false}    #   false: a field whose samples share a shape comes back dense
@@ -32,13 +44,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from tq_redis import durability, sentinel, server_policy
 from tq_redis.connections import CLUSTER_ENV, check_url, parse_cluster_flag
 from tq_redis.errors import ConfigError
 
 DEFAULTS: dict[str, Any] = {
-    "redis": {"url": None, "cluster": None},
+    "redis": {"url": None, "cluster": None, "on_eviction": None, "load_library": None,
+              "sentinel": None, "durable": None, "durable_timeout_ms": None},
     "namespace": "tq",
-    "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {}},
+    "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {},
+                "inline_max_bytes": "4KiB"},
     "sampler": "SequentialSampler",
     "compat": {"nested_output": True, "strict_schema": False},
     "codec": {"allow_pickle": False},
@@ -129,7 +144,8 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def load(conf: Any = None) -> dict[str, Any]:
-    """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``, ``TQ_REDIS_CLUSTER``) and ``conf``."""
+    """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``, ``TQ_REDIS_CLUSTER``,
+    ``TQ_REDIS_ON_EVICTION``, ``TQ_REDIS_LOAD_LIBRARY``, ``TQ_REDIS_DURABLE[_TIMEOUT_MS]``) and ``conf``."""
     given = to_plain(conf)
     known = _OUR_SECTIONS | _REFERENCE_SECTIONS
     unknown = sorted(str(k) for k in set(given) - known)
@@ -156,11 +172,33 @@ def load(conf: Any = None) -> dict[str, Any]:
         else:
             out[section] = value
     out["redis"]["cluster"] = parse_cluster_flag(out["redis"].get("cluster"), "redis.cluster")
+    for name in ("on_eviction", "load_library"):  # None: the environment's, else the default
+        value = out["redis"].get(name)
+        out["redis"][name] = server_policy.setting("", name) if value is None else server_policy.parse(name, value)
+    _high_availability(out["redis"], given.get("redis"))
     if out["redis"]["url"] is not None:
         check_url(out["redis"]["url"])
+    out["storage"]["inline_max_bytes"] = parse_size(out["storage"]["inline_max_bytes"], allow_zero=True)
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
     return out
+
+
+def _high_availability(section: dict[str, Any], given: Any) -> None:
+    """``redis.sentinel`` becomes ``redis.url`` (``redis+sentinel://...``, the one canonical form);
+    ``redis.durable[_timeout_ms]`` is normalized (``replicas:1``), the environment's when not given."""
+    block = section.get("sentinel")
+    if block is not None:
+        if isinstance(given, Mapping) and given.get("url") is not None:
+            raise ConfigError(
+                "give either redis.url or redis.sentinel, not both: redis.sentinel is turned into the URL "
+                f"{sentinel.url_from_block(block)!r}"
+            )
+        section["url"] = sentinel.url_from_block(block)
+    env = durability.from_env()
+    mode, timeout = section.get("durable"), section.get("durable_timeout_ms")
+    setting = durability.parse(env if mode is None else mode, timeout if timeout is not None else env.timeout_ms)
+    section["durable"], section["durable_timeout_ms"] = str(setting), setting.timeout_ms
 
 
 _SIZE_UNITS = {

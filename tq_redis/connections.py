@@ -1,7 +1,11 @@
 """Every Redis connection of tq-redis is built here: blocking or asyncio, one server or a Redis Cluster.
 
 A URL is all a client needs: ``redis://host:port`` of a single server, or of *any* node of a Redis
-Cluster (``rediss://`` for TLS, ``unix:///path.sock`` for a local single server). Whether the URL
+Cluster (``rediss://`` for TLS, ``unix:///path.sock`` for a local single server). TLS options go in
+the URL's query as redis-py reads them: ``rediss://host:6380/0?ssl_ca_certs=/etc/tq/ca.pem`` (the CA
+that signed the server's certificate; the host name is checked against it), plus ``ssl_certfile``
+and ``ssl_keyfile`` for a server that asks clients for certificates (``tls-auth-clients yes``);
+credentials go in the URL too: ``rediss://USER:PASSWORD@host:6380/0``. Whether the URL
 names a cluster is decided per URL, by the first of these that says so:
 
 1. ``cluster=True|False`` passed to :func:`sync_client` / :func:`async_client`;
@@ -16,6 +20,10 @@ with one change: ``FCALL``/``FCALL_RO`` and ``XREAD`` are routed by the keys in 
 redis-py already does for ``EVAL``, instead of asking a server (``COMMAND GETKEYS``) on every call.
 A single-server client that meets a cluster anyway (``cluster=False`` forced against a cluster node)
 raises :class:`~tq_redis.errors.ConfigError` saying so, instead of redis-py's ``MovedError``.
+
+Behind Redis Sentinel the URL is ``redis+sentinel://sentinel:26379[,sentinel:port...]/service[/db]``
+(see :mod:`tq_redis.sentinel`): the client is a single-server client whose connections go to the
+primary the Sentinels name at the moment each connection opens, so it follows a failover.
 
 Every client reconnects with backoff across a server restart (:func:`connection_options`); a
 cluster client also refreshes its slot map and retries when a node moves or fails over.
@@ -39,6 +47,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AskError
 from redis.retry import Retry
 
+from tq_redis import sentinel
 from tq_redis.errors import ConfigError, ConnectionFailed, TQError
 
 CLUSTER_ENV = "TQ_REDIS_CLUSTER"
@@ -63,11 +72,15 @@ def check_url(url: Any) -> str:
     """Return ``url`` if redis-py can connect with it, else raise :class:`ConfigError` saying how to fix it."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"the Redis URL must be a non-empty string like redis://127.0.0.1:6379, got {url!r}")
+    if sentinel.is_sentinel_url(url):  # redis+sentinel://sentinels/service (see tq_redis.sentinel)
+        sentinel.parse_url(url)
+        return url
     scheme = urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
         raise ConfigError(
             f"Redis URL {url!r} has scheme {scheme or 'none'!r}: write redis://host:port (rediss:// for TLS, "
-            f"unix:///path/to/redis.sock for a local socket); for a Redis Cluster any node's redis://host:port"
+            f"unix:///path/to/redis.sock for a local socket); for a Redis Cluster any node's redis://host:port; "
+            f"behind Redis Sentinel redis+sentinel://sentinel-host:26379[,host:port...]/service"
         )
     try:
         redis.connection.parse_url(url)
@@ -139,6 +152,11 @@ def detect_cluster(url: str) -> bool | None:
 def cluster_mode(url: str, cluster: Any = None) -> bool:
     """Whether clients of ``url`` are cluster clients (see the module docstring for the order of rules)."""
     flag = parse_cluster_flag(cluster, "cluster")
+    if sentinel.is_sentinel_url(url):  # Sentinel watches single servers, never a cluster
+        if flag:
+            raise ConfigError(f"{url!r} names Redis Sentinel, which serves a single primary, not a cluster: "
+                              f"drop redis.cluster: true / TQ_REDIS_CLUSTER=1, or give a cluster node's redis:// URL")
+        return False
     if flag is not None:
         return flag
     with _lock:
@@ -276,9 +294,13 @@ def cluster_failure(url: str, exc: BaseException) -> TQError:
 
 class SingleClient(redis.Redis):
     """``redis.Redis`` that reports a ``MOVED``/``ASK`` reply as :class:`ConfigError`
-    (see :func:`not_a_single_server`)."""
+    (see :func:`not_a_single_server`). Behind Sentinel it follows the primary (:mod:`tq_redis.sentinel`)."""
 
     tq_url = ""
+
+    def close(self) -> None:
+        super().close()
+        sentinel.close_sync(self)
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         try:
@@ -291,6 +313,10 @@ class AsyncSingleClient(aioredis.Redis):
     """``redis.asyncio.Redis`` that reports a ``MOVED``/``ASK`` reply as :class:`ConfigError`."""
 
     tq_url = ""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        await sentinel.close_async(self)
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         try:
@@ -320,7 +346,10 @@ def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **opti
             return ClusterClient.from_url(_cluster_url(url), retry=retry, **options)
         except (redis.exceptions.RedisClusterException, redis.RedisError) as exc:  # it connects at once
             raise cluster_failure(url, exc) from exc
-    client = SingleClient.from_url(url, **{**base, **options})
+    if sentinel.is_sentinel_url(url):
+        client = sentinel.sync_client(url, SingleClient, {**base, **options})
+    else:
+        client = SingleClient.from_url(url, **{**base, **options})
     client.tq_url = url
     return client
 
@@ -348,7 +377,10 @@ def async_client(
         except redis.exceptions.RedisClusterException as exc:  # bad arguments: it connects on first use
             raise ConfigError(f"cannot use {url!r} as a Redis Cluster: {exc}") from exc
     merged = {**base, **options}
-    if max_connections is not None:
+    if sentinel.is_sentinel_url(url):
+        client = sentinel.async_client(url, AsyncSingleClient, merged, max_connections=max_connections,
+                                       wait_for_connection=wait_for_connection)
+    elif max_connections is not None:
         pool_class = aioredis.BlockingConnectionPool if wait_for_connection else aioredis.ConnectionPool
         extra = {"timeout": None} if wait_for_connection else {}
         pool = pool_class.from_url(url, max_connections=max_connections, **extra, **merged)

@@ -18,6 +18,7 @@ persistence, ``FUNCTION FLUSH``, a new primary after a failover) when a call the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 import redis
 from redis.exceptions import AskError, RedisClusterException
 
-from tq_redis import connections, metrics, scripts
+from tq_redis import connections, durability, metrics, scripts, server_policy
 from tq_redis.errors import ConnectionFailed
 
 
@@ -101,7 +102,8 @@ def _as_args(call: Cmd | FCall) -> tuple:
 
 def _connection_failed(url: str, exc: BaseException) -> ConnectionFailed:
     return ConnectionFailed(
-        f"cannot reach Redis at {url} ({exc}); check that the server is running and the URL is right "
+        f"cannot reach Redis at {server_policy.redact(url)} ({exc}); check that the server is running and the "
+        f"URL is right "
         f"(init() starts an embedded server only when no URL is configured)"
     )
 
@@ -115,6 +117,41 @@ def _as_redis_failure(url: str, effect: Any, exc: BaseException) -> BaseExceptio
     return exc if isinstance(effect, Offload) else _connection_failed(url, exc)
 
 
+# Durable mode (tq_redis.durability): what the waits of the operation being run in this thread or
+# task found missing; run() raises NotDurable once the operation has finished.
+_durable_shortfalls: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "tq_durable_shortfalls", default=None
+)
+
+
+def _durable_wait(setting: durability.Durability, calls: tuple) -> tuple | None:
+    """The WAIT/WAITAOF to send after ``calls`` on their connection, or None (nothing to wait for)."""
+    if any(isinstance(c, FCall) and setting.waits_after(c.name) for c in calls):
+        return setting.command()
+    return None
+
+
+def _durable_results(setting: durability.Durability, results: list, wait: tuple | None) -> list:
+    """``results`` without the wait's reply; a shortfall is noted for :func:`_durable_outcome`."""
+    if wait is None:
+        return results
+    reply = results.pop()
+    if isinstance(reply, Exception):
+        raise reply
+    missing = setting.shortfall(reply)
+    notes = _durable_shortfalls.get()
+    if missing is not None and notes is not None:
+        notes.append(missing)
+    return results
+
+
+def _durable_outcome(driver: _Driver, notes: list[str], result: Any) -> Any:
+    """The operation's result, or ``NotDurable`` carrying it if a wait found a write unconfirmed."""
+    if notes:
+        raise driver.durable.not_durable(server_policy.redact(driver.url), notes[0], result)
+    return result
+
+
 def _wait_ms(wait: Wait) -> int:
     return max(1, int(wait.timeout_s * 1000))
 
@@ -122,11 +159,6 @@ def _wait_ms(wait: Wait) -> int:
 def _blpop_timeout(wait: WaitToken) -> float:
     # BLPOP takes seconds with decimals (Redis >= 6); 0 would mean "forever"
     return max(0.001, round(wait.timeout_s, 3))
-
-
-def _library_is_current(reply: Any) -> bool:
-    """Whether ``FCALL tq_version`` answered with this client's library version."""
-    return reply is not None and reply.decode() == scripts.library()[1]
 
 
 def _missing_library(calls: tuple, results: list) -> list[int]:
@@ -225,8 +257,14 @@ class _Steps:
         self._value, self._error = value, None
 
     def failed(self, effect: Any, exc: BaseException) -> None:
-        """Hand ``exc`` to the operation, which decides (a lost Redis connection as ``ConnectionFailed``)."""
-        if isinstance(exc, _CONNECTION_ERRORS):
+        """Hand ``exc`` to the operation, which decides (a lost Redis connection as ``ConnectionFailed``,
+        Redis's refusals -- ``NOPERM``, ``OOM``, a failed ``AUTH`` -- as the errors
+        :func:`tq_redis.server_policy.typed_error` names)."""
+        typed = server_policy.typed_error(self._url, exc)  # the redis store's refusals too
+        if typed is not None:
+            typed.__cause__ = exc
+            exc = typed
+        elif isinstance(exc, _CONNECTION_ERRORS):
             exc = _as_redis_failure(self._url, effect, exc)
         elif isinstance(exc, RedisClusterException):  # an asyncio cluster client that could not start
             exc = connections.cluster_failure(self._url, exc)
@@ -242,10 +280,15 @@ class _Driver:
 
     _client: Callable[..., Any] = staticmethod(connections.sync_client)
 
-    def __init__(self, url: str, *, cluster: bool | None = None, **redis_kwargs: Any) -> None:
+    def __init__(self, url: str, *, cluster: bool | None = None, durable: Any = None, **redis_kwargs: Any) -> None:
         self.url = url
+        # durable mode: None takes what init declared for the URL, else TQ_REDIS_DURABLE
+        self.durable = durability.for_url(url) if durable is None else durability.parse(durable)
         self.redis = self._client(url, cluster=cluster, **redis_kwargs)
         self._library = _Library(self.redis)
+        self._durable_checked = not self.durable.enabled
+        if self.durable.enabled and self._library.cluster:
+            raise durability.on_cluster(server_policy.redact(url), self.durable)
 
     @property
     def cluster(self) -> bool:
@@ -256,15 +299,46 @@ class _Driver:
 class SyncDriver(_Driver):
     """Runs operations with a blocking redis-py client (one connection pool per driver)."""
 
-    def run(self, op: Operation) -> Any:
-        """Drive ``op`` to completion and return its result."""
-        steps = _Steps(op, self.url)
-        for effect in steps:
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        if self.durable.enabled:  # refuse an unfit server now (a server that is down is asked at first use)
             try:
-                steps.done(self._execute(effect))
-            except Exception as exc:  # handed to the operation, which decides
-                steps.failed(effect, exc)
-        return steps.result
+                self._check_durable()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                pass
+
+    def run(self, op: Operation) -> Any:
+        """Drive ``op`` to completion and return its result (durable mode: see :mod:`tq_redis.durability`)."""
+        steps = _Steps(op, self.url)
+        notes: list[str] = []
+        token = _durable_shortfalls.set(notes)
+        try:
+            for effect in steps:
+                try:
+                    steps.done(self._execute(effect))
+                except Exception as exc:  # handed to the operation, which decides
+                    steps.failed(effect, exc)
+        finally:
+            _durable_shortfalls.reset(token)
+        return _durable_outcome(self, notes, steps.result)
+
+    def _check_durable(self) -> None:
+        """Once: does the server take this durable mode's wait? (``DurabilityUnsupported`` if not.)"""
+        if not self._durable_checked:
+            try:
+                self.redis.execute_command(*durability.probe_command(self.durable))
+            except redis.ResponseError as exc:
+                raise durability.unsupported(server_policy.redact(self.url), self.durable, exc) from None
+            self._durable_checked = True
+
+    def _call(self, call: FCall) -> Any:
+        """One function call; in durable mode followed by its wait in the same round trip."""
+        if not self.durable.waits_after(call.name):
+            return self.redis.execute_command(*_fcall_args(call))
+        result = self._send((call,))[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
@@ -287,26 +361,33 @@ class SyncDriver(_Driver):
         raise TypeError(f"unknown effect {effect!r}")
 
     def ensure_loaded(self, force: bool = False, nodes: list[Any] | None = None) -> None:
-        """Load the Lua library on each of ``nodes`` (every primary by default) that does not run this
-        exact version; ``force``: check again even nodes checked before."""
+        """Check each of ``nodes`` (every primary by default) as :func:`tq_redis.server_policy.node_checks`
+        says: its eviction policy, and that it runs exactly this library (loading it where allowed);
+        ``force``: check again even nodes checked before."""
         for node in self._library.to_check(nodes, force):
-            try:
-                current = self.redis.execute_command("FCALL", "tq_version", 0, **_on(node))
-            except redis.ResponseError:
-                current = None
-            if not _library_is_current(current):
-                self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0], **_on(node))
+            checks = server_policy.node_checks(self.url, self._library.name(node))
+            reply: Any = None
+            error: BaseException | None = None
+            while True:
+                try:
+                    command = checks.send(reply) if error is None else checks.throw(error)
+                except StopIteration:
+                    break
+                try:
+                    reply, error = self.redis.execute_command(*command, **_on(node)), None
+                except redis.ResponseError as exc:
+                    reply, error = None, exc
             self._library.current.add(self._library.name(node))
 
     def _fcall(self, call: FCall) -> Any:
         self.ensure_loaded(nodes=self._library.unchecked((call,)))
         try:
-            return self.redis.execute_command(*_fcall_args(call))
+            return self._call(call)
         except redis.ResponseError as exc:
             if not scripts.is_missing_function(exc):
                 raise
             self.ensure_loaded(force=True, nodes=self._library.serving((call,)))
-            return self.redis.execute_command(*_fcall_args(call))
+            return self._call(call)
 
     def _pipe(self, effect: Pipe) -> list:
         fcalls = [c for c in effect.calls if isinstance(c, FCall)]
@@ -322,10 +403,15 @@ class SyncDriver(_Driver):
         return _first_error(results, self.url, self.cluster)
 
     def _send(self, calls: tuple) -> list:
+        wait = _durable_wait(self.durable, calls)
+        if wait is not None:
+            self._check_durable()
         pipe = self.redis.pipeline(transaction=False)
         for call in calls:
             pipe.execute_command(*_as_args(call))
-        return list(pipe.execute(raise_on_error=False))
+        if wait is not None:  # on the same connection, right after the writes it confirms
+            pipe.execute_command(*wait)
+        return _durable_results(self.durable, list(pipe.execute(raise_on_error=False)), wait)
 
     def close(self) -> None:
         self.redis.close()
@@ -340,14 +426,37 @@ class AsyncDriver(_Driver):
     _client = staticmethod(connections.async_client)
 
     async def run(self, op: Operation) -> Any:
-        """Drive ``op`` to completion and return its result."""
+        """Drive ``op`` to completion and return its result (durable mode: see :mod:`tq_redis.durability`)."""
         steps = _Steps(op, self.url)
-        for effect in steps:
+        notes: list[str] = []
+        token = _durable_shortfalls.set(notes)
+        try:
+            for effect in steps:
+                try:
+                    steps.done(await self._execute(effect))
+                except Exception as exc:  # handed to the operation, which decides
+                    steps.failed(effect, exc)
+        finally:
+            _durable_shortfalls.reset(token)
+        return _durable_outcome(self, notes, steps.result)
+
+    async def _check_durable(self) -> None:
+        """As :meth:`SyncDriver._check_durable` (asked at the first wait: this client connects lazily)."""
+        if not self._durable_checked:
             try:
-                steps.done(await self._execute(effect))
-            except Exception as exc:  # handed to the operation, which decides
-                steps.failed(effect, exc)
-        return steps.result
+                await self.redis.execute_command(*durability.probe_command(self.durable))
+            except redis.ResponseError as exc:
+                raise durability.unsupported(server_policy.redact(self.url), self.durable, exc) from None
+            self._durable_checked = True
+
+    async def _call(self, call: FCall) -> Any:
+        """As :meth:`SyncDriver._call`."""
+        if not self.durable.waits_after(call.name):
+            return await self.redis.execute_command(*_fcall_args(call))
+        result = (await self._send((call,)))[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def _execute(self, effect: Any) -> Any:
         if isinstance(effect, FCall):
@@ -379,23 +488,29 @@ class AsyncDriver(_Driver):
         if self.cluster and nodes is None:
             await self.redis.initialize()
         for node in self._library.to_check(nodes, force):
-            try:
-                current = await self.redis.execute_command("FCALL", "tq_version", 0, **_on(node))
-            except redis.ResponseError:
-                current = None
-            if not _library_is_current(current):
-                await self.redis.execute_command("FUNCTION", "LOAD", "REPLACE", scripts.library()[0], **_on(node))
+            checks = server_policy.node_checks(self.url, self._library.name(node))
+            reply: Any = None
+            error: BaseException | None = None
+            while True:
+                try:
+                    command = checks.send(reply) if error is None else checks.throw(error)
+                except StopIteration:
+                    break
+                try:
+                    reply, error = await self.redis.execute_command(*command, **_on(node)), None
+                except redis.ResponseError as exc:
+                    reply, error = None, exc
             self._library.current.add(self._library.name(node))
 
     async def _fcall(self, call: FCall) -> Any:
         await self.ensure_loaded(nodes=await self._unchecked((call,)))
         try:
-            return await self.redis.execute_command(*_fcall_args(call))
+            return await self._call(call)
         except redis.ResponseError as exc:
             if not scripts.is_missing_function(exc):
                 raise
             await self.ensure_loaded(force=True, nodes=self._library.serving((call,)))
-            return await self.redis.execute_command(*_fcall_args(call))
+            return await self._call(call)
 
     async def _pipe(self, effect: Pipe) -> list:
         fcalls = [c for c in effect.calls if isinstance(c, FCall)]
@@ -411,10 +526,15 @@ class AsyncDriver(_Driver):
         return _first_error(results, self.url, self.cluster)
 
     async def _send(self, calls: tuple) -> list:
+        wait = _durable_wait(self.durable, calls)
+        if wait is not None:
+            await self._check_durable()
         pipe = self.redis.pipeline(transaction=False)
         for call in calls:
             pipe.execute_command(*_as_args(call))
-        return list(await pipe.execute(raise_on_error=False))
+        if wait is not None:  # on the same connection, right after the writes it confirms
+            pipe.execute_command(*wait)
+        return _durable_results(self.durable, list(await pipe.execute(raise_on_error=False)), wait)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -140,3 +140,29 @@ class PartitioningError(SamplerError, AssertionError):
 
 class LeaseError(TQError):
     """A lease operation (ack, nack, extend) named samples not leased by this task."""
+
+
+class PermissionDenied(TQError, PermissionError):
+    """Redis refused a command or key to this client's user (an ACL rule: ``NOPERM``), or its
+    credentials. The message names the rule to grant; ``tq-redis acl NAMESPACE`` prints the rules
+    a namespace's user needs."""
+
+
+class RedisOutOfMemory(StorageFull):
+    """Redis refused a write because its used memory is over ``maxmemory`` (policy ``noeviction``).
+
+    Nothing was changed by the refused call. Clearing still works (``clear_partition``,
+    ``clear_samples``): free memory that way, or raise ``maxmemory``, then retry.
+    """
+
+
+class EvictionPolicyError(ConfigError):
+    """The Redis server may evict keys (``maxmemory-policy`` ``allkeys-*``), which silently loses
+    tq-redis metadata: set ``maxmemory-policy noeviction`` (or ``volatile-*``), or accept the risk
+    with ``redis.on_eviction: warn``."""
+
+
+class LibraryNotLoaded(ConfigError):
+    """The tq-redis function library on a Redis server is missing or is not this client's exact
+    code, and this client may not load it (``redis.load_library: never``): an administrator runs
+    ``tq-redis load-library --redis URL``."""

@@ -389,7 +389,9 @@ def clear(ctx: ops.Context, keys: Any, partition_id: str) -> Op:
     """Remove keys, their samples and bytes. Unknown keys are ignored (idempotent)."""
     keys = _key_list(keys, "kv_clear")
     pk = ctx.keys(partition_id)
-    res = yield from resolve(ctx, pk, keys, False)
-    if res is None:
+    # Plain reads, not kv_resolve (a script that may write): a full Redis (maxmemory) refuses
+    # scripts that may write, and clearing must still work there to free memory.
+    exists, ids = yield from transitions.pipeline(Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.kv, *keys)))
+    if not exists:
         return
-    yield from _forget(ctx, pk, [(k, i) for k, i in zip(keys, res.ids) if i >= 0])
+    yield from _forget(ctx, pk, [(k, int(i)) for k, i in zip(keys, ids) if i is not None])

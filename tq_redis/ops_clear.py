@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tq_redis import arguments, bitmaps, transitions
 from tq_redis.driver import Cmd, Offload, Pipe
+from tq_redis.errors import RedisOutOfMemory
 from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, group_by_partition, storage
@@ -45,11 +46,18 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     store = yield from storage(ctx)
     # The partition leaves the list, but its seq (ids are never reused) and trash stay: the
     # ``partitions:kept`` registry keeps them findable (checkpoints) without a key pattern.
-    _, dropped, _ = yield from transitions.pipeline(
-        Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id)),
-        transitions.drop_partition(pk),
-        Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
-    )
+    keep = Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id))
+    try:
+        _, dropped, _ = yield from transitions.pipeline(
+            keep, transitions.drop_partition(pk), Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
+        )
+    except RedisOutOfMemory:
+        # Redis is full: the drop (allow-oom) and the ZREM ran, the SADD was refused. The dropped
+        # samples wait in the trash: delete their bytes, then register the partition in the memory
+        # that freed (RedisOutOfMemory again only if Redis is still full).
+        yield from empty_trash(store, pk)
+        yield keep
+        return
     if dropped.older:
         yield from empty_trash(store, pk)
         return

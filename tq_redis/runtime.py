@@ -5,6 +5,11 @@ storage nodes owned by this process; ``close()`` stops them. With a URL it only 
 may name any node of a Redis Cluster (``redis.cluster`` / ``TQ_REDIS_CLUSTER`` force the choice,
 see :mod:`tq_redis.connections`). Either
 way the effective config it returns carries the URL and namespace other processes attach with.
+
+Before anything is written, ``init`` checks the server as every client does at first use
+(:mod:`tq_redis.server_policy`): an evicting ``maxmemory-policy`` is refused
+(``redis.on_eviction: error``, the default) or warned about, and the function library is loaded
+(``redis.load_library: auto``) or must have been loaded by an admin (``never``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import os
 import threading
 from typing import Any
 
+import redis
+
 from tq_redis import config as config_mod
-from tq_redis import connections, metrics, ray_discovery, samplers
+from tq_redis import connections, metrics, ray_discovery, samplers, server_policy
 from tq_redis.embedded import EmbeddedServer
-from tq_redis.errors import TQError
+from tq_redis.errors import ConnectionFailed, TQError
 from tq_redis.keys import config_key
 from tq_redis.samplers import sampler_spec
 from tq_redis.sync import TransferQueueClient
@@ -45,7 +52,6 @@ def init(conf: Any = None) -> dict[str, Any]:
         if cfg["redis"]["url"] is None:
             _attach_to_ray_job_system(cfg, conf)
         server = nodes = None
-        storage = cfg["storage"]
         try:
             if cfg["redis"]["url"] is None:
                 server, nodes = _start_embedded(cfg)
@@ -58,23 +64,15 @@ def init(conf: Any = None) -> dict[str, Any]:
                     explicit_storage = False
             # every client this process builds for the URL follows redis.cluster (None: detect)
             connections.declare_cluster(cfg["redis"]["url"], cfg["redis"]["cluster"])
+            server_policy.declare(cfg["redis"]["url"], on_eviction=cfg["redis"]["on_eviction"],
+                                  load_library=cfg["redis"]["load_library"])
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],
                 allow_pickle=bool(cfg["codec"]["allow_pickle"]),
                 nested_output=bool(cfg["compat"]["nested_output"]),
                 strict_schema=bool(cfg["compat"].get("strict_schema", False)),
             )
-            spec = json.dumps({"backend": storage["backend"], "options": storage.get("options") or {}})
-            key = config_key(cfg["namespace"])
-            if explicit_storage:
-                client.redis.hset(key, "storage", spec)
-            else:
-                client.redis.hsetnx(key, "storage", spec)
-            sampler = json.dumps(sampler_spec(cfg["sampler"]))
-            if _gives_sampler(conf):
-                client.redis.hset(key, "sampler", sampler)
-            else:  # an argument-less init (a worker attaching) keeps the job's sampler
-                client.redis.hsetnx(key, "sampler", sampler)
+            _record_settings(client, cfg, conf, explicit_storage)
             if cfg["metrics"].get("enabled"):
                 metrics.start_exporter(
                     int(cfg["metrics"].get("port") or 0), redis_url=cfg["redis"]["url"], namespace=cfg["namespace"]
@@ -85,12 +83,43 @@ def init(conf: Any = None) -> dict[str, Any]:
             _stop(nodes, server)
             if cfg["redis"]["url"] is not None:
                 connections.declare_cluster(cfg["redis"]["url"], None)
+                server_policy.forget(cfg["redis"]["url"])
             raise
         # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
         if _gives_sampler(conf):
             samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], cfg["sampler"])
         _state.update(config=cfg, client=client, server=server, nodes=nodes)
         return cfg
+
+
+def _record_settings(client: TransferQueueClient, cfg: dict[str, Any], conf: Any, explicit_storage: bool) -> None:
+    """Check the server (eviction policy, library: :func:`tq_redis.server_policy.node_checks` on
+    every primary), then record the namespace's store and sampler in ``<ns>:config``."""
+    url = cfg["redis"]["url"]
+    spec = json.dumps({
+        "backend": cfg["storage"]["backend"], "options": cfg["storage"].get("options") or {},
+        "inline_max_bytes": cfg["storage"]["inline_max_bytes"],
+    })
+    key = config_key(cfg["namespace"])
+    sampler = json.dumps(sampler_spec(cfg["sampler"]))
+    try:
+        client._driver.ensure_loaded()
+        if explicit_storage:
+            client.redis.hset(key, "storage", spec)
+        else:
+            client.redis.hsetnx(key, "storage", spec)
+        if _gives_sampler(conf):
+            client.redis.hset(key, "sampler", sampler)
+        else:  # an argument-less init (a worker attaching) keeps the job's sampler
+            client.redis.hsetnx(key, "sampler", sampler)
+    except redis.RedisError as exc:
+        typed = server_policy.typed_error(url, exc)
+        if typed is not None:
+            raise typed from exc
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            raise ConnectionFailed(f"cannot reach Redis at {server_policy.redact(url)} ({exc}); check that "
+                                   f"the server is running and the URL is right") from exc
+        raise
 
 
 def _attach_to_ray_job_system(cfg: dict[str, Any], conf: Any) -> None:
@@ -158,6 +187,7 @@ def close() -> None:
         samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], None)
         _state["client"].close()
         connections.declare_cluster(cfg["redis"]["url"], None)
+        server_policy.forget(cfg["redis"]["url"])
         if _state.get("server") is not None:
             ray_discovery.withdraw(_state["server"].url)
         _stop(_state.get("nodes"), _state.get("server"))

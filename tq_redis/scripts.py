@@ -10,12 +10,21 @@ loaded once and after the includes it depends on.
 
 The builder concatenates the resolved includes and the scripts into one Redis Function library
 (``#!lua name=tq_redis``), registers each script as ``tq_<name>`` and adds ``tq_version``, which
-returns a hash of the source so a client can tell whether the loaded library is its own.
-The driver (``tq_redis/driver.py``, ``ensure_loaded``) checks the version once per server and
-driver -- on a Redis Cluster on every primary at first use, and on a primary it has not met before
-(a new one after a failover) before its first call there -- and loads the library where it is
-missing or older. A call that finds no function (``FUNCTION FLUSH``, a restarted server without
-persistence) reloads it on the node that answered and is retried once.
+returns a hash of the source. A script whose header has a ``Flags:`` section is registered with
+those Redis function flags (one per line, its reason after it): ``allow-oom`` on the scripts that
+only delete or shrink (the clear path), so clearing still frees memory when Redis is full.
+
+Whether a server runs *this* library is decided from its code, not from what ``tq_version``
+answers (any user allowed to ``FUNCTION LOAD`` could load a library whose ``tq_version`` lies):
+``FUNCTION LIST LIBRARYNAME tq_redis WITHCODE`` must return exactly :func:`library`'s source
+(:func:`library_state`). The driver (``tq_redis/driver.py``, ``ensure_loaded``, through
+:func:`tq_redis.server_policy.node_checks`) checks this once per server and driver -- on a Redis
+Cluster on every primary at first use, and on a primary it has not met before (a new one after a
+failover) before its first call there -- and, with ``redis.load_library: auto`` (the default),
+loads the library where it is missing or differs; with ``never`` it raises
+:class:`~tq_redis.errors.LibraryNotLoaded` naming the admin command ``tq-redis load-library``
+(:func:`load_everywhere`). A call that finds no function (``FUNCTION FLUSH``, a restarted server
+without persistence) reloads it on the node that answered and is retried once.
 
 Every script derives all its keys from ``KEYS[1]`` (its partition's or channel's ``meta`` key) by
 cutting off ``meta``: the prefix keeps the ``{...}`` hash tag, so on a cluster a script touches a
@@ -30,11 +39,16 @@ import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 from tq_redis.errors import TQError
 
 LIBRARY_NAME = "tq_redis"
 INCLUDE_LINE = re.compile(r"^--\s*@include\s+(\S+)\s*$", re.MULTILINE)
+#: a header's ``Flags:`` section: the lines indented below it, up to the next section or the end
+FLAGS_SECTION = re.compile(r"^([ \t]*)Flags:[ \t]*\n((?:\1[ \t]+\S.*\n?)+)", re.MULTILINE)
+#: the Redis function flags a script may declare
+KNOWN_FLAGS = frozenset({"allow-oom", "no-writes", "allow-stale", "no-cluster", "allow-cross-slot-keys"})
 
 
 class IncludeError(TQError, ValueError):
@@ -137,11 +151,105 @@ def library() -> tuple[str, str]:
     scripts, found, order = _resolved()
     parts = [found[name] for name in order] + [scripts[name] for name in sorted(scripts)]
     body = "\n".join(parts)
-    version = hashlib.sha1(body.encode()).hexdigest()[:16]
-    registrations = [f"redis.register_function('tq_{name}', {name})" for name in sorted(scripts)]
-    registrations.append(f"redis.register_function('tq_version', function() return '{version}' end)")
-    source = f"#!lua name={LIBRARY_NAME}\n{body}\n" + "\n".join(registrations) + "\n"
+    registrations = [_registration(name, declared_flags(scripts[name], name)) for name in sorted(scripts)]
+    text = f"{body}\n" + "\n".join(registrations)
+    version = hashlib.sha1(text.encode()).hexdigest()[:16]
+    source = (
+        f"#!lua name={LIBRARY_NAME}\n{text}\n"
+        f"redis.register_function('tq_version', function() return '{version}' end)\n"
+    )
     return source, version
+
+
+def declared_flags(source: str, name: str = "script") -> list[str]:
+    """The Redis function flags a script's header declares in its ``Flags:`` section (first word of
+    each line below it). Raises :class:`IncludeError` for a flag Redis does not know."""
+    m = FLAGS_SECTION.search(source.split("]]", 1)[0] + "\n")
+    if m is None:
+        return []
+    flags = [line.split()[0] for line in m.group(2).splitlines() if line.strip()]
+    unknown = sorted(set(flags) - KNOWN_FLAGS)
+    if unknown:
+        raise IncludeError(f"lua/{name}.lua declares unknown function flag(s) {unknown}; known: {sorted(KNOWN_FLAGS)}")
+    return flags
+
+
+def _registration(name: str, flags: Sequence[str]) -> str:
+    if not flags:
+        return f"redis.register_function('tq_{name}', {name})"
+    listed = ", ".join(f"'{f}'" for f in flags)
+    return f"redis.register_function{{function_name='tq_{name}', callback={name}, flags={{{listed}}}}}"
+
+
+def function_flags() -> dict[str, list[str]]:
+    """Registered function name (``tq_<script>``) -> the flags it is registered with (only flagged ones)."""
+    scripts, _, _ = _resolved()
+    found = {f"tq_{name}": declared_flags(text, name) for name, text in scripts.items()}
+    return {name: flags for name, flags in found.items() if flags}
+
+
+def source_digest(code: str | bytes) -> str:
+    """A digest of a library's code, to compare what a server runs with :func:`library`."""
+    raw = code.encode() if isinstance(code, str) else bytes(code)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _as_dict(entry: Any) -> dict[str, Any]:
+    """One ``FUNCTION LIST`` entry as a dict with str keys (RESP2 gives a flat list of pairs)."""
+    if isinstance(entry, Mapping):
+        items = list(entry.items())
+    elif isinstance(entry, list | tuple):
+        items = list(zip(entry[::2], entry[1::2]))
+    else:
+        return {}
+    return {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in items}
+
+
+def library_state(reply: Any) -> str:
+    """What ``FUNCTION LIST LIBRARYNAME tq_redis WITHCODE`` says a server runs:
+
+    ``"current"`` (exactly this client's :func:`library` source), ``"missing"`` (no ``tq_redis``
+    library) or ``"foreign"`` (a ``tq_redis`` library with any other code: another tq-redis
+    version, or a library someone else loaded under our name).
+    """
+    expected = source_digest(library()[0])
+    state = "missing"
+    for entry in reply or []:
+        info = _as_dict(entry)
+        name = info.get("library_name")
+        if (name.decode() if isinstance(name, bytes) else name) != LIBRARY_NAME:
+            continue
+        code = info.get("library_code")
+        if code is not None and source_digest(code) == expected:
+            return "current"
+        state = "foreign"
+    return state
+
+
+def list_command() -> tuple[str, ...]:
+    """The command that returns our library's code on a server (see :func:`library_state`)."""
+    return ("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME, "WITHCODE")
+
+
+def load_command() -> tuple[str, ...]:
+    """The command that loads (or replaces) our library on a server: an admin step on a shared Redis."""
+    return ("FUNCTION", "LOAD", "REPLACE", library()[0])
+
+
+def load_everywhere(client: Any) -> list[str]:
+    """Load the library on every primary of ``client`` (a cluster's, or the one server): what
+    ``tq-redis load-library`` does. Returns the nodes loaded (``host:port``; the URL's server as
+    ``""``). Redis errors (``NOPERM`` for a user that may not ``FUNCTION LOAD``) propagate."""
+    from tq_redis.connections import is_cluster_client
+
+    if not is_cluster_client(client):
+        client.execute_command(*load_command())
+        return [""]
+    done = []
+    for node in client.get_primaries():
+        client.execute_command(*load_command(), target_nodes=node)
+        done.append(node.name)
+    return done
 
 
 def is_missing_function(exc: BaseException) -> bool:

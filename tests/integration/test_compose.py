@@ -1,19 +1,25 @@
 """docker-compose.yml is real: each service's command runs natively here, on loopback.
 
-No Docker engine runs on this machine, so the test reads the compose file, maps service host
-names and ports to loopback ones, and starts every service's command as a local process: Valkey
-with AOF (the bundled binary stands in for the image), the storage nodes through the installed
-``tq-redis`` CLI, then the example rank, which must finish its round trip through the nodes.
+No Docker engine runs on this machine, so the test reads the compose file, interpolates the
+variables it needs (``${VAR:?message}`` as compose does), maps service host names and ports to
+loopback ones, and starts every service's command as a local process: Valkey with AOF and a
+password (the bundled binary stands in for the image), the storage nodes through the installed
+``tq-redis`` CLI with a token, then the example rank, which must finish its round trip through
+the nodes. The compose file must be secure by default: a password and a token that must be set,
+no published Valkey port, a never-evicting Valkey.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 import yaml
 
@@ -22,13 +28,47 @@ from tq_redis.embedded import free_port, valkey_binary
 ROOT = Path(__file__).parents[2]
 
 
+SECRETS = {"REDIS_PASSWORD": "compose-test-password", "TQ_STORAGE_TOKEN": "compose-test-token"}
+_VARIABLE = re.compile(r"\$\{(\w+)(?::([?-])([^}]*))?\}")
+
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?message}`` (the last fails when unset)."""
+
+    def one(m: re.Match) -> str:
+        name, kind, rest = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if kind == "?":
+            raise ValueError(f"{name}: {rest}")
+        return rest if kind == "-" else ""
+
+    return _VARIABLE.sub(one, text).replace("$$", "$")
+
+
 def _translate(args: list[str], mapping: dict[str, str]) -> list[str]:
     out = []
     for a in args:
+        a = _interpolate(a, SECRETS)
         for old, new in mapping.items():
             a = a.replace(old, new)
         out.append(a)
     return out
+
+
+def test_compose_is_secure_by_default():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    valkey = services["valkey"]
+    assert "ports" not in valkey, "Valkey must not publish its port by default"
+    command = valkey["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    for text in (command[command.index("--requirepass") + 1], services["rank"]["environment"]["TQ_REDIS_URL"]):
+        with pytest.raises(ValueError, match="REDIS_PASSWORD"):  # compose refuses to start without it
+            _interpolate(text, {})
+    for name in ("storage-0", "storage-1", "rank"):
+        with pytest.raises(ValueError, match="TQ_STORAGE_TOKEN"):
+            _interpolate(str(services[name]["environment"]["TQ_STORAGE_TOKEN"]), {})
 
 
 def test_compose_services_run_natively(tmp_path):
@@ -54,27 +94,34 @@ def test_compose_services_run_natively(tmp_path):
         assert valkey_cmd[0] == "valkey-server"
         valkey_cmd = [valkey_binary(), *valkey_cmd[1:], "--port", str(redis_port), "--bind", "127.0.0.1"]
         procs.append(subprocess.Popen(valkey_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        r = redis.Redis(port=redis_port, socket_connect_timeout=0.2)
+        r = redis.Redis(port=redis_port, socket_connect_timeout=0.2, password=SECRETS["REDIS_PASSWORD"])
         deadline = time.monotonic() + 10
         while True:
             try:
                 r.ping()
                 break
+            except redis.AuthenticationError:
+                raise
             except redis.ConnectionError:
                 assert time.monotonic() < deadline, "valkey from the compose command did not start"
                 time.sleep(0.02)  # waiting for an external process to open its port
         assert r.config_get("appendonly")["appendonly"] == "yes"
+        with pytest.raises(redis.AuthenticationError):  # no password, no access
+            redis.Redis(port=redis_port).ping()
 
         for name in ("storage-0", "storage-1"):
             cmd = _translate(services[name]["command"], mapping)
             assert cmd[0] == "tq-redis"
             cmd = [str(bin_dir / "tq-redis"), *cmd[1:], "--capacity", "256MiB"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            node_env = {k: _translate([str(v)], mapping)[0] for k, v in services[name]["environment"].items()}
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, **node_env)))
         deadline = time.monotonic() + 60
         while len(r.hgetall("tq:storage:nodes")) < 2:
             assert time.monotonic() < deadline, "storage nodes from the compose commands did not register"
             assert all(p.poll() is None for p in procs), "a compose service exited early"
             time.sleep(0.05)  # waiting for external processes to register
+        assert all(json.loads(v)["auth"] for v in r.hgetall("tq:storage:nodes").values()), "nodes need the token"
 
         rank = services["rank"]
         env = dict(os.environ, **{k: _translate([str(v)], mapping)[0] for k, v in rank["environment"].items()})

@@ -327,10 +327,13 @@ def test_version_changes_with_any_source(monkeypatch):
 
 def test_library_registers_every_script_and_loads():
     source, version = scripts.library()
-    for name in scripts.script_names():
-        assert f"redis.register_function('tq_{name}', {name})" in source
     r = fakeredis.FakeRedis()
     r.execute_command("FUNCTION", "LOAD", "REPLACE", source)
+    (lib,) = r.execute_command(*scripts.list_command())
+    registered = {f[b"name"].decode(): sorted(x.decode() for x in f[b"flags"]) for f in lib[b"functions"]}
+    assert set(registered) == {f"tq_{n}" for n in scripts.script_names()} | {"tq_version"}
+    flagged = {n: sorted(fl) for n, fl in scripts.function_flags().items()}
+    assert {n: fl for n, fl in registered.items() if fl} == flagged
     assert r.execute_command("FCALL", "tq_version", 0).decode() == version
 
 
