@@ -662,3 +662,17 @@ def test_property_object_roundtrip(items: list) -> None:
     _, out = roundtrip("o", items, len(items))
     assert isinstance(out, NonTensorStack)
     assert_same(list(out.tolist()), items)
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [3, 0, 2], [0, 0], [5]])
+def test_jagged_tensor_is_what_torchs_public_constructor_builds(lengths):
+    from tq_redis.codec import jagged_tensor
+
+    values = torch.arange(sum(lengths) * 2, dtype=torch.float32).reshape(sum(lengths), 2)
+    offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    ours = jagged_tensor(values, offsets, min(lengths), max(lengths))
+    theirs = torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min(lengths), max_seqlen=max(lengths))
+    assert ours.layout == theirs.layout == torch.jagged and ours.shape[0] == theirs.shape[0]
+    assert [a.tolist() for a in ours.unbind()] == [b.tolist() for b in theirs.unbind()]
+    assert torch.equal(ours.to_padded_tensor(-1.0), theirs.to_padded_tensor(-1.0))
+    assert ours.offsets().tolist() == theirs.offsets().tolist()
