@@ -135,7 +135,9 @@ def _phase(url: str, workers: int, target: Any, args: tuple) -> dict[str, Any]:
     for p in procs:
         p.join(timeout=60)
     stats = r.info("commandstats")
-    commands = {k.removeprefix("cmdstat_"): {"calls": int(v["calls"]), "usec": int(v["usec"])} for k, v in stats.items()}
+    commands = {
+        k.removeprefix("cmdstat_"): {"calls": int(v["calls"]), "usec": int(v["usec"])} for k, v in stats.items()
+    }
     return {
         "items": sum(row[0] for row in rows),
         "calls": sum(row[1] for row in rows),
@@ -191,7 +193,9 @@ def measure(workers: int, samples: int) -> dict[str, Any]:
             r.hset(config_key(NAMESPACE), "storage", json.dumps({"backend": "redis", "options": {}}))
         per_worker = max(1, samples // workers)
         phase = _phase(url, workers, _noop_worker, (url, per_worker))
-        noop = {"calls": phase["calls"], "calls_per_s": phase["calls"] / phase["wall_s"], **_costs(phase, phase["calls"])}
+        noop = {
+            "calls": phase["calls"], "calls_per_s": phase["calls"] / phase["wall_s"], **_costs(phase, phase["calls"])
+        }
         result["noop_fcall"] = noop
         print(
             f"[p6] no-op FCALL: {noop['calls_per_s']:8.0f} calls/s measured; per call "

@@ -216,7 +216,7 @@ def _rows_p4(merged: dict[str, Any]) -> list[Row]:
     results = _both(merged, "p4_tiny")
     return [
         _figure_row("P4", f"one tiny sample: {op} (median ms)", results, [op, "median_ms"], False,
-                    "≤ ⅓ of the reference's latency", 3)
+                    "≤ ¼ of the reference's latency", 4)
         for op in ("put", "get_meta", "get_data")
     ]  # fmt: skip
 
@@ -235,8 +235,61 @@ def _rows_p5(merged: dict[str, Any]) -> list[Row]:
              f"{p.get('n_samples', '?')} samples: steps/s")  # fmt: skip
     return [
         _run_row("P5", label, (ours, ref), "steps_per_s", describe, "≥ 1.5× the reference", 1.5,
-                 ours.get("exactly_once") is True)
+                 ours.get("exactly_once") is True),
+        _p5_overhead_row(ours, ref),
     ]  # fmt: skip
+
+
+def _p5_overhead_row(ours: dict[str, Any], ref: dict[str, Any]) -> Row:
+    """The pipeline's wall time above its compute-bound lower bound, as a share of the bound."""
+
+    def show(res: dict[str, Any]) -> str:
+        if _err(res):
+            return _err(res) or ""
+        pct, over, bound = res.get("overhead_pct_of_bound"), res.get("overhead_s"), res.get("compute_bound_s")
+        if pct is None:
+            return "n/a"
+        return f"{pct:.0f}% ({_num(over)} s over a {_num(bound)} s bound)"
+
+    o, r = ours.get("overhead_s"), ref.get("overhead_s")
+    gain = _gain(o, r, False)
+    pct = ours.get("overhead_pct_of_bound")
+    met = None if pct is None or gain is None else (pct <= 10 and gain >= 3)
+    return ("P5", "pipeline overhead above its compute-bound lower bound", show(ours), show(ref), _times(gain),
+            "≤ 10% of the bound and ≤ ⅓ of the reference's overhead", met)  # fmt: skip
+
+
+def _rows_p1_tcp(merged: dict[str, Any]) -> list[Row]:
+    res = _result(merged, "p1_tcp", "tq_redis")
+    rows: list[Row] = []
+    for key in sorted(k for k in res if k.startswith("nodes_")):
+        nodes, row = key.split("_", 1)[1], res[key]
+        for op in ("put", "get"):
+            share = row.get(f"{op}_share")
+            ours = f"{_num(row['store'][op])} GB/s ({_pct(share)} of {_num(row['limit'][op])} GB/s)"
+            rows.append(("P1-TCP", f"{op} of 64 MiB over TCP, shared memory off, {nodes} node(s)", ours,
+                         "n/a (tq-redis only)", "", "≥ 70% of the plain-socket limit (same run)",
+                         None if share is None else share >= 0.7))  # fmt: skip
+    return rows or [("P1-TCP", "storage nodes over TCP", _err(res) or "n/a", "n/a", "", "≥ 70% of the limit", None)]
+
+
+def _rows_p6(merged: dict[str, Any]) -> list[Row]:
+    res = _result(merged, "p6_shard", "tq_redis")
+    if _err(res):
+        return [("P6", "one shard's claim ceiling", _err(res) or "", "n/a", "", "≥ 20k claims/s, batch 1", None)]
+    noop = res.get("noop_fcall") or {}
+    rows: list[Row] = []
+    for batch in (1, 16):
+        row = res.get(f"batch_{batch}") or {}
+        ceiling = row.get("ceiling_per_s")
+        ours = (f"{_num(ceiling)}/s ({_num(row.get('cpu_usec_per_item'))} µs server CPU a claim; "
+                f"{_num(row.get('claims_per_s'))}/s measured with the clients on the same 2 cores)")  # fmt: skip
+        limit = (f"no-op FCALL: {_num(noop.get('ceiling_per_s'))}/s "
+                 f"({_num(noop.get('cpu_usec_per_item'))} µs)") if noop else "n/a"  # fmt: skip
+        target = "≥ 20k claims/s" if batch == 1 else "(reported)"
+        rows.append(("P6", f"one shard's ceiling, one hot partition, batch {batch}: claims/s", ours, limit, "",
+                     target, (ceiling >= 20_000 if ceiling else None) if batch == 1 else None))  # fmt: skip
+    return rows
 
 
 # ----------------------------------------------------------------------------------------
@@ -255,7 +308,7 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
     commit = merged.get("git_commit")
     wall = merged.get("run_wall_s")
     rows: list[Row] = []
-    for build in (_rows_p1, _rows_p2, _rows_p3, _rows_p4, _rows_p5):
+    for build in (_rows_p1, _rows_p1_tcp, _rows_p2, _rows_p3, _rows_p4, _rows_p5, _rows_p6):
         rows.extend(build(merged))
 
     lines = [

@@ -27,7 +27,9 @@ from typing import Any
 from benchmarks._common import RESULTS_DIR, git_commit, machine_info, versions
 from benchmarks.reference import SYSTEMS
 
-MEASURES: tuple[str, ...] = ("p1_throughput", "p2_get_meta", "p4_tiny", "p3_concurrency", "p5_pipeline")
+MEASURES: tuple[str, ...] = (
+    "p1_throughput", "p1_tcp", "p2_get_meta", "p4_tiny", "p3_concurrency", "p5_pipeline", "p6_shard",
+)  # fmt: skip
 """Measures run by default, cheapest first."""
 
 COLORS = {"reference": "#8c8c8c", "tq_redis": "#d62728", "memcpy": "#1f77b4"}

@@ -100,15 +100,19 @@ local function claim(KEYS, ARGV)
     return nothing({}, -1)
   end
   redis.call('SADD', prefix .. 'tasks', task)
-  release_lapsed(prefix, task, now_ms, max_deliveries)
+  local _, leased = release_lapsed(prefix, task, now_ms, max_deliveries)
+  local function deadline() -- no lease in flight before and none taken now: none to report
+    if leased or lease_ms > 0 then return next_lease_deadline(prefix, task) end
+    return -1
+  end
 
   local function reply(ids, deliveries)
-    if #ids == 0 then return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task)) end
+    if #ids == 0 then return nothing(read_schemas(prefix, fields), deadline()) end
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
     pass_baton(prefix, task) -- there may be more for the other waiters
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
     return {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
-            next_lease_deadline(prefix, task), 0, redis.call('EXISTS', prefix .. 'inline')}
+            deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}
   end
   local function known_deliveries(ids)
     if lease_ms <= 0 or #ids == 0 then return {} end
@@ -152,7 +156,7 @@ local function claim(KEYS, ARGV)
 
   local ids, tags = select_units(prefix, task, fields, total, select_opts)
   if #ids == 0 then
-    return nothing(read_schemas(prefix, fields), next_lease_deadline(prefix, task))
+    return nothing(read_schemas(prefix, fields), deadline())
   end
   local deliveries = mark_claimed(prefix, task, ids, now_ms, lease_ms)
   local ttl = tonumber(opts.ttl_ms) or 3600000

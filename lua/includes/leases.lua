@@ -67,10 +67,15 @@ end
 
 -- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,
 -- or move them to the poison set once they reached max_deliveries (0 = unlimited).
+-- Returns how many were released, and whether the task has leases in flight at all (when it has
+-- none, the common fetch case, this costs one ZRANGE and callers need not look again).
 local function release_lapsed(prefix, task, now_ms, max_deliveries)
   local lease = prefix .. 'lease:' .. task
+  local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
+  if #first == 0 then return 0, false end
+  if tonumber(first[2]) > now_ms then return 0, true end
   local lapsed = redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms)
-  if #lapsed == 0 then return 0 end
+  if #lapsed == 0 then return 0, true end
   for from = 1, #lapsed, CHUNK do
     redis.call('ZREM', lease, unpack(lapsed, from, math.min(#lapsed, from + CHUNK - 1)))
   end
@@ -92,5 +97,5 @@ local function release_lapsed(prefix, task, now_ms, max_deliveries)
     set_bits(prefix .. 'cons:' .. task, release, 0)
     emit(prefix, 'released', 'task', task, 'count', #release)
   end
-  return #release
+  return #release, true
 end

@@ -79,23 +79,25 @@ local function ready_scanner(prefix, task, fields, on_fill)
 
   -- Leapfrog: the first byte >= b where every must-be-set bitmap has a set bit and the
   -- consumed bitmap a clear bit (byte granularity), or nil when there is none.
+  -- The consumed bitmap goes first: where a task drained a prefix, its first clear bit is the
+  -- answer, and the must-be-set bitmaps confirm it without moving (3 BITPOS for one field).
   local function align(b)
     while true do
+      -- A clear bit of `cons` at or after byte b; -1 means b is past its end, where every bit
+      -- is implicitly clear.
       local nb = b
+      local p = redis.call('BITPOS', cons, 0, b)
+      if p >= 0 then nb = math.max(b, math.floor(p / 8)) end
+      local moved = false
       for i = 1, #ones do
-        local p = redis.call('BITPOS', ones[i], 1, nb)
+        p = redis.call('BITPOS', ones[i], 1, nb)
         if p < 0 then return nil end
         local pb = math.floor(p / 8)
-        if pb > nb then nb = pb end
+        if pb > nb then
+          nb, moved = pb, true
+        end
       end
-      -- A clear bit of `cons` at or after byte nb; -1 means nb is past its end, where every
-      -- bit is implicitly clear.
-      local p = redis.call('BITPOS', cons, 0, nb)
-      if p >= 0 then
-        local pb = math.floor(p / 8)
-        if pb > nb then nb = pb end
-      end
-      if nb == b then return b end
+      if not moved then return nb end -- byte nb: a clear consumed bit and every set bit needed
       b = nb
     end
   end
