@@ -40,26 +40,21 @@ Design, in short:
 Modules of the client, each importing only those listed before it: :mod:`.dram_protocol` (the wire
 format, shared with the node), :mod:`.dram_values` (put and get value tables),
 :mod:`.dram_placement` (rendezvous hashing), :mod:`.dram_pool` (connections, mapped slabs and the
-request exchange), and this one: the store (node discovery through Redis, put / get / delete).
+request exchange), :mod:`.dram_replies` (the checks a node's replies must pass),
+:mod:`.dram_discovery` (node discovery through Redis, the live ring, retries on a fresh one), and
+this one: the store (put / get / delete, stats).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import ssl
-import threading
-import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 from tq_redis.backends.batches import ValueTable
+from tq_redis.backends.dram_discovery import NodeDiscovery
 from tq_redis.backends.dram_placement import Ring, group_by_node
 from tq_redis.backends.dram_pool import (
     Conn,
@@ -82,80 +77,36 @@ from tq_redis.backends.dram_protocol import (
     OP_GET,
     OP_PUT,
     OP_STATS,
-    ProtocolError,
     format_size,
     layout,
     recv_into,
 )
+from tq_redis.backends.dram_replies import (
+    check_in_slabs,
+    inline_sizes,
+    missing_of,
+    pin_of,
+    put_reply,
+    slab_columns,
+)
 from tq_redis.backends.dram_values import Gathered, PutValues, private_copy
 
-from tq_redis import buffers, connections
+from tq_redis import buffers
 from tq_redis.config import parse_size
 from tq_redis.errors import (
     ConfigError,
-    ConnectionFailed,
     DataMissing,
     InvalidArgument,
     StorageAuthError,
     StorageError,
     StorageUnavailable,
 )
-from tq_redis.keys import storage_nodes_key
-
-log = logging.getLogger(__name__)
-
-#: Redis's clock and the registry in one call that a Redis Cluster routes by the registry key
-_REGISTRY_SCRIPT = "local t = redis.call('TIME') return {t[1], t[2], redis.call('HGETALL', KEYS[1])}"
-#: offsets and lengths in replies stay below this (so their sums cannot overflow int64)
-_MAX_OFFSET = 1 << 48
-#: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
-_REGISTRY_POLL_S = 0.05
-
-
-def _int_table(raw: Any, dtype: str, n: int, link: Link, allow_negative: bool = False) -> np.ndarray:
-    """A reply's packed integer column of ``n`` entries, checked (``ProtocolError`` if it is not one)."""
-    width = np.dtype(dtype).itemsize
-    if not isinstance(raw, bytes) or len(raw) != n * width:
-        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed reply: a column is not {n} integers")
-    col = np.frombuffer(raw, dtype=dtype)
-    if n and (int(col.max()) > _MAX_OFFSET or (not allow_negative and int(col.min()) < 0)):
-        raise ProtocolError(f"DRAM storage node {link.label} sent an offset or length out of range")
-    return col
-
-
-def _put_reply(i: int, link: Link, conn: Conn, code: int, meta: dict[str, Any], plen: int, fds: list[int]) -> Any:
-    """Reply handler of PUT / ALLOC: the header map, its transaction id and reservation checked."""
-    meta = check_reply(i, link, conn, code, meta, plen, fds)
-    txn = meta.get("txn")
-    if txn is not None and type(txn) is not int:
-        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed transaction id {txn!r:.40}")
-    chunks = meta.get("chunks")
-    if chunks is not None and not (
-        isinstance(chunks, list)
-        and all(isinstance(c, list) and len(c) == 4 and all(type(x) is int for x in c) for c in chunks)
-    ):
-        raise ProtocolError(f"DRAM storage node {link.label} sent a malformed reservation {chunks!r:.60}")
-    return meta
-
-
-def _release(links: dict[Any, Link], client: Any) -> None:
-    """Finaliser of a store dropped without ``close()``: close its sockets and unmap node slabs."""
-    for link in list(links.values()):
-        try:
-            link.close()
-        except Exception:  # noqa: BLE001 - a finaliser must not raise; the OS reclaims the rest
-            pass
-    links.clear()
-    try:
-        client.close()
-    except Exception:  # noqa: BLE001
-        pass
 
 # format_size and parse_size were defined here before the split; importable from here still.
 __all__ = ["DramStore", "StorageAuthError", "format_size", "parse_size"]
 
 
-class DramStore:
+class DramStore(NodeDiscovery):
     """Store client for tq-redis DRAM storage nodes discovered through Redis.
 
     Thread-safe: connections are pooled per node and used by one thread at a time.
@@ -216,37 +167,15 @@ class DramStore:
             )
         if tls not in (None, True, False):
             raise ConfigError(f"the dram store option tls must be true, false or null, not {tls!r}")
-        self.tls = tls
-        self.tls_ca = tls_ca
-        self.tls_check_hostname = bool(tls_check_hostname)
-        self._tls_ctx: ssl.SSLContext | None = None
-        self.max_frame = parse_size(max_frame)
-        self.registry_wait_s = float(registry_wait_s)
-        self.redis_url = redis_url
-        self.namespace = namespace
-        self.token = token if token is not None else os.environ.get("TQ_STORAGE_TOKEN") or None
-        self.timeout_s = float(timeout_s)
-        self.shm = bool(shm)
+        max_frame = parse_size(max_frame)
+        inline_threshold = parse_size(inline_threshold) if inline_threshold else 0
         self.zero_copy_get = bool(zero_copy_get)
-        self.inline_threshold = parse_size(inline_threshold) if inline_threshold else 0
-        self.refresh_s = float(refresh_s)
-        self.dead_after_s = float(dead_after_s)
-        self.client_id = uuid.uuid4().hex
-        # no reconnect loop of its own: while Redis is away the last known node list serves
-        self._redis = connections.sync_client(
-            redis_url, reconnect=False, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
-        )
-        self._key = storage_nodes_key(namespace)
-        self._lock = threading.Lock()
-        self._links: dict[tuple[str, str], Link] = {}
-        self._ring: Ring | None = None
-        self._fetched = 0.0
-        self._stale = True
-        self._seen_live = False  # some node was live once: an empty registry may be a Redis restart
-        self._closed = False
-        self._pid = os.getpid()
-        # a store dropped without close() still lets go of its sockets and the nodes' memory slabs
-        self._finalizer = weakref.finalize(self, _release, self._links, self._redis)
+        self.inline_threshold = inline_threshold
+        super().__init__(
+            redis_url, namespace, token=token, timeout_s=timeout_s, shm=shm, max_frame=max_frame,
+            refresh_s=refresh_s, dead_after_s=dead_after_s, registry_wait_s=registry_wait_s,
+            tls=tls, tls_ca=tls_ca, tls_check_hostname=tls_check_hostname,
+        )  # fmt: skip
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> DramStore:
@@ -261,165 +190,6 @@ class DramStore:
                 f"unknown option(s) {sorted(unknown)} for the dram store; known: {sorted(allowed)}"
             )
         return cls(ctx.redis_url, ctx.namespace, **options)
-
-    # -- discovery ----------------------------------------------------------------------------
-    def _mark_stale(self) -> None:
-        self._stale = True
-
-    def tls_context(self, required: bool) -> ssl.SSLContext | None:
-        """The TLS context for a TCP connection to a node (None: plain TCP).
-
-        ``required``: the node's registration says it serves TLS. The ``tls`` option decides
-        (None follows the node); a context is built once, verifying with ``tls_ca``.
-        """
-        use = required if self.tls is None else self.tls
-        if not use:
-            return None
-        if self._tls_ctx is None:
-            try:
-                ctx = ssl.create_default_context(cafile=self.tls_ca)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(
-                    f"the dram store option tls_ca={self.tls_ca!r} is not a readable PEM file ({exc})"
-                ) from None
-            ctx.check_hostname = self.tls_check_hostname
-            self._tls_ctx = ctx
-        return self._tls_ctx
-
-    def _read_registry(self) -> tuple[float, dict[str, dict[str, Any]]]:
-        """Redis's clock and every registration, in one round trip.
-
-        One script call on the registry key: on a Redis Cluster it runs on the node that owns
-        the key (a pipeline of ``TIME`` and ``HGETALL`` cannot be routed there as one unit).
-        """
-        try:
-            sec, usec, flat = self._redis.eval(_REGISTRY_SCRIPT, 1, self._key)
-            now = int(sec) + int(usec) / 1e6
-        except redis.RedisError as exc:
-            raise ConnectionFailed(
-                f"cannot read the DRAM storage nodes from Redis at {self.redis_url} ({exc}); "
-                f"check that Redis is running"
-            ) from exc
-        except (TypeError, ValueError) as exc:
-            raise ConnectionFailed(f"unexpected reply reading the DRAM storage nodes from Redis ({exc})") from exc
-        nodes = {}
-        for k, v in zip(flat[::2], flat[1::2]):
-            try:
-                info = json.loads(v)
-                if not isinstance(info, dict):
-                    raise ValueError("not an object")
-                nodes[k.decode(errors="replace")] = info
-            except ValueError:
-                log.warning("ignoring unreadable storage-node registration %r", k)
-        return now, nodes
-
-    def _after_fork(self) -> None:
-        """In a forked child: never talk over the parent's sockets; start with fresh state."""
-        for link in self._links.values():
-            for conn in link.idle:
-                conn.sock.close()  # close (no shutdown): the parent's connection stays intact
-            link.idle = []
-            link.closed = True
-        self._links.clear()  # the same dict: the finaliser holds it
-        self._ring = None
-        self._lock = threading.Lock()
-        self.client_id = uuid.uuid4().hex
-        self._pid = os.getpid()
-
-    def _current_ring(self, force: bool = False) -> Ring:
-        if self._closed:
-            raise StorageError("the dram store is closed")
-        if self._pid != os.getpid():
-            self._after_fork()
-        now = time.monotonic()
-        ring = self._ring
-        if ring is not None and not force and not self._stale and now - self._fetched < self.refresh_s:
-            return ring
-        with self._lock:
-            if self._ring is not None and not force and not self._stale and (
-                time.monotonic() - self._fetched < self.refresh_s
-            ):
-                return self._ring
-            try:
-                live = self._read_live()
-            except ConnectionFailed:
-                if self._ring is not None:  # keep serving with the last known ring
-                    log.warning("Redis unreachable; using the last known storage-node list")
-                    return self._ring
-                raise
-            if not live:
-                raise StorageUnavailable(
-                    f"no live DRAM storage node is registered in namespace {self.namespace!r} at "
-                    f"{self.redis_url} (key {self._key}); start some with `tq-redis storage-unit "
-                    f"--redis {self.redis_url} --namespace {self.namespace} ...` or `tq-redis up`"
-                )
-            self._ring = Ring(live)
-            self._seen_live = True
-            self._fetched = time.monotonic()
-            self._stale = False
-            return self._ring
-
-    def _read_live(self) -> list[Link]:
-        """The live nodes' links (lock held), re-reading the registry for up to ``registry_wait_s``
-        while every registered node looks dead but one may be about to beat again.
-
-        That is the moment after a Redis outage longer than ``dead_after_s`` (or a Redis restart
-        that lost the registry): running nodes re-register within a fraction of a second of Redis
-        returning, and an operation should not fail in between.
-        """
-        deadline = time.monotonic() + self.registry_wait_s
-        while True:
-            rnow, nodes = self._read_registry()
-            live = self._update_links(rnow, nodes)
-            if live or not (nodes or self._seen_live) or time.monotonic() >= deadline:
-                return live
-            time.sleep(_REGISTRY_POLL_S)
-
-    def _update_links(self, rnow: float, nodes: dict[str, dict[str, Any]]) -> list[Link]:
-        """Links for the registered nodes (new ones made, departed ones closed); the live ones."""
-        live: list[Link] = []
-        seen = set()
-        for node_id, info in sorted(nodes.items()):
-            info.setdefault("node_id", node_id)
-            try:
-                heartbeat = float(info.get("heartbeat", 0))
-                if not (isinstance(info.get("address"), str) and isinstance(info.get("instance"), str)):
-                    raise ValueError("no address or instance")
-            except (TypeError, ValueError) as exc:
-                log.warning("ignoring malformed storage-node registration %r (%s)", node_id, exc)
-                continue
-            key = (node_id, info["instance"])
-            seen.add(key)
-            link = self._links.get(key)
-            if link is None:
-                link = self._links[key] = Link(info, self)
-            else:
-                link.info = info
-            if rnow - heartbeat <= self.dead_after_s:
-                live.append(link)
-        for key in [k for k in self._links if k not in seen]:
-            self._links.pop(key).close()  # deregistered or restarted as a new instance
-        return live
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """Registration of every live node (address, capacity, used bytes, heartbeat ...)."""
-        return [dict(lk.info) for lk in self._current_ring(force=True).links]
-
-    def _with_retry(self, fn):
-        """Run ``fn(ring)``; if a node failed because it restarted or left, retry once on a fresh ring."""
-        ring = self._current_ring()
-        try:
-            return fn(ring)
-        except StorageUnavailable as exc:
-            self._mark_stale()
-            before = {lk.node_id: lk.instance for lk in ring.links}
-            try:
-                fresh = self._current_ring(force=True)
-            except (StorageUnavailable, ConnectionFailed):
-                raise exc from None  # the error naming the node says more than "no nodes left"
-            if {lk.node_id: lk.instance for lk in fresh.links} == before:
-                raise
-            return fn(fresh)
 
     # -- StorageClient ------------------------------------------------------------------------
     def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
@@ -462,7 +232,7 @@ class DramStore:
                 meta["commit"] = not two_phase
                 reqs.append((link, conn, OP_PUT, meta, vals.payload(idx)))
             plans.append((idx, gsizes, shm))
-        replies, err = exchange(reqs, _put_reply)
+        replies, err = exchange(reqs, put_reply)
         txns = [
             (link, conn, r["txn"]) for (link, conn, *_), r in zip(reqs, replies) if r and r.get("txn")
         ]
@@ -473,7 +243,7 @@ class DramStore:
                 check_put_size(reqs[k][1], reqs[k][0], int(plans[k][1].sum()))
             again = [(reqs[k][0], reqs[k][1], OP_PUT, {**reqs[k][3], "commit": not two_phase},
                       vals.payload(plans[k][0])) for k in spilling]  # fmt: skip
-            more, err = exchange(again, _put_reply)
+            more, err = exchange(again, put_reply)
             txns += [(lk, c, r["txn"]) for (lk, c, *_), r in zip(again, more) if r and r.get("txn")]
             for k in spilling:
                 plans[k] = (plans[k][0], plans[k][1], False)
@@ -570,20 +340,14 @@ class DramStore:
         def on_reply(i, link, conn, code, meta, plen, fds):
             check_data_reply(i, link, conn, code, meta, plen, fds)
             pos = pos_of[i]
-            miss = meta.get("missing") or []
+            miss = missing_of(meta, len(pos), link)
             if miss:
-                if not (isinstance(miss, list) and all(type(m) is int for m in miss)) or len(set(miss)) != len(
-                    miss
-                ) or min(miss) < 0 or max(miss) >= len(pos):
-                    raise ProtocolError(f"DRAM storage node {link.label} sent a malformed list of missing keys")
                 missing.append(pos[miss])
                 pos = np.delete(pos, miss)
             if "offs" in meta:
                 self._views(link, conn, meta, plen, pos, out)
                 return
-            lens = _int_table(meta.get("sizes"), "<i8", len(pos), link)
-            if int(lens.sum()) != plen:
-                raise ProtocolError(f"DRAM storage node {link.label} sent {plen} bytes for values of {int(lens.sum())}")
+            lens = inline_sizes(meta, len(pos), plen, link)
             mv = memoryview(buffers.take(plen))  # lazily backed: only the bytes that arrive take memory
             recv_into(conn.sock, mv)
             out.add(mv, pos, np.cumsum(lens) - lens, lens)
@@ -606,13 +370,7 @@ class DramStore:
 
         Values the node spilled to its tier (slab -1) come in the reply's payload instead.
         """
-        n = len(pos)
-        sids = _int_table(meta.get("slabs"), "<i4", n, link, allow_negative=True)
-        offs = _int_table(meta.get("offs"), "<i8", n, link)
-        lens = _int_table(meta.get("lens"), "<i8", n, link)
-        spilled = sids < 0
-        if int(lens[spilled].sum()) != plen or bool((offs[spilled] + lens[spilled] > plen).any()):
-            raise ProtocolError(f"DRAM storage node {link.label} sent {plen} inline bytes that do not hold its values")
+        sids, offs, lens, spilled = slab_columns(meta, len(pos), plen, link)
         if plen:
             inline = memoryview(buffers.take(plen))
             recv_into(conn.sock, inline)
@@ -620,14 +378,9 @@ class DramStore:
             kept = ~spilled
             sids, offs, lens, pos = sids[kept], offs[kept], lens[kept], pos[kept]
         used = np.unique(sids).tolist()
-        pin = meta.get("pin") or 0
-        if type(pin) is not int:
-            raise ProtocolError(f"DRAM storage node {link.label} sent a malformed pin {pin!r:.40}")
+        pin = pin_of(meta, link)
         slabs = [link.slab(conn, sid) for sid in used]
-        for slab in slabs:
-            mine = sids == slab.id
-            if bool((offs[mine] + lens[mine] > slab.size).any()):
-                raise ProtocolError(f"DRAM storage node {link.label} sent values past the end of slab {slab.id}")
+        check_in_slabs(slabs, sids, offs, lens, link)
         unpin = Unpin(link, pin, len(used)) if pin else None
         for sid, slab in zip(used, slabs):
             # a fresh array per get: its finaliser fires once the last view of this get is gone

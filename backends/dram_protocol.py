@@ -1,7 +1,8 @@
 """The wire protocol between the ``dram`` store client and its storage nodes.
 
-Both sides import this module and nothing else of each other: :mod:`tq_redis.backends.dram` (the
-client) and :mod:`tq_redis.backends.dram_server` (the node).
+Both sides import this module and nothing else of each other: the client
+(:mod:`tq_redis.backends.dram` and its modules) and the node (:mod:`tq_redis.backends.dram_server`,
+:mod:`~tq_redis.backends.dram_session`, :mod:`~tq_redis.backends.dram_handlers`, ...).
 
 A message is a 16-byte :data:`HEADER` (op or status code, flags, reserved, header-map length,
 payload length), then a msgpack *header map*, then the payload: raw values, concatenated. Senders

@@ -7,8 +7,10 @@ every second with its used bytes, and deregisters on SIGTERM / SIGINT.
 Same-host clients connect over an abstract Unix socket and receive slab fds (``SCM_RIGHTS``); they
 write values straight into reserved extents and read them in place. Remote clients use TCP, and
 the node moves payloads between the socket and its slabs with scatter/gather syscalls. The wire
-protocol lives in :mod:`tq_redis.backends.dram_protocol`; each connection is a :class:`_Session`
-served by its own thread.
+protocol lives in :mod:`tq_redis.backends.dram_protocol`; each connection is a
+:class:`~tq_redis.backends.dram_session.Session` served by its own thread, and its requests are
+handled by :mod:`tq_redis.backends.dram_handlers`. This module is the process: the listeners,
+accepting connections, the Redis registration and heartbeat, orderly stopping, the command line.
 
 **Wire safety.** Every connection starts with a HELLO; until it succeeds the node reads only a
 header map of at most 8 KiB and no payload, so garbage (an HTTP request, random bytes) allocates
@@ -33,10 +35,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hmac
 import json
 import logging
-import mmap
 import os
 import selectors
 import signal
@@ -46,40 +46,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import redis
-from tq_redis.backends.dram_node import Refused, StorageNode, Txn
-from tq_redis.backends.dram_protocol import (
-    HELLO_MAX,
-    MAX_HEADER,
-    OP_ABORT,
-    OP_ALLOC,
-    OP_COMMIT,
-    OP_DEL,
-    OP_FDS,
-    OP_GET,
-    OP_HELLO,
-    OP_PUT,
-    OP_STATS,
-    PROTOCOL_VERSION,
-    ST_AUTH,
-    ST_BAD,
-    ST_INTERNAL,
-    ST_OK,
-    IdleTimeout,
-    ProtocolError,
-    check_lengths,
-    drain,
-    format_size,
-    recv_header,
-    recv_into_buffers,
-    recv_meta,
-    send_frame,
-    set_blocking_timeout,
-)
+from tq_redis.backends.dram_node import StorageNode
+from tq_redis.backends.dram_protocol import MAX_HEADER, PROTOCOL_VERSION, format_size
+from tq_redis.backends.dram_session import Limits, Session
 
 from tq_redis import connections
 from tq_redis.config import parse_size
@@ -92,372 +64,6 @@ __all__ = ["LocalNodes", "StorageNode", "main", "spawn_node", "start_local_nodes
 
 #: how long a stopping node waits for its sessions to finish the requests they are serving
 DRAIN_S = 5.0
-#: a plain socket's receive timeout expiring (SO_RCVTIMEO), or Python's (TLS sockets)
-_TIMEOUTS = (BlockingIOError, TimeoutError)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a node accepts from a connection, and how long it waits for it."""
-
-    #: largest request payload after the handshake (``--max-frame``)
-    max_frame: int
-    #: largest header map after the handshake
-    max_header: int = MAX_HEADER
-    #: a connection that has not completed TLS and HELLO by then is closed (``--handshake-timeout``)
-    handshake_s: float = 10.0
-    #: an authenticated connection that stops mid-message (or stops reading a reply) for this long
-    #: is closed (``--io-timeout``)
-    io_s: float = 30.0
-    #: an authenticated connection idle between requests this long is closed; 0: never (``--idle-timeout``)
-    idle_s: float = 0.0
-
-
-#: what a malformed request's fields raise when handlers use them
-_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
-
-
-class _Malformed(Exception):
-    """A request whose header map does not have the fields its op needs (the connection is closed)."""
-
-
-def _keys(keys: Any, what: str = "request") -> list[str]:
-    """A request's key list, checked: a list of strings."""
-    if not isinstance(keys, list) or not all(type(k) is str for k in keys):
-        raise Refused(ST_BAD, f"malformed {what}: keys must be a list of strings")
-    return keys
-
-
-def _ints(values: Any, what: str) -> list[int]:
-    """A request's list of ids, checked: a list of integers."""
-    if not isinstance(values, list) or not all(type(v) is int for v in values):
-        raise Refused(ST_BAD, f"malformed request: {what} must be a list of integers")
-    return values
-
-
-class _Session:
-    """One client connection, served by its own thread."""
-
-    def __init__(
-        self,
-        node: StorageNode,
-        sock: socket.socket,
-        local: bool,
-        token: str | None,
-        shm: bool,
-        limits: Limits,
-        tls: ssl.SSLContext | None = None,
-        peer: str = "?",
-    ):
-        self.node, self.sock, self.local = node, sock, local
-        self.token = token
-        self.limits = limits
-        self.tls = tls
-        self.peer = peer
-        self.shm_ok = shm and local
-        self.shm = False
-        self.authed = False  # every connection starts with a HELLO (which checks the token, if any)
-        self.started = time.monotonic()
-        self.client: str | None = None
-        self.txns: dict[int, Txn] = {}
-        self.sent_slabs: set[int] = set()
-        self._state = threading.Lock()
-        self._busy = False  # serving a request (between its header and its reply)
-        self._ending = False  # the node is stopping: end after the current request
-
-    def end(self, now: bool = False) -> None:
-        """Ask the session to end: at once if it waits for a request (or ``now``), else after its reply."""
-        with self._state:
-            self._ending = True
-            idle = not self._busy
-        if idle or now:
-            with contextlib.suppress(OSError):
-                # the plain socket's shutdown (a TLS socket's own would drop its state under the reader)
-                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # wakes the blocked thread
-
-    def _begin(self) -> bool:
-        with self._state:
-            self._busy = not self._ending
-            return self._busy
-
-    def _done(self) -> bool:
-        with self._state:
-            self._busy = False
-            return not self._ending
-
-    def run(self) -> None:
-        """Serve requests until the client disconnects, breaks the protocol or :meth:`end` is called."""
-        reason: str | None = None
-        try:
-            reason = self._serve()
-        except ProtocolError as exc:
-            reason = str(exc)
-        except _Malformed as exc:
-            reason = f"malformed request: {exc}"
-        except IdleTimeout:
-            reason = "no HELLO within the handshake timeout" if not self.authed else "idle timeout"
-        except ssl.SSLError as exc:
-            reason = f"TLS failed: {exc}"
-        except _TIMEOUTS:
-            reason = "stalled in the middle of a message (timeout)"
-        except (ConnectionError, OSError):
-            pass
-        except Exception:  # a bug: report it to the client and drop the connection
-            log.exception("request failed")
-            with contextlib.suppress(OSError):
-                send_frame(self.sock, ST_INTERNAL, {"msg": "internal error in the storage node (see its log)"})
-        finally:
-            if reason is not None and not self._ending:
-                log.warning("closing connection from %s: %s", self.peer, reason)
-            for txn in self.txns.values():
-                self.node.abort(txn)
-            if self.client is not None:
-                self.node.client_disconnected(self.client)
-            with contextlib.suppress(OSError):
-                self.sock.close()
-
-    def _serve(self) -> str | None:
-        """The request loop; returns why it closes the connection (None: the peer left)."""
-        if self.tls is not None:
-            self.sock.settimeout(self.limits.handshake_s)
-            self.sock = self.tls.wrap_socket(self.sock, server_side=True)
-        set_blocking_timeout(self.sock, self.limits.handshake_s)
-        idle = 0.0
-        while True:
-            sock = self.sock
-            try:
-                op, mlen, plen, _fds = recv_header(sock)
-            except IdleTimeout:
-                if not self.authed or self._ending:
-                    raise
-                idle += self.limits.io_s  # authenticated and between requests: idle, not stuck
-                if self.limits.idle_s and idle >= self.limits.idle_s:
-                    raise
-                continue
-            except (ConnectionError, OSError):
-                return None
-            idle = 0.0
-            if not self._begin():
-                return None
-            if not self.authed:
-                refusal = self._check_first(op, mlen, plen)
-                if refusal:
-                    return refusal
-            else:
-                check_lengths(mlen, plen, self.limits.max_header, self.limits.max_frame, "the client")
-            meta = recv_meta(sock, mlen, self.limits.max_header if self.authed else HELLO_MAX, "the client")
-            was_authed = self.authed
-            try:
-                self._dispatch(op, meta, plen)
-            except Refused as exc:
-                send_frame(sock, exc.code, {"msg": str(exc)})
-                if not self.authed:  # a failed handshake: no second guess on this connection
-                    return f"handshake refused: {exc}"
-            except _MALFORMED as exc:
-                with contextlib.suppress(OSError):
-                    send_frame(sock, ST_BAD, {"msg": f"malformed request {op}: {type(exc).__name__}"})
-                raise _Malformed(f"op {op}: {type(exc).__name__}: {exc}") from None
-            if self.authed and not was_authed:
-                set_blocking_timeout(sock, self.limits.io_s)
-            if not self._done():
-                return None
-
-    def _check_first(self, op: int, mlen: int, plen: int) -> str | None:
-        """Before the handshake only a small HELLO is read; anything else closes the connection."""
-        if op == OP_HELLO and mlen <= HELLO_MAX and plen == 0:
-            return None
-        if mlen <= HELLO_MAX and plen == 0 and op < 64:  # a well-formed request, but too early
-            recv_meta(self.sock, mlen, HELLO_MAX, "the client")
-            with contextlib.suppress(OSError):
-                send_frame(
-                    self.sock, ST_AUTH,
-                    {"msg": f"DRAM storage node {self.node.node_id!r} requires a HELLO (and its token, "
-                     "if it has one) before any request"},
-                )  # fmt: skip
-            return f"request {op} before the handshake"
-        return (
-            f"not a HELLO before the handshake (op {op}, header map {mlen} bytes, payload {plen} bytes; "
-            f"at most {HELLO_MAX} and 0 are read before the handshake)"
-        )
-
-    def _dispatch(self, op: int, meta: dict[str, Any], plen: int) -> None:
-        node = self.node
-        if op == OP_HELLO:
-            return self._hello(meta)
-        if meta.get("unpin"):
-            try:
-                pins = _ints(meta["unpin"], "unpin")
-            except Refused:
-                drain(self.sock, plen)
-                raise
-            node.unpin(pins)
-        if op == OP_PUT:
-            return self._put(meta, plen)
-        if plen:
-            drain(self.sock, plen)
-            raise Refused(ST_BAD, f"request {op} carries no payload")
-        if op == OP_GET:
-            return self._get(meta)
-        if op == OP_ALLOC:
-            return self._alloc(meta)
-        if op in (OP_COMMIT, OP_ABORT):
-            for t in _ints(meta.get("txns") or [], "txns"):
-                txn = self.txns.pop(t, None)
-                if txn is not None:
-                    (node.commit if op == OP_COMMIT else node.abort)(txn)
-                elif op == OP_COMMIT:
-                    raise Refused(ST_BAD, f"unknown transaction {t} (reservation lost?)")
-            return send_frame(self.sock, ST_OK)
-        if op == OP_DEL:
-            reply: dict[str, Any] = {"deleted": node.delete(_keys(meta.get("keys") or []))}
-            if self.shm:  # lets the client unmap slabs the delete released
-                reply["live"] = node.live_slabs()
-            return send_frame(self.sock, ST_OK, reply)
-        if op == OP_FDS:
-            return self._reply_with_slabs({}, _ints(meta.get("slabs") or [], "slabs"), force=True)
-        if op == OP_STATS:
-            return send_frame(self.sock, ST_OK, node.stats())
-        raise Refused(ST_BAD, f"unknown request {op}")
-
-    def _hello(self, meta: dict[str, Any]) -> None:
-        node = self.node
-        if meta.get("v") != PROTOCOL_VERSION:
-            raise Refused(ST_BAD, f"protocol version {meta.get('v')!r:.40} is not {PROTOCOL_VERSION}")
-        if self.token is not None:
-            given = meta.get("token") or ""
-            if not isinstance(given, str):
-                raise _Malformed("HELLO: the token is not a string")
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
-                raise Refused(
-                    ST_AUTH,
-                    f"DRAM storage node {node.node_id!r} rejected the token: set the store option "
-                    f"'token' or TQ_STORAGE_TOKEN to the value the node was started with",
-                )
-        self.authed = True
-        if self.client is None and meta.get("client"):
-            self.client = str(meta["client"])
-            node.client_connected(self.client)
-        self.shm = self.shm_ok and bool(meta.get("shm"))
-        send_frame(
-            self.sock, ST_OK,
-            {"node_id": node.node_id, "instance": node.instance, "shm": self.shm,
-             "max_frame": self.limits.max_frame, "max_header": self.limits.max_header},
-        )  # fmt: skip
-
-    def _batch(self, meta: dict[str, Any]) -> tuple[list[str], np.ndarray]:
-        keys = _keys(meta.get("keys"))
-        raw = meta.get("sizes") or b""
-        if not isinstance(raw, bytes) or len(raw) % 8:
-            raise Refused(ST_BAD, "malformed put: sizes are not 8-byte integers")
-        sizes = np.frombuffer(raw, dtype="<i8")
-        if len(keys) != len(sizes) or (sizes < 0).any():
-            raise Refused(ST_BAD, "malformed put: keys and sizes disagree")
-        if len(set(keys)) != len(keys):
-            raise Refused(ST_BAD, "put got the same key twice in one batch")
-        return keys, sizes
-
-    def _put(self, meta: dict[str, Any], plen: int) -> None:
-        try:
-            keys, sizes = self._batch(meta)
-            if int(sizes.sum(dtype=np.uint64)) != plen or (len(sizes) and int(sizes.max()) > plen):
-                raise Refused(ST_BAD, "malformed put: payload length is not the sum of the sizes")
-            txn = self.node.reserve(keys, sizes)
-        except Refused:
-            drain(self.sock, plen)
-            raise
-        if txn.spilled:
-            # pages are committed as bytes arrive (and returned when it is dropped)
-            buf = memoryview(mmap.mmap(-1, max(plen, 1)))[:plen]
-            offs = np.concatenate(([0], np.cumsum(sizes))).tolist()
-            views = list(map(buf.__getitem__, map(slice, offs[:-1], offs[1:])))
-            recv_into_buffers(self.sock, views)
-            self.node.spill_write(txn, views)
-        else:
-            try:
-                recv_into_buffers(self.sock, self.node.value_views(txn))
-            except BaseException:
-                self.node.abort(txn)
-                raise
-        if meta.get("commit", True):
-            self.node.commit(txn)
-            return send_frame(self.sock, ST_OK)
-        t = self.node.next_txn_id()
-        self.txns[t] = txn
-        send_frame(self.sock, ST_OK, {"txn": t})
-
-    def _alloc(self, meta: dict[str, Any]) -> None:
-        if not self.shm:
-            raise Refused(ST_BAD, "ALLOC needs a shared-memory connection")
-        keys, sizes = self._batch(meta)
-        txn = self.node.reserve(keys, sizes)
-        if txn.spilled:  # no room in memory: the client sends these values inline (OP_PUT)
-            return send_frame(self.sock, ST_OK, {"inline": True})
-        t = self.node.next_txn_id()
-        self.txns[t] = txn
-        chunks = [[ext.slab.id, ext.off, start, count] for ext, start, count in txn.chunks]
-        self._reply_with_slabs({"txn": t, "chunks": chunks}, [c[0] for c in chunks])
-
-    def _reply_with_slabs(
-        self, meta: dict[str, Any], sids: list[int], force: bool = False, payload: Sequence[Any] = ()
-    ) -> None:
-        """Reply, passing the fds of referenced slabs this connection has not been sent yet."""
-        want = [s for s in dict.fromkeys(sids) if s >= 0 and (force or s not in self.sent_slabs)]
-        fds, fd_slabs = self.node.slab_fds(want)
-        self.sent_slabs.update(s for s, _size in fd_slabs)
-        meta["fd_slabs"] = fd_slabs
-        meta["live"] = self.node.live_slabs()
-        if payload:
-            send_frame(self.sock, ST_OK, meta, payload, sum(map(len, payload)), fds=fds)
-        else:
-            send_frame(self.sock, ST_OK, meta, fds=fds)
-
-    def _get(self, meta: dict[str, Any]) -> None:
-        keys = _keys(meta.get("keys"), "get")
-        node = self.node
-        shm = self.shm and bool(meta.get("shm"))
-        present, missing, pin, exts = node.lookup(keys, self.client if shm else None)
-        if present:
-            _e, sids, offs, lens = zip(*present)
-        else:
-            sids = offs = lens = ()
-        spilled = [i for i, sid in enumerate(sids) if sid < 0] if -1 in sids else []
-        try:
-            inline = node.read_spilled([present[i] for i in spilled])
-        except Refused:
-            if pin:
-                node.unpin([pin])
-            else:
-                node.unpin_extents(exts)
-            raise
-        if shm:
-            offs = np.array(offs, dtype="<i8")
-            if spilled:  # spilled values travel in the payload: slab -1, offset into the payload
-                ends = np.cumsum([len(b) for b in inline])
-                offs[spilled] = ends - np.array([len(b) for b in inline])
-            reply = {
-                "slabs": np.array(sids, dtype="<i4").tobytes(),
-                "offs": offs.tobytes(),
-                "lens": np.array(lens, dtype="<i8").tobytes(),
-                "missing": missing,
-                "pin": pin,
-            }
-            if pin == 0 and exts:
-                node.unpin_extents(exts)
-            return self._reply_with_slabs(reply, list(dict.fromkeys(sids)), payload=inline)
-        try:
-            slabs = node.slabs  # the extents are pinned: their slabs stay
-            spilled_data = iter(inline)
-            views = [
-                next(spilled_data) if ent[1] < 0 else slabs[ent[1]].view[ent[2] : ent[2] + ent[3]] for ent in present
-            ]
-            reply = {"sizes": np.array(lens, dtype="<i8").tobytes(), "missing": missing}
-            send_frame(self.sock, ST_OK, reply, views, int(sum(lens)))
-        finally:
-            node.unpin_extents(exts)
-
-# --------------------------------------------------------------------------------------------
-# Process: listeners, registration, heartbeat
-# --------------------------------------------------------------------------------------------
 
 
 class _Server:
@@ -505,7 +111,7 @@ class _Server:
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
         self.registered = False
-        self._sessions: dict[_Session, threading.Thread] = {}
+        self._sessions: dict[Session, threading.Thread] = {}
         self._sessions_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -617,7 +223,7 @@ class _Server:
         if not local:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(conn)
-        session = _Session(
+        session = Session(
             self.node, conn, local, self.token, self.uds is not None, self.limits,
             tls=None if local else self.tls, peer=peer,
         )  # fmt: skip
@@ -626,7 +232,7 @@ class _Server:
             self._sessions[session] = thread
         thread.start()
 
-    def _run_session(self, session: _Session) -> None:
+    def _run_session(self, session: Session) -> None:
         try:
             session.run()
         finally:

@@ -185,6 +185,11 @@ def connection_options(*, asyncio: bool = False, reconnect: bool = True) -> dict
         "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": 30,
+        # redis-py 8 reads with a 5 s timeout by default, which cuts every longer blocking wait
+        # (get_meta's BLPOP, the streams' XREAD BLOCK) and retries it into a ConnectionFailed;
+        # waits are bounded by their own BLOCK/timeout arguments instead, as before redis-py 8.
+        "socket_timeout": None,
+        "socket_keepalive": True,
     }
 
 
@@ -340,6 +345,8 @@ def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **opti
     base = connection_options(reconnect=reconnect)
     if cluster_mode(url, cluster):
         retry = options.pop("retry", base["retry"])
+        options.setdefault("socket_timeout", None)  # see connection_options
+        options.setdefault("socket_keepalive", True)
         for name in ("single_connection_client", "connection_pool", "health_check_interval", "retry_on_error"):
             options.pop(name, None)
         try:

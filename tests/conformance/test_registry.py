@@ -120,7 +120,7 @@ def test_custom_store_end_to_end(registry: dict, redis_url: str) -> None:
 
     client = TransferQueueClient(redis_url, namespace, nested_output=False)  # compare dense tensors
     try:
-        spec = {"backend": "dict-test", "options": {"tag": "client"}}
+        spec = {"backend": "dict-test", "options": {"tag": "client"}, "inline_max_bytes": 0}  # all through it
         client.redis.hset(config_key(namespace), "storage", json.dumps(spec))
         td = TensorDict({"x": torch.arange(12).reshape(4, 3), "y": torch.randn(4)}, batch_size=[4])
         client.put(td, partition_id="p")

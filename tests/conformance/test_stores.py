@@ -179,7 +179,8 @@ def test_built_from_config_by_name(store_setup: StoreSetup) -> None:
 def test_end_to_end_through_the_client(store_setup: StoreSetup) -> None:
     client = TransferQueueClient(store_setup.url, store_setup.namespace)
     try:
-        spec = {"backend": store_setup.backend, "options": store_setup.options}
+        # inline_max_bytes 0: every value goes through the store under test (none stays in Redis)
+        spec = {"backend": store_setup.backend, "options": store_setup.options, "inline_max_bytes": 0}
         client.redis.hset(config_key(store_setup.namespace), "storage", json.dumps(spec))
         partition = f"e2e-{uuid.uuid4().hex[:6]}"
         td = TensorDict(

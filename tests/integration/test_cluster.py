@@ -302,6 +302,11 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.put(TensorDict({"z": torch.ones(2)}, batch_size=[2]), metadata=meta[0:2])
     _tag(client, meta, [{"uid": i // 2} for i in range(8)])
     client.get_data(meta[0:2])
+    small = make_client(cluster.url, namespace, inline_max_bytes=4096)  # values kept in the metadata plane
+    try:
+        small.get_data(small.put(TensorDict({"s": torch.ones(2, 1)}, batch_size=[2]), partition_id="small"))
+    finally:
+        small.close()
 
     class First(BaseSampler):
         def sample(self, ready_indexes, batch_size, *args, **kwargs):

@@ -503,7 +503,8 @@ def test_a_put_to_a_stopped_node_fails_after_one_timeout(valkey):
     ns = f"stop{uuid.uuid4().hex[:6]}"
     node = spawn_node(valkey.url, ns, capacity="64MiB")
     client = TransferQueueClient(valkey.url, ns)
-    client.redis.hset(config_key(ns), "storage", json.dumps({"backend": "dram", "options": {"timeout_s": 1.0}}))
+    spec = {"backend": "dram", "options": {"timeout_s": 1.0}, "inline_max_bytes": 0}  # the values go to the node
+    client.redis.hset(config_key(ns), "storage", json.dumps(spec))
     try:
         data = TensorDict({"x": torch.arange(8).reshape(4, 2)}, batch_size=[4])
         client.put(data, partition_id="p")  # warm: connections made

@@ -143,3 +143,16 @@ def test_samples_too_few_for_the_first_waiter_go_to_one_that_wants_fewer(real_se
     assert got["big"].global_indexes == [1, 2, 3, 4]
     for c in (producer, big, small):
         c.close()
+
+
+def test_a_wait_longer_than_redis_pys_socket_timeout_returns_empty_in_time(real_server, namespace):
+    """redis-py 8 reads with a 5 s socket timeout by default: a 6 s get_meta wait must not be cut
+    into a ConnectionFailed (it was, after ~70 s of retries)."""
+    client = make_client(real_server.url, namespace)
+    try:
+        started = time.monotonic()
+        meta = client.get_meta(["x"], 1, "idle", task_name="t", timeout=6.0)
+        waited = time.monotonic() - started
+        assert meta.size == 0 and 5.9 <= waited < 9, waited
+    finally:
+        client.close()

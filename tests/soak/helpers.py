@@ -41,9 +41,12 @@ def kill_all(procs: Sequence[Any]) -> None:
             proc.join(10)
 
 
-def use_store(url: str, namespace: str, backend: str, options: dict[str, Any] | None = None) -> None:
-    """Record the namespace's store, as ``init`` does, so every attaching process uses it."""
-    spec = {"backend": backend, "options": options or {}}
+def use_store(
+    url: str, namespace: str, backend: str, options: dict[str, Any] | None = None, inline_max_bytes: int = 0
+) -> None:
+    """Record the namespace's store, as ``init`` does, so every attaching process uses it (every
+    value goes to the store unless ``inline_max_bytes`` keeps small ones in Redis)."""
+    spec = {"backend": backend, "options": options or {}, "inline_max_bytes": inline_max_bytes}
     with redis.Redis.from_url(url) as r:
         r.hset(config_key(namespace), "storage", json.dumps(spec))
 

@@ -1,0 +1,270 @@
+"""The ``dram`` store client's view of its nodes: discovery through Redis, the live ring, the links.
+
+Storage nodes register in Redis under :func:`~tq_redis.keys.storage_nodes_key` and heartbeat
+there. :class:`NodeDiscovery` (the base of :class:`~tq_redis.backends.dram.DramStore`) reads that
+registry with Redis's clock in one round trip, keeps a :class:`~tq_redis.backends.dram_pool.Link`
+per node instance (made when a node appears, closed when it leaves or restarts as a new
+instance), and builds the placement :class:`~tq_redis.backends.dram_placement.Ring` of the live
+ones (heartbeat fresh), trusted for ``refresh_s``. While Redis is unreachable the last known ring
+serves; while every registered node looks dead it re-reads for up to ``registry_wait_s``. It holds
+the options links connect with (token, timeouts, shared memory, TLS, ``max_frame``), starts afresh
+after ``fork()``, and retries an operation once on a fresh ring when a node restarted or left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+import redis
+from tq_redis.backends.dram_placement import Ring
+from tq_redis.backends.dram_pool import Link
+
+from tq_redis import connections
+from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable
+from tq_redis.keys import storage_nodes_key
+
+log = logging.getLogger("tq_redis.backends.dram")
+
+__all__ = ["NodeDiscovery"]
+
+#: Redis's clock and the registry in one call that a Redis Cluster routes by the registry key
+_REGISTRY_SCRIPT = "local t = redis.call('TIME') return {t[1], t[2], redis.call('HGETALL', KEYS[1])}"
+#: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
+_REGISTRY_POLL_S = 0.05
+
+
+def _release(links: dict[Any, Link], client: Any) -> None:
+    """Finaliser of a store dropped without ``close()``: close its sockets and unmap node slabs."""
+    for link in list(links.values()):
+        try:
+            link.close()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise; the OS reclaims the rest
+            pass
+    links.clear()
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class NodeDiscovery:
+    """The live nodes of one namespace and this client's links to them (thread-safe).
+
+    The options are checked by the store that extends this class (see its ``__init__``).
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str,
+        *,
+        token: str | None,
+        timeout_s: float,
+        shm: bool,
+        max_frame: int,
+        refresh_s: float,
+        dead_after_s: float,
+        registry_wait_s: float,
+        tls: bool | None,
+        tls_ca: str | None,
+        tls_check_hostname: bool,
+    ) -> None:
+        self.tls = tls
+        self.tls_ca = tls_ca
+        self.tls_check_hostname = bool(tls_check_hostname)
+        self._tls_ctx: ssl.SSLContext | None = None
+        self.max_frame = max_frame
+        self.registry_wait_s = float(registry_wait_s)
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.token = token if token is not None else os.environ.get("TQ_STORAGE_TOKEN") or None
+        self.timeout_s = float(timeout_s)
+        self.shm = bool(shm)
+        self.refresh_s = float(refresh_s)
+        self.dead_after_s = float(dead_after_s)
+        self.client_id = uuid.uuid4().hex
+        # no reconnect loop of its own: while Redis is away the last known node list serves
+        self._redis = connections.sync_client(
+            redis_url, reconnect=False, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
+        )
+        self._key = storage_nodes_key(namespace)
+        self._lock = threading.Lock()
+        self._links: dict[tuple[str, str], Link] = {}
+        self._ring: Ring | None = None
+        self._fetched = 0.0
+        self._stale = True
+        self._seen_live = False  # some node was live once: an empty registry may be a Redis restart
+        self._closed = False
+        self._pid = os.getpid()
+        # a store dropped without close() still lets go of its sockets and the nodes' memory slabs
+        self._finalizer = weakref.finalize(self, _release, self._links, self._redis)
+
+    def _mark_stale(self) -> None:
+        """The node list is out of date (a node restarted): read it again before the next operation."""
+        self._stale = True
+
+    def tls_context(self, required: bool) -> ssl.SSLContext | None:
+        """The TLS context for a TCP connection to a node (None: plain TCP).
+
+        ``required``: the node's registration says it serves TLS. The ``tls`` option decides
+        (None follows the node); a context is built once, verifying with ``tls_ca``.
+        """
+        use = required if self.tls is None else self.tls
+        if not use:
+            return None
+        if self._tls_ctx is None:
+            try:
+                ctx = ssl.create_default_context(cafile=self.tls_ca)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"the dram store option tls_ca={self.tls_ca!r} is not a readable PEM file ({exc})"
+                ) from None
+            ctx.check_hostname = self.tls_check_hostname
+            self._tls_ctx = ctx
+        return self._tls_ctx
+
+    def _read_registry(self) -> tuple[float, dict[str, dict[str, Any]]]:
+        """Redis's clock and every registration, in one round trip.
+
+        One script call on the registry key: on a Redis Cluster it runs on the node that owns
+        the key (a pipeline of ``TIME`` and ``HGETALL`` cannot be routed there as one unit).
+        """
+        try:
+            sec, usec, flat = self._redis.eval(_REGISTRY_SCRIPT, 1, self._key)
+            now = int(sec) + int(usec) / 1e6
+        except redis.RedisError as exc:
+            raise ConnectionFailed(
+                f"cannot read the DRAM storage nodes from Redis at {self.redis_url} ({exc}); "
+                f"check that Redis is running"
+            ) from exc
+        except (TypeError, ValueError) as exc:
+            raise ConnectionFailed(f"unexpected reply reading the DRAM storage nodes from Redis ({exc})") from exc
+        nodes = {}
+        for k, v in zip(flat[::2], flat[1::2]):
+            try:
+                info = json.loads(v)
+                if not isinstance(info, dict):
+                    raise ValueError("not an object")
+                nodes[k.decode(errors="replace")] = info
+            except ValueError:
+                log.warning("ignoring unreadable storage-node registration %r", k)
+        return now, nodes
+
+    def _after_fork(self) -> None:
+        """In a forked child: never talk over the parent's sockets; start with fresh state."""
+        for link in self._links.values():
+            for conn in link.idle:
+                conn.sock.close()  # close (no shutdown): the parent's connection stays intact
+            link.idle = []
+            link.closed = True
+        self._links.clear()  # the same dict: the finaliser holds it
+        self._ring = None
+        self._lock = threading.Lock()
+        self.client_id = uuid.uuid4().hex
+        self._pid = os.getpid()
+
+    def _current_ring(self, force: bool = False) -> Ring:
+        if self._closed:
+            raise StorageError("the dram store is closed")
+        if self._pid != os.getpid():
+            self._after_fork()
+        now = time.monotonic()
+        ring = self._ring
+        if ring is not None and not force and not self._stale and now - self._fetched < self.refresh_s:
+            return ring
+        with self._lock:
+            if (
+                self._ring is not None
+                and not force
+                and not self._stale
+                and (time.monotonic() - self._fetched < self.refresh_s)
+            ):
+                return self._ring
+            try:
+                live = self._read_live()
+            except ConnectionFailed:
+                if self._ring is not None:  # keep serving with the last known ring
+                    log.warning("Redis unreachable; using the last known storage-node list")
+                    return self._ring
+                raise
+            if not live:
+                raise StorageUnavailable(
+                    f"no live DRAM storage node is registered in namespace {self.namespace!r} at "
+                    f"{self.redis_url} (key {self._key}); start some with `tq-redis storage-unit "
+                    f"--redis {self.redis_url} --namespace {self.namespace} ...` or `tq-redis up`"
+                )
+            self._ring = Ring(live)
+            self._seen_live = True
+            self._fetched = time.monotonic()
+            self._stale = False
+            return self._ring
+
+    def _read_live(self) -> list[Link]:
+        """The live nodes' links (lock held), re-reading the registry for up to ``registry_wait_s``
+        while every registered node looks dead but one may be about to beat again.
+
+        That is the moment after a Redis outage longer than ``dead_after_s`` (or a Redis restart
+        that lost the registry): running nodes re-register within a fraction of a second of Redis
+        returning, and an operation should not fail in between.
+        """
+        deadline = time.monotonic() + self.registry_wait_s
+        while True:
+            rnow, nodes = self._read_registry()
+            live = self._update_links(rnow, nodes)
+            if live or not (nodes or self._seen_live) or time.monotonic() >= deadline:
+                return live
+            time.sleep(_REGISTRY_POLL_S)
+
+    def _update_links(self, rnow: float, nodes: dict[str, dict[str, Any]]) -> list[Link]:
+        """Links for the registered nodes (new ones made, departed ones closed); the live ones."""
+        live: list[Link] = []
+        seen = set()
+        for node_id, info in sorted(nodes.items()):
+            info.setdefault("node_id", node_id)
+            try:
+                heartbeat = float(info.get("heartbeat", 0))
+                if not (isinstance(info.get("address"), str) and isinstance(info.get("instance"), str)):
+                    raise ValueError("no address or instance")
+            except (TypeError, ValueError) as exc:
+                log.warning("ignoring malformed storage-node registration %r (%s)", node_id, exc)
+                continue
+            key = (node_id, info["instance"])
+            seen.add(key)
+            link = self._links.get(key)
+            if link is None:
+                link = self._links[key] = Link(info, self)
+            else:
+                link.info = info
+            if rnow - heartbeat <= self.dead_after_s:
+                live.append(link)
+        for key in [k for k in self._links if k not in seen]:
+            self._links.pop(key).close()  # deregistered or restarted as a new instance
+        return live
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Registration of every live node (address, capacity, used bytes, heartbeat ...)."""
+        return [dict(lk.info) for lk in self._current_ring(force=True).links]
+
+    def _with_retry(self, fn):
+        """Run ``fn(ring)``; if a node failed because it restarted or left, retry once on a fresh ring."""
+        ring = self._current_ring()
+        try:
+            return fn(ring)
+        except StorageUnavailable as exc:
+            self._mark_stale()
+            before = {lk.node_id: lk.instance for lk in ring.links}
+            try:
+                fresh = self._current_ring(force=True)
+            except (StorageUnavailable, ConnectionFailed):
+                raise exc from None  # the error naming the node says more than "no nodes left"
+            if {lk.node_id: lk.instance for lk in fresh.links} == before:
+                raise
+            return fn(fresh)
