@@ -292,6 +292,23 @@ def _rows_p6(merged: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_p7(merged: dict[str, Any]) -> list[Row]:
+    res = _result(merged, "p7_cluster", "tq_redis")
+    if _err(res):
+        return [("P7", "1 vs 3 shards, many partitions", _err(res) or "", "n/a", "", "(reported)", None)]
+    rows: list[Row] = []
+    for batch in (1, 16):
+        one = (res.get("shards_1") or {}).get(f"batch_{batch}") or {}
+        three = (res.get("shards_3") or {}).get(f"batch_{batch}") or {}
+        scale = (res.get(f"scale_batch_{batch}") or {}).get("ceiling_ratio")
+        ours = (f"1 shard {_num(one.get('aggregate_ceiling_per_s'))}/s, 3 shards "
+                f"{_num(three.get('aggregate_ceiling_per_s'))}/s ({_num(three.get('cpu_usec_per_claim'))} µs "
+                f"server CPU a claim)")  # fmt: skip
+        rows.append(("P7", f"12 partitions, batch {batch}: claims/s the shards can serve", ours, "n/a (tq-redis only)",
+                     _times(scale), "(reported; ×3 shards is the ideal)", None))  # fmt: skip
+    return rows
+
+
 # ----------------------------------------------------------------------------------------
 # The section
 # ----------------------------------------------------------------------------------------
@@ -308,7 +325,7 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
     commit = merged.get("git_commit")
     wall = merged.get("run_wall_s")
     rows: list[Row] = []
-    for build in (_rows_p1, _rows_p1_tcp, _rows_p2, _rows_p3, _rows_p4, _rows_p5, _rows_p6):
+    for build in (_rows_p1, _rows_p1_tcp, _rows_p2, _rows_p3, _rows_p4, _rows_p5, _rows_p6, _rows_p7):
         rows.extend(build(merged))
 
     lines = [

@@ -28,7 +28,7 @@ from benchmarks._common import RESULTS_DIR, git_commit, machine_info, versions
 from benchmarks.reference import SYSTEMS
 
 MEASURES: tuple[str, ...] = (
-    "p1_throughput", "p1_tcp", "p2_get_meta", "p4_tiny", "p3_concurrency", "p5_pipeline", "p6_shard",
+    "p1_throughput", "p1_tcp", "p2_get_meta", "p4_tiny", "p3_concurrency", "p5_pipeline", "p6_shard", "p7_cluster",
 )  # fmt: skip
 """Measures run by default, cheapest first."""
 
