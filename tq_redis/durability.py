@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tq_redis.errors import ConfigError, TQError
+from tq_redis.errors import ConfigError, DurabilityUnsupported, NotDurable
 
 ENV = "TQ_REDIS_DURABLE"
 TIMEOUT_ENV = "TQ_REDIS_DURABLE_TIMEOUT_MS"
@@ -49,20 +49,6 @@ NOT_WAITED = frozenset({"version", "check_visible", "kv_list", "progress", "read
 
 _lock = threading.Lock()
 _declared: dict[str, Durability] = {}
-
-
-class NotDurable(TQError, RuntimeError):
-    """A write was applied by the Redis primary but not confirmed by as many replicas (or AOF
-    fsyncs) as durable mode asks for within its timeout. It is *not* undone: ``result`` holds what
-    the call returned; a failover before the replicas catch up can lose it."""
-
-    def __init__(self, message: str, result: Any = None) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-class DurabilityUnsupported(ConfigError):
-    """The durable mode asked for cannot work with this server (no ``WAITAOF``, AOF off, a cluster)."""
 
 
 @dataclass(frozen=True)

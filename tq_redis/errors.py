@@ -7,6 +7,8 @@ against the reference system's bare exceptions keeps catching them.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TQError(Exception):
     """Base class of every error tq-redis raises on purpose."""
@@ -166,3 +168,17 @@ class LibraryNotLoaded(ConfigError):
     """The tq-redis function library on a Redis server is missing or is not this client's exact
     code, and this client may not load it (``redis.load_library: never``): an administrator runs
     ``tq-redis load-library --redis URL``."""
+
+
+class NotDurable(TQError, RuntimeError):
+    """A write was applied by the Redis primary but not confirmed by as many replicas (or AOF
+    fsyncs) as durable mode asks for within its timeout. It is *not* undone: ``result`` holds what
+    the call returned; a failover before the replicas catch up can lose it."""
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class DurabilityUnsupported(ConfigError):
+    """The durable mode asked for cannot work with this server (no ``WAITAOF``, AOF off, a cluster)."""

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from tq_redis import config as config_mod
-from tq_redis import connections, metrics, ray_discovery, samplers, server_policy
+from tq_redis import connections, durability, metrics, ray_discovery, samplers, server_policy
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import ConnectionFailed, TQError
 from tq_redis.keys import config_key
@@ -66,6 +66,7 @@ def init(conf: Any = None) -> dict[str, Any]:
             connections.declare_cluster(cfg["redis"]["url"], cfg["redis"]["cluster"])
             server_policy.declare(cfg["redis"]["url"], on_eviction=cfg["redis"]["on_eviction"],
                                   load_library=cfg["redis"]["load_library"])
+            durability.declare(cfg["redis"]["url"], cfg["redis"]["durable"], cfg["redis"]["durable_timeout_ms"])
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],
                 allow_pickle=bool(cfg["codec"]["allow_pickle"]),
@@ -84,6 +85,7 @@ def init(conf: Any = None) -> dict[str, Any]:
             if cfg["redis"]["url"] is not None:
                 connections.declare_cluster(cfg["redis"]["url"], None)
                 server_policy.forget(cfg["redis"]["url"])
+                durability.declare(cfg["redis"]["url"], None)
             raise
         # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
         if _gives_sampler(conf):
@@ -188,6 +190,7 @@ def close() -> None:
         _state["client"].close()
         connections.declare_cluster(cfg["redis"]["url"], None)
         server_policy.forget(cfg["redis"]["url"])
+        durability.declare(cfg["redis"]["url"], None)
         if _state.get("server") is not None:
             ray_discovery.withdraw(_state["server"].url)
         _stop(_state.get("nodes"), _state.get("server"))

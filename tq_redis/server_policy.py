@@ -125,8 +125,14 @@ def redact(url: str) -> str:
         parts = urlsplit(url)
     except (TypeError, ValueError):
         return "<unreadable URL>"
+    if parts.query and "password" in parts.query:  # a Sentinel's own login: ?sentinel_password=...
+        query = "&".join(
+            f"{k}=***" if k.endswith("password") else f"{k}={v}" if sep else k
+            for k, sep, v in (item.partition("=") for item in parts.query.split("&"))
+        )
+        parts = parts._replace(query=query)
     if not parts.password:
-        return url
+        return urlunsplit(parts)
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
