@@ -8,7 +8,7 @@
             reaches the target or the next entry would overshoot it
 
   Input:
-    KEYS[1]  channel meta key    <ns>:chan:{<name>}:meta
+    KEYS[1]  channel meta key    <ns>:chan:{<ns>/<name>}:meta
     ARGV[1]  queue key
     ARGV[2]  rule                one | reach | fit
     ARGV[3]  target weight       a number (reach: > 0, fit: >= 0); ignored by `one`

@@ -3,7 +3,7 @@
   every client), and wake blocked getters.
 
   Input:
-    KEYS[1]  channel meta key    <ns>:chan:{<name>}:meta
+    KEYS[1]  channel meta key    <ns>:chan:{<ns>/<name>}:meta
     ARGV[1]  queue key           e.g. 'default'
     ARGV[2]  entry               "<weight>|<payload>"
   Output:

@@ -20,7 +20,7 @@
                  dp_rank
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  batch_size          (>= 1; per rank for `balance`)
     ARGV[3]  now_ms              client clock, used for lease deadlines

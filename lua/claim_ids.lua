@@ -6,7 +6,7 @@
   both must be free.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  now_ms              client clock, used for lease deadlines
     ARGV[3]  lease_ms            0 = consumed at once; > 0 = consumed ids are leased that long

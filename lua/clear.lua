@@ -4,7 +4,7 @@
   from the stores and then empties the trash (trash_done). Idempotent.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1..]                    sample ids
   Output:
     {cleared_ids, fields, older} ids that were alive (their data must be deleted), the

@@ -4,7 +4,7 @@
   which the client empties (trash_done) once their bytes are deleted. Idempotent.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
   Output:
     {alive_bitmap, fields, older}  the alive bitmap as it was (the client deletes those samples'
                                  bytes), the registered field names ({false, {}} if unknown), and

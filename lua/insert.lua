@@ -6,7 +6,7 @@
     <p>:inline in the same atomic step as the bits, so a small put is one round trip.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  first_id            from `reserve`, or '' to allocate the ids here (inline values)
     ARGV[2]  count
     ARGV[3]  now_ms              creation time for a new partition

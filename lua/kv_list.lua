@@ -2,7 +2,7 @@
   kv_list: every user key of a partition whose sample is alive, with its sample id and tags.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
   Output:
     {keys, ids, tags}            tags = flat {tag name, {JSON value or false per key}, ...};
                                  {{}, {}, {}} if the partition does not exist

@@ -4,7 +4,7 @@
   alive with no field produced, so no consumer can claim it before a put stores its bytes.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  create              '1': unknown keys get fresh ids; '0': look up only
     ARGV[2]  now_ms              creation time if this call creates the partition
     ARGV[3]  nkeys

@@ -3,7 +3,7 @@
   id the caller cleared, so a key re-created meanwhile by another client keeps its new sample.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[2k-1], ARGV[2k]         user key, sample id (k = 1..)
   Output:
     number of keys removed

@@ -6,7 +6,7 @@
   atomic step. Values written to a store instead replace any inline value the samples had.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  nfields
     ARGV[2..1+2*nfields]         field name, canonical schema JSON pairs
     ARGV[2+2*nfields]            nids

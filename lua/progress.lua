@@ -3,7 +3,7 @@
   more" from "sealed and drained". Writes only scratch keys of the partition's slot.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  nfields
     ARGV[3..2+nfields]           field names the task reads

@@ -5,7 +5,7 @@
   check_visible afterwards (bytes before bits).
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  ids as comma-separated ranges, e.g. "0-1023,2048,4000-4010"
     ARGV[2..]                    field names
   Output:

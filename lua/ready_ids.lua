@@ -5,7 +5,7 @@
   Cost: O(partition) bitmap work (BITOP), as the list handed to Python is.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  now_ms              client clock, for lapsed leases
     ARGV[3]  max_deliveries      0 = unlimited; lapsed samples delivered this often go to poison

@@ -4,7 +4,7 @@
   is written: the client stores the bytes under the new ids, then calls `insert`.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  count               number of ids to allocate (>= 1)
     ARGV[2k], ARGV[2k+1]         field name, canonical schema JSON (k = 1..)
   Output:

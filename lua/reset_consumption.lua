@@ -2,7 +2,7 @@
   reset_consumption: let a task (or every task) consume the partition's samples again.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name, or '' for every task of the partition
   Output:
     1 if the partition exists (reset done), 0 if it does not

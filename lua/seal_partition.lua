@@ -4,7 +4,7 @@
   if needed (a producer may seal before its first put, or with nothing to put). Idempotent.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  now_ms              creation time if this call creates the partition
   Output:
     1 if this call sealed it, 0 if it was sealed already

@@ -2,7 +2,7 @@
   set_tags: write per-sample tags (custom meta) of existing samples.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  n                   number of sample ids
     ARGV[2..1+n]                 sample ids
     then, repeated:              tag name, then n JSON values ('' = leave unchanged)

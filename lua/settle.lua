@@ -6,7 +6,7 @@
   extend it (the new holder's lease carries a higher count).
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  action              'ack' (consumed for good), 'nack' (hand back now),
                                  'extend' (new deadline = now_ms + lease_ms)

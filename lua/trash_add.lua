@@ -5,7 +5,7 @@
   to a crash or an unreachable storage node.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  ids as comma-separated ranges, e.g. "0-1023,2048"
     ARGV[2..]                    field names whose values the ids may have
   Output:

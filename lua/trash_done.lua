@@ -3,7 +3,7 @@
   (and drop the trash keys once it is empty).
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  ids as comma-separated ranges, e.g. "0-1023,2048"
   Output:
     number of ids still in the trash

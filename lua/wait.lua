@@ -4,7 +4,7 @@
   task has waiters (one token per event, at most one per waiter); the consumer BLPOPs one.
 
   Input:
-    KEYS[1]  partition meta key  <ns>:{<p>}:meta
+    KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  waiter id           unique per waiting consumer (client and thread)
     ARGV[3]  timeout_ms          how long it will wait at most

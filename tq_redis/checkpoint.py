@@ -111,6 +111,24 @@ def _namespace_keys(r: Any, ns: str, with_data: bool) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def portable(suffix: str, ns: str) -> str:
+    """A key (less ``<ns>:``) as checkpoints keep it: without the namespace in its hash tag
+    (``{ns/p}:meta`` -> ``{p}:meta``), so a checkpoint loads into any namespace and into either
+    key layout (the tag was ``{p}`` before 0.2)."""
+    for head in ("{", "chan:{"):
+        if suffix.startswith(head + ns + "/"):
+            return head + suffix[len(head) + len(ns) + 1 :]
+    return suffix
+
+
+def placed(suffix: str, ns: str) -> str:
+    """The key (less ``<ns>:``) a :func:`portable` suffix has in namespace ``ns``."""
+    for head in ("chan:{", "{"):
+        if suffix.startswith(head):
+            return f"{head}{ns}/{suffix[len(head):]}"
+    return suffix
+
+
 def _registries(ns: str, records: list[list[Any]]) -> list[list[Any]]:
     """``records`` with the registries made to name every partition and channel they hold keys of
     (a checkpoint written before the registries existed lists channels and cleared partitions only
@@ -218,9 +236,12 @@ def _write_key(pipe: Any, key: str, kind: str, value: Any, ttl_ms: int) -> None:
 
 
 def _save_data(client: Any, store: Any, target: Path) -> int:
-    """Bytes of every produced (sample, field) of every partition, one file per partition."""
+    """Bytes of every produced (sample, field) of every partition, one file per partition, then
+    the bytes of every channel's queued tensor items (they live in the channel's hidden
+    partition, named by the queue entries rather than by bits)."""
     r, ns = client.redis, client.namespace
     saved = 0
+    n = -1
     for n, pid in enumerate(_text(p) for p in r.zrange(partitions_key(ns), 0, -1)):
         pk = client.context.keys(pid)
         alive = set(bitmaps.set_ids(r.get(pk.alive)))
@@ -235,7 +256,29 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
         if columns:
             blob = objects.encode_object({"partition": pid, "columns": columns})
             (target / f"{n:06d}.msgpack").write_bytes(blob)
+    for k, name in enumerate(sorted(_text(c) for c in r.smembers(channels_key(ns)))):
+        ck = ChannelKeys(ns, name)
+        columns = _channel_columns(r, store, ck)
+        if columns:
+            blob = objects.encode_object({"partition": ck.data_partition, "columns": columns})
+            (target / f"{n + 1 + k:06d}.msgpack").write_bytes(blob)
+            saved += sum(len(c["ids"]) for c in columns.values())
     return saved
+
+
+def _channel_columns(r: Any, store: Any, ck: ChannelKeys) -> dict[str, dict[str, list]]:
+    """``{field: {"ids", "values"}}`` of the tensor items queued in channel ``ck``."""
+    wanted: dict[str, list[int]] = {}
+    for queue in channel_ops.queue_keys(ck, r.hkeys(ck.meta)):
+        for entry in r.lrange(queue, 0, -1):
+            ids, fields = channel_ops.stored_parts(entry)
+            for field in fields:
+                wanted.setdefault(field, []).extend(ids)
+    pk = ck.data_keys()
+    return {
+        field: {"ids": ids, "values": [bytes(v) for v in store.get(pk, ids, [field])[field]]}
+        for field, ids in wanted.items()
+    }
 
 
 def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | None = None,
@@ -265,7 +308,9 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
             saved = _save_data(client, store, tmp / DATA_DIR)
         r, ns = client.redis, client.namespace
         keys = _namespace_keys(r, ns, with_data=store.backend == "redis")
-        records = [[key[len(ns) + 1 :], kind, value, ttl] for key, kind, value, ttl in _read_keys(r, keys)]
+        records = [
+            [portable(key[len(ns) + 1 :], ns), kind, value, ttl] for key, kind, value, ttl in _read_keys(r, keys)
+        ]
         (tmp / KEYS_FILE).write_bytes(objects.encode_object(records))
         info = {
             "format": FORMAT, "namespace": ns, "backend": store.backend, "saved_at": time.time(),
@@ -309,10 +354,13 @@ def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"the checkpoint holds {info['backend']} store data but this namespace uses the redis store")
     for path in data_files:  # data first, then the bits that make it visible
         part = objects.decode_object(path.read_bytes())
-        pk = client.context.keys(part["partition"])
+        pid = part["partition"]  # a channel's hidden partition carries the reserved prefix
+        internal = pid.startswith(names.RESERVED_PARTITION_PREFIX)
+        pk = PartitionKeys.internal(ns, pid) if internal else client.context.keys(pid)
         for field, column in part["columns"].items():
             store.put(pk, column["ids"], {field: [[v] for v in column["values"]]})
     records = _registries(ns, objects.decode_object((final / KEYS_FILE).read_bytes()))
+    records = [[placed(suffix, ns), *rest] for suffix, *rest in records]
     keep = {f"{ns}:{suffix}" for suffix, *_ in records}
     _delete(r, [k for k in _namespace_keys(r, ns, with_data=store.backend == "redis") if k not in keep])
     pipe = r.pipeline(transaction=False)

@@ -1,7 +1,10 @@
 """Every Redis key tq-redis uses, built in one place, from names :mod:`tq_redis.names` checked.
 
-Layout (``ns`` is the namespace, ``p`` the partition id; ``{p}`` is a Redis Cluster hash tag, so
-every key of one partition lives in one slot and each script touches a single slot):
+Layout (``ns`` is the namespace, ``p`` the partition id, ``c`` a channel name). ``{p}`` below is
+short for the Redis Cluster hash tag ``{ns/p}`` (``{c}`` for ``{ns/c}``): every key of one partition
+lives in one slot, so each script touches a single slot, and the namespace inside the tag spreads
+two jobs' partitions of the same name over different slots. (Before 0.2 the tag was ``{p}`` alone;
+checkpoints are written without the namespace in the tag and load under either layout.)
 
 =================================  ======  ===============================================
 key                                type    holds
@@ -139,14 +142,19 @@ class _KeyOf:
 
 
 class _Tagged:
-    """Keys ``<ns>:<kind>{<tag>}:<suffix>`` sharing one hash tag (one slot on a cluster)."""
+    """Keys ``<ns>:<kind>{<ns>/<tag>}:<suffix>`` sharing one hash tag (one slot on a cluster).
+
+    The namespace is inside the tag so that two jobs' partitions of the same name (every verl job
+    has ``train``, ``global_step_1`` ...) land on different slots, hence shards; it also stays in
+    front, so ``~<ns>:*`` ACL patterns still hold every key of a namespace.
+    """
 
     __slots__ = ("ns", "prefix")
     _kind = ""
 
     def _place(self, ns: str, tag: str) -> None:
         self.ns = names.namespace(ns)
-        self.prefix = f"{ns}:{self._kind}{{{tag}}}:"
+        self.prefix = f"{ns}:{self._kind}{{{ns}/{tag}}}:"
 
 
 class PartitionKeys(_Tagged):

@@ -2,7 +2,7 @@
 
 Each ``lua/<name>.lua`` holds one state transition as ``local function <name>(KEYS, ARGV)``,
 with a header comment that is its contract (``Input:``, ``Output:``, and ``Touches:``: every key
-kind it reads or writes, ``<p>:`` standing for the partition prefix ``<ns>:{<p>}:`` and ``<c>:``
+kind it reads or writes, ``<p>:`` standing for the partition prefix ``<ns>:{<ns>/<p>}:`` and ``<c>:``
 for a channel's). ``lua/includes/<name>.lua`` hold the shared helpers, each with a header saying
 what it ``Offers:``. A script or include names the includes it uses with ``-- @include <name>``
 lines below its header; :func:`include_order` resolves them transitively, so each include is

@@ -1,11 +1,11 @@
 --[[
-  channel: RLinf's Channel queues. Every channel script receives KEYS[1] = "<ns>:chan:{<name>}:meta"
-  and derives the channel's other keys from its prefix "<ns>:chan:{<name>}:" (written <c>: in the
+  channel: RLinf's Channel queues. Every channel script receives KEYS[1] = "<ns>:chan:{<ns>/<name>}:meta"
+  and derives the channel's other keys from its prefix "<ns>:chan:{<ns>/<name>}:" (written <c>: in the
   Touches sections; one hash slot). A queue entry is the string "<weight>|<payload>", so scripts
   read weights without decoding payloads (no cmsgpack needed).
 
   Offers:
-    channel_prefix(meta_key)     "<ns>:chan:{<name>}:meta" -> "<ns>:chan:{<name>}:"
+    channel_prefix(meta_key)     "<ns>:chan:{<ns>/<name>}:meta" -> "<ns>:chan:{<ns>/<name>}:"
     stream_last_id(key)          newest id of a stream ("0-0" when empty)
     entry_weight(entry)          the weight of a "<weight>|<payload>" entry
     channel_queue(meta, prefix, key)

@@ -1,10 +1,10 @@
 --[[
-  prefix: every partition script receives KEYS[1] = "<ns>:{<p>}:meta" and derives the
-  partition's other keys from its prefix "<ns>:{<p>}:" (written <p>: in the Touches sections),
+  prefix: every partition script receives KEYS[1] = "<ns>:{<ns>/<p>}:meta" and derives the
+  partition's other keys from its prefix "<ns>:{<ns>/<p>}:" (written <p>: in the Touches sections),
   so all keys of one partition share one hash slot. tq_redis/keys.py documents every key.
 
   Offers:
-    partition_prefix(meta_key)   "<ns>:{<p>}:meta" -> "<ns>:{<p>}:"
+    partition_prefix(meta_key)   "<ns>:{<ns>/<p>}:meta" -> "<ns>:{<ns>/<p>}:"
   Touches:
     nothing
 ]]

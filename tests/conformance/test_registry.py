@@ -130,7 +130,7 @@ def test_custom_store_end_to_end(registry: dict, redis_url: str) -> None:
         assert torch.equal(out["x"], td["x"][order]) and torch.equal(out["y"], td["y"][order])
         used = [s for s in DictStore.instances if s.tag == f"{namespace}/client"]
         assert len(used) == 1  # the client built the store from the config in Redis
-        assert any(k.startswith(f"{namespace}:{{p}}:d:") for k in DictStore.data)
+        assert any(k.startswith(f"{namespace}:{{{namespace}/p}}:d:") for k in DictStore.data)
         client.clear_partition("p")
         assert not any(k.startswith(f"{namespace}:") for k in DictStore.data)
     finally:

@@ -15,6 +15,7 @@ from tests.procs import mp_context
 from tq_redis import Channel
 from tq_redis.channel import ChannelNotFound
 from tq_redis.errors import InvalidArgument, UnsupportedValue
+from tq_redis.keys import ChannelKeys
 
 
 def _blocked(client) -> bool:
@@ -99,7 +100,7 @@ def test_tensors_go_through_the_data_plane(server, namespace, chan_client):
     ch.put(big, weight=1)
     ch.put(td, weight=1)
     ch.put(TensorDict({"z": torch.zeros(3)}, []), weight=1)
-    entries = chan_client.redis.lrange(f"{namespace}:chan:{{t}}:q:default_queue", 0, -1)
+    entries = chan_client.redis.lrange(ChannelKeys(namespace, "t").queue("default_queue"), 0, -1)
     assert max(len(e) for e in entries) < 500  # references only; the bytes are in the store
     assert len(list(chan_client.redis.scan_iter(match=f"{namespace}:*:d:*"))) > 0
     got_big, got_td, got_scalar_td = ch.get_batch(3)  # weights 1 + 1 + 1

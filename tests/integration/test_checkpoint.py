@@ -125,3 +125,22 @@ def test_registries_are_rebuilt_from_the_keys_of_an_older_checkpoint():
     assert out["partitions:kept"][2] == ["gone"]
     assert out["channels"][2] == ["c"]
     assert out["{gone}:seq"] == records[2]
+
+
+def test_a_channels_tensor_items_come_back_from_a_dram_checkpoint(tmp_path, namespace):
+    """Channel tensors live in the store under the channel's hidden partition, named by the queue
+    entries (no bits): a checkpoint saves their bytes too, or the restored entry points at nothing."""
+    tq.init({"namespace": namespace, "storage": {"backend": "dram", "units": 1, "unit_capacity": "64MiB"}})
+    try:
+        chan = tq.Channel.create("tensors")
+        chan.put(torch.arange(6).reshape(2, 3), weight=1)
+        chan.put(TensorDict({"a": torch.ones(2, 2)}, [2]), weight=1)
+        tq.save_checkpoint(tmp_path / "ckpt")
+        chan.get_batch(2)  # weights 1 + 1; consumed: the bytes are deleted from the nodes
+        tq.load_checkpoint(tmp_path / "ckpt")
+        first, second = tq.Channel.connect("tensors").get_batch(2)
+        assert torch.equal(first, torch.arange(6).reshape(2, 3))
+        assert torch.equal(second["a"], torch.ones(2, 2))
+        chan.close()
+    finally:
+        tq.close()

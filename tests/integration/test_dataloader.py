@@ -39,7 +39,7 @@ def test_seal_partition(server, namespace):
     assert client.seal_partition("p") is True
     assert client.seal_partition("p") is False
     assert "p" in client.get_partition_list()
-    assert client.redis.hget(f"{namespace}:{{p}}:meta", "sealed") == b"1"
+    assert client.redis.hget(f"{namespace}:{{{namespace}/p}}:meta", "sealed") == b"1"
     client.close()
 
 

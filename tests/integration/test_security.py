@@ -64,7 +64,7 @@ def test_an_evicting_policy_is_refused_at_init_and_at_attach(own_server, monkeyp
     client = make_client(server.url, "ev2")  # attach: the first call refuses
     with pytest.raises(EvictionPolicyError, match="allkeys-lru"):
         client.put(_td(2), partition_id="p")
-    assert admin.exists("ev2:{p}:meta") == 0
+    assert admin.exists("ev2:{ev2/p}:meta") == 0
     client.close()
 
     monkeypatch.setenv(server_policy.ON_EVICTION_ENV, "warn")
@@ -201,7 +201,7 @@ def test_a_library_with_our_version_but_other_code_is_replaced(own_server):
 
     fresh = make_client(server.url, "libb")  # a client's first use checks the code, not the version
     meta = fresh.get_meta(["x"], 2, "p", task_name="t")
-    assert meta.size == 2 and admin.exists("libb:{p}:meta") == 1
+    assert meta.size == 2 and admin.exists("libb:{libb/p}:meta") == 1
     assert scripts.library_state(admin.execute_command(*scripts.list_command())) == "current"
     owner.close()
     fresh.close()
@@ -290,7 +290,7 @@ def test_namespace_users_work_in_their_namespace_and_are_refused_elsewhere(own_s
         with pytest.raises(PermissionDenied, match="tq-redis acl") as info:
             call()
         assert "pw-" not in str(info.value)  # the password never reaches a message
-    assert admin.exists("nsb:{p}:meta") == 1 and b.get_partition_list() == ["p"]
+    assert admin.exists("nsb:{nsb/p}:meta") == 1 and b.get_partition_list() == ["p"]
 
     async def async_intruder():
         client = tq.AsyncTransferQueueClient(url_a, "nsb")

@@ -105,8 +105,8 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     consumers that started waiting after the clear (``waittasks``, ``waiters:*``, ``wake*:*``).
     """
     allowed = {config_key(namespace), storage_nodes_key(namespace)}
-    allowed |= {f"{namespace}:{{{p}}}:seq" for p in partitions}
-    prefixes = tuple(f"{namespace}:{{{p}}}:" for p in partitions)
+    allowed |= {f"{namespace}:{{{namespace}/{p}}}:seq" for p in partitions}
+    prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
     expiring = ("events", "waittasks", "waiters:", "wake:", "wakebudget:")
 
     def may_expire(key: str) -> bool:

@@ -190,7 +190,7 @@ def test_pipeline_over_dram_nodes_delivers_each_sample_once_and_clears_to_zero(r
         assert all(memfds(n.proc.pid) == set() for n in nodes)
         assert client.get_partition_list() == []
         assert leftover_keys(url, namespace, [_pid(k) for k in range(PARTITIONS)]) == set()
-        seqs = client.redis.mget([f"{namespace}:{{{_pid(k)}}}:seq" for k in range(PARTITIONS)])
+        seqs = client.redis.mget([f"{namespace}:{{{namespace}/{_pid(k)}}}:seq" for k in range(PARTITIONS)])
         assert [int(s) for s in seqs] == [PER_PARTITION] * PARTITIONS  # ids stay reserved
         client.close()
     finally:

@@ -96,7 +96,7 @@ def test_key_builders_take_checked_names_only():
         partitions_key("")
     ck = ChannelKeys("ns", "c")
     assert ck.data_partition == "__chan__.c"
-    assert ck.data_keys().prefix == "ns:{__chan__.c}:"  # tq-redis's own use of the reserved prefix
+    assert ck.data_keys().prefix == "ns:{ns/__chan__.c}:"  # tq-redis's own use of the reserved prefix
     with pytest.raises(InvalidName):
         PartitionKeys.internal("ns", "__chan__.a b")
 

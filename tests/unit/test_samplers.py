@@ -246,10 +246,10 @@ def build(client, spec: dict, task: str, need_y: bool) -> World:
         client.set_custom_meta(BatchMeta.from_columns(list(range(total)), "p", {}, custom_meta=custom))
     consumed = [i for i in range(total) if spec["consumed"][i]]
     for i in consumed:
-        client.redis.setbit(f"{client.namespace}:{{p}}:cons:{task}", i, 1)
+        client.redis.setbit(f"{client.namespace}:{{{client.namespace}/p}}:cons:{task}", i, 1)
     dlv = {i: d for i, d in enumerate(spec["deliveries"]) if d}
     if dlv:
-        client.redis.hset(f"{client.namespace}:{{p}}:dlv:{task}", mapping=dlv)
+        client.redis.hset(f"{client.namespace}:{{{client.namespace}/p}}:dlv:{task}", mapping=dlv)
     cleared = [i for i in range(total) if spec["cleared"][i]]
     if cleared:
         client.clear_samples(everything.select_samples(cleared))
@@ -269,7 +269,7 @@ def build(client, spec: dict, task: str, need_y: bool) -> World:
 
 
 def poison(client, task: str) -> set[int]:
-    return {int(x) for x in client.redis.smembers(f"{client.namespace}:{{p}}:poison:{task}")}
+    return {int(x) for x in client.redis.smembers(f"{client.namespace}:{{{client.namespace}/p}}:poison:{task}")}
 
 
 # fakeredis runs Lua through lupa and every command in Python: fewer examples there.
