@@ -1,7 +1,7 @@
 """The ``redis`` store: values kept in Redis itself, next to the metadata.
 
 Fine for small payloads and for tests; large tensors belong in the DRAM storage nodes or another
-store. Values are plain Redis strings named by the data-plane key (``<ns>:{<p>}:d:<id>:<field>``),
+store. Values are plain Redis strings named by the data-plane key (``<ns>:{<ns>/<p>}:d:<id>:<field>``),
 so they share the partition's hash slot. A ``url`` option points the store at another Redis.
 """
 
