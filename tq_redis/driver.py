@@ -296,6 +296,25 @@ class _Driver:
         return self._library.cluster
 
 
+class _Checks:
+    """Steps through a server-check generator (:func:`tq_redis.server_policy.node_checks`): it
+    yields commands and is sent their replies, or thrown their errors; written once for both drivers."""
+
+    def __init__(self, checks: Generator[Any, Any, Any]) -> None:
+        self.checks = checks
+        self.reply: Any = None
+        self.error: BaseException | None = None
+
+    def next_command(self) -> Any:
+        try:
+            return self.checks.send(self.reply) if self.error is None else self.checks.throw(self.error)
+        except StopIteration:
+            return None
+
+    def answer(self, reply: Any = None, error: BaseException | None = None) -> None:
+        self.reply, self.error = reply, error
+
+
 class SyncDriver(_Driver):
     """Runs operations with a blocking redis-py client (one connection pool per driver)."""
 
@@ -365,18 +384,12 @@ class SyncDriver(_Driver):
         says: its eviction policy, and that it runs exactly this library (loading it where allowed);
         ``force``: check again even nodes checked before."""
         for node in self._library.to_check(nodes, force):
-            checks = server_policy.node_checks(self.url, self._library.name(node))
-            reply: Any = None
-            error: BaseException | None = None
-            while True:
+            checks = _Checks(server_policy.node_checks(self.url, self._library.name(node)))
+            while (command := checks.next_command()) is not None:
                 try:
-                    command = checks.send(reply) if error is None else checks.throw(error)
-                except StopIteration:
-                    break
-                try:
-                    reply, error = self.redis.execute_command(*command, **_on(node)), None
+                    checks.answer(self.redis.execute_command(*command, **_on(node)))
                 except redis.ResponseError as exc:
-                    reply, error = None, exc
+                    checks.answer(error=exc)
             self._library.current.add(self._library.name(node))
 
     def _fcall(self, call: FCall) -> Any:
@@ -488,18 +501,12 @@ class AsyncDriver(_Driver):
         if self.cluster and nodes is None:
             await self.redis.initialize()
         for node in self._library.to_check(nodes, force):
-            checks = server_policy.node_checks(self.url, self._library.name(node))
-            reply: Any = None
-            error: BaseException | None = None
-            while True:
+            checks = _Checks(server_policy.node_checks(self.url, self._library.name(node)))
+            while (command := checks.next_command()) is not None:
                 try:
-                    command = checks.send(reply) if error is None else checks.throw(error)
-                except StopIteration:
-                    break
-                try:
-                    reply, error = await self.redis.execute_command(*command, **_on(node)), None
+                    checks.answer(await self.redis.execute_command(*command, **_on(node)))
                 except redis.ResponseError as exc:
-                    reply, error = None, exc
+                    checks.answer(error=exc)
             self._library.current.add(self._library.name(node))
 
     async def _fcall(self, call: FCall) -> Any:
