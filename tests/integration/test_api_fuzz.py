@@ -455,7 +455,7 @@ def check_rows(ns: Namespace, pids: list[str], ids: list[int], fields: list[str]
 _GLOBAL = {"partitions", "partitions:kept", "channels", "config", "storage:nodes"}
 _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",
-    "waittasks", "trash", "trashfields", "dock", "dockstate", "dockmetrics",
+    "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics",
 }  # fmt: skip
 _FAMILIES = ("prod:", "cons:", "lease:", "dlv:", "poison:", "tag:", "waiters:", "wake:", "wakebudget:", "rank:", "bal:")
 _PARTITION_KEY = re.compile(r"\{([^{}]+)\}:(.*)", re.S)
@@ -474,7 +474,9 @@ def audit(ns: Namespace) -> None:
             continue
         m = _PARTITION_KEY.fullmatch(rest)
         assert m, f"stray key {raw!r}: not in the layout of tq_redis.keys"
-        pid, suffix = m.groups()
+        tag, suffix = m.groups()
+        owner, _, pid = tag.partition("/")  # the tag is {<namespace>/<partition>}
+        assert owner == ns.client.namespace, f"key {raw!r}: its hash tag does not name this namespace"
         assert pid in ns.ever, f"key {raw!r} of partition {pid!r}, which no call created"
         d = _DATA_KEY.fullmatch(suffix)
         if d:
