@@ -79,13 +79,14 @@ def _binaries() -> dict[str, str | None]:
 
 
 def start_clusters() -> None:
-    """Start every flavour's cluster at once: the nodes from this thread (they die with the thread
-    that started them), the forming in threads, so the clusters' 2 s start-up waits overlap."""
+    """Start every flavour's cluster not running yet, at once: the nodes from this thread (they die
+    with the thread that started them), the forming in threads, so the clusters' 2 s start-up waits
+    overlap. (A flavour stopped by its session fixture's finalizer starts again when asked for.)"""
     with _lock:
-        if _clusters or _failures:
-            return
         launched = {}
         for flavour, binary in _binaries().items():
+            if flavour in _clusters or flavour in _failures:
+                continue
             try:
                 launched[flavour] = EmbeddedCluster(MASTERS, binary=binary).launch()
             except BaseException as exc:
@@ -109,7 +110,7 @@ def get_cluster(flavour: str) -> ClusterInfo:
 
 def stop_cluster(flavour: str) -> None:
     """Stop the cluster of ``flavour`` if it runs (one never asked for stops at exit)."""
-    info = _clusters.get(flavour)
+    info = _clusters.pop(flavour, None)
     if info is not None:
         info.cluster.stop()
 

@@ -15,10 +15,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from redis.crc import key_slot
 from tensordict import TensorDict
 from tq_redis.backends.dram_launcher import spawn_node
 
@@ -31,6 +33,26 @@ from tq_redis.keys import PartitionKeys, config_key
 DOCK_NAMES = ("b", "c", "d")  # partitions dock.b / dock.c / dock.d: one per shard of 3
 STEPS = ("step_0", "step_1", "step_2")  # the demo's and the loader's partitions: one per shard of 3
 SPREAD = ("p3", "p2", "p0")  # checkpointed partitions: one per shard of 3
+
+
+@pytest.fixture
+def namespace(cluster) -> str:
+    """A fresh namespace in which each name set above puts one partition on every shard: the
+    namespace is part of every partition's hash tag, so which shard a name lands on depends on it."""
+    table = cluster.node_client(cluster.url).execute_command("CLUSTER", "SLOTS")
+    ranges = [(int(r[0]), int(r[1]), (r[2][0].decode() if isinstance(r[2][0], bytes) else r[2][0], int(r[2][1])))
+              for r in table]  # fmt: skip
+
+    def shard(key: str) -> tuple:
+        slot = key_slot(key.encode())
+        return next(owner for first, last, owner in ranges if first <= slot <= last)
+
+    sets = [[f"dock.{d}" for d in DOCK_NAMES], list(STEPS), list(SPREAD)]
+    for _ in range(100_000):
+        ns = f"t{uuid.uuid4().hex[:10]}"
+        if all(len({shard(PartitionKeys(ns, p).meta) for p in names}) == len(ranges) for names in sets):
+            return ns
+    raise AssertionError("no namespace spreads the test's partitions over every shard")
 
 
 def _owners(cluster, keys: dict[str, str]) -> dict[str, str]:

@@ -35,14 +35,15 @@ def test_exporter_serves_client_and_queue_metrics(monkeypatch):
         before = _scrape(endpoint)
         claims_before = _value(before, "tq_redis_redis_call_seconds_count", fn="claim") if 'fn="claim"' in before \
             else 0.0
-        client.put(TensorDict({"x": torch.zeros(10, 256, dtype=torch.int64)}, batch_size=[10]), partition_id="p")
+        # 8 KiB values: above storage.inline_max_bytes, so they go through the DRAM store
+        client.put(TensorDict({"x": torch.zeros(10, 1024, dtype=torch.int64)}, batch_size=[10]), partition_id="p")
         meta = client.get_meta(["x"], 4, "p", task_name="actor")
         client.get_data(meta)
         client.get_meta(["x"], 2, "p", task_name="critic", lease_s=60)
         text = _scrape(endpoint)
         assert _value(text, "tq_redis_redis_call_seconds_count", fn="claim") == claims_before + 2
-        assert _value(text, "tq_redis_bytes_total", direction="put", store="dram") >= 10 * 256 * 8
-        assert _value(text, "tq_redis_bytes_total", direction="get", store="dram") >= 4 * 256 * 8
+        assert _value(text, "tq_redis_bytes_total", direction="put", store="dram") >= 10 * 1024 * 8
+        assert _value(text, "tq_redis_bytes_total", direction="get", store="dram") >= 4 * 1024 * 8
         assert _value(text, "tq_redis_partition_samples", namespace="met", partition="p") == 10
         assert _value(text, "tq_redis_queue_depth", namespace="met", partition="p", task="actor") == 6
         assert _value(text, "tq_redis_queue_depth", namespace="met", partition="p", task="critic") == 8
