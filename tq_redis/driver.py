@@ -242,6 +242,16 @@ class _Steps:
         self._value: Any = None
         self._error: BaseException | None = None
         self.result: Any = None
+        self.notes: list[str] = []  # durable mode: the writes of this operation not confirmed in time
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> _Steps:
+        self._token = _durable_shortfalls.set(self.notes)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            _durable_shortfalls.reset(self._token)
 
     def __iter__(self) -> _Steps:
         return self
@@ -328,18 +338,13 @@ class SyncDriver(_Driver):
 
     def run(self, op: Operation) -> Any:
         """Drive ``op`` to completion and return its result (durable mode: see :mod:`tq_redis.durability`)."""
-        steps = _Steps(op, self.url)
-        notes: list[str] = []
-        token = _durable_shortfalls.set(notes)
-        try:
+        with _Steps(op, self.url) as steps:
             for effect in steps:
                 try:
                     steps.done(self._execute(effect))
                 except Exception as exc:  # handed to the operation, which decides
                     steps.failed(effect, exc)
-        finally:
-            _durable_shortfalls.reset(token)
-        return _durable_outcome(self, notes, steps.result)
+        return _durable_outcome(self, steps.notes, steps.result)
 
     def _check_durable(self) -> None:
         """Once: does the server take this durable mode's wait? (``DurabilityUnsupported`` if not.)"""
@@ -440,18 +445,13 @@ class AsyncDriver(_Driver):
 
     async def run(self, op: Operation) -> Any:
         """Drive ``op`` to completion and return its result (durable mode: see :mod:`tq_redis.durability`)."""
-        steps = _Steps(op, self.url)
-        notes: list[str] = []
-        token = _durable_shortfalls.set(notes)
-        try:
+        with _Steps(op, self.url) as steps:
             for effect in steps:
                 try:
                     steps.done(await self._execute(effect))
                 except Exception as exc:  # handed to the operation, which decides
                     steps.failed(effect, exc)
-        finally:
-            _durable_shortfalls.reset(token)
-        return _durable_outcome(self, notes, steps.result)
+        return _durable_outcome(self, steps.notes, steps.result)
 
     async def _check_durable(self) -> None:
         """As :meth:`SyncDriver._check_durable` (asked at the first wait: this client connects lazily)."""

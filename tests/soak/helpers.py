@@ -11,7 +11,7 @@ import redis
 from tq_redis.backends.dram import DramStore
 from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
-from tq_redis.keys import config_key, storage_nodes_key
+from tq_redis.keys import config_key, kept_partitions_key, storage_nodes_key
 
 #: node options for leak checks: slabs are released as soon as they are empty (no warm cache)
 LEAN_NODE_ARGS = ("--keep-warm", "0", "--slab-size", "4MiB")
@@ -100,11 +100,13 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     """Keys of the namespace that must not outlive a clear of ``partitions``.
 
     Allowed to remain: the namespace config and the storage-node registry, each partition's id
-    counter (ids are never reused), and while they still have an expiry its event stream (kept a
-    minute so that readers following it see the partition go) and the wait bookkeeping of
-    consumers that started waiting after the clear (``waittasks``, ``waiters:*``, ``wake*:*``).
+    counter (ids are never reused) and the registry listing them (``partitions:kept``), and
+    while they still have an expiry its event stream (kept a minute so that readers following it
+    see the partition go) and the wait bookkeeping of consumers that started waiting after the
+    clear (``waittasks``, ``waiters:*``, ``wake*:*``).
     """
-    allowed = {config_key(namespace), storage_nodes_key(namespace)}
+    # partitions:kept lists the cleared partitions whose seq stays (checkpoints find it there)
+    allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace)}
     allowed |= {f"{namespace}:{{{namespace}/{p}}}:seq" for p in partitions}
     prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
     expiring = ("events", "waittasks", "waiters:", "wake:", "wakebudget:")
