@@ -97,13 +97,21 @@ def test_bad_options_raise_typed_errors_before_ray_is_touched(monkeypatch):
         place_storage_nodes("redis://127.0.0.1:1/0", "ns", capacity="lots")
     with pytest.raises(ConfigError):
         place_storage_nodes("http://not-redis", "ns")
-    if ray.is_initialized():
-        pytest.skip("another test's Ray is running in this process")
-    monkeypatch.delenv("TQ_REDIS_URL", raising=False)
-    with pytest.raises(ConfigError, match="redis_url"):
-        place_storage_nodes()
-    with pytest.raises(ConfigError, match=r"ray\.init"):
-        place_storage_nodes("redis://127.0.0.1:1/0", "ns")
+    # Without a Ray in the process (a fresh interpreter: another test may have started one here):
+    # no URL to find, and no ray.init, are ConfigErrors naming what to do.
+    check = (
+        "import pytest\n"
+        "from tq_redis.errors import ConfigError\n"
+        "from tq_redis.ray_placement import place_storage_nodes\n"
+        "with pytest.raises(ConfigError, match='redis_url'):\n"
+        "    place_storage_nodes()\n"
+        "with pytest.raises(ConfigError, match=r'ray\\.init'):\n"
+        "    place_storage_nodes('redis://127.0.0.1:1/0', 'ns')\n"
+        "print('typed')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TQ_REDIS_URL"}
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "typed", done.stderr
 
 
 # ------------------------------------------------------------------ a two-node Ray cluster
