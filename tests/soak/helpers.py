@@ -120,3 +120,9 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
             for key in namespace_keys(url, namespace) - allowed
             if not (may_expire(key) and r.pttl(key) > 0)
         }
+
+
+def assert_none_crashed(procs: Sequence[Any]) -> None:
+    """Fail as soon as a client process exited with an error (it did not ride through the outage)."""
+    crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+    assert not crashed, f"a client process failed (exit codes {crashed}): it did not ride through"

@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tests.sentinel_setup import SentinelSetup, flavour_binary, poll
-from tests.soak.helpers import kill_all
+from tests.soak.helpers import assert_none_crashed, kill_all
 
 pytestmark = pytest.mark.soak
 
@@ -144,8 +144,7 @@ def test_failover_under_load(flavour, durable, namespace, tmp_path):
             p.start()
 
         def progressed(target: int) -> bool:
-            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not crashed, f"a client process failed (exit codes {crashed}): it did not ride through"
+            assert_none_crashed(procs)
             return acked.value >= target
 
         poll(lambda: progressed(BEFORE_KILL), TIMEOUT_S, f"{BEFORE_KILL} acknowledged puts")
