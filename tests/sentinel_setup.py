@@ -131,7 +131,12 @@ class SentinelSetup:
     def wait_replicas(self, primary_port: int, count: int, timeout: float = 30.0) -> None:
         """Wait until ``count`` servers replicate the primary on ``primary_port`` with their link up
         (asked of the replicas: a primary lists a replica as online before a Valkey replica has
-        loaded its first sync) and the primary's writes so far acknowledged."""
+        loaded its first sync) and the primary's writes so far acknowledged.
+
+        The acknowledgement is of a probe write made here: ``WAIT`` on a connection that wrote
+        nothing returns at once, and after a diskless sync Redis 7.0 streams nothing to a replica
+        until that replica's first ``REPLCONF ACK`` (sent once a second), so a replica can look
+        linked while the primary still holds back every write."""
         def linked() -> bool:
             up = 0
             for port, server in self.servers.items():
@@ -143,6 +148,7 @@ class SentinelSetup:
             if up < count:
                 return False
             with self.direct(primary_port) as r:
+                r.incr("__sentinel_setup_probe__")
                 return int(r.execute_command("WAIT", count, 100)) >= count
 
         poll(linked, timeout, f"{count} replica(s) of port {primary_port} in sync")

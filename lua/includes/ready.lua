@@ -102,10 +102,22 @@ local function ready_scanner(prefix, task, fields, on_fill)
     end
   end
 
+  -- The first window is read optimistically where the task's first unconsumed id lies: a
+  -- task that keeps up with its producers finds ready ids there, and the must-be-set bitmaps'
+  -- BITPOS calls are saved. A window that yields nothing turns the full alignment on.
+  local optimistic = true
+
   local function fill(hint)
     buf, head, tail = {}, 1, 0
     while not exhausted do
-      local b = align(byte)
+      local b
+      if optimistic then
+        optimistic = false
+        local p = redis.call('BITPOS', cons, 0, byte)
+        b = (p >= 0) and math.max(byte, math.floor(p / 8)) or byte
+      else
+        b = align(byte)
+      end
       if b == nil then
         exhausted = true
         return

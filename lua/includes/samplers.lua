@@ -54,8 +54,17 @@ local function select_units(prefix, task, fields, want, opts)
   local max_tokens = opts.max_tokens or 0
   local min_version = opts.min_version
   local max_deliveries = opts.max_deliveries or 0
-  local by_uid = n > 1 and redis.call('SISMEMBER', prefix .. 'tagnames', 'uid') == 1
   local need_len = max_tokens > 0 or opts.weights
+
+  -- Fast path (the default sampler): no filter, no groups, no budget -- bulk copy of the stream,
+  -- before any of the tables the other samplers need is built (each costs the claim time).
+  if n == 1 and not need_len and not min_version and max_deliveries <= 0 then
+    local out = {}
+    if ready_scanner(prefix, task, fields).take(want, out, 0) < want then out = {} end
+    return out, {len = {}}, {}
+  end
+
+  local by_uid = n > 1 and redis.call('SISMEMBER', prefix .. 'tagnames', 'uid') == 1
   local tags = {len = {}, ver = {}, uid = {}, dlv = {}}
   local fetch = {}
   if need_len then fetch[#fetch + 1] = {prefix .. 'tag:total_lengths', tags.len} end
@@ -98,14 +107,6 @@ local function select_units(prefix, task, fields, want, opts)
     if v and by_uid and not tags.uid[x] then v = false end
     verdict[x] = v
     return v
-  end
-
-  -- Fast path (the default sampler): no filter, no groups, no budget -- bulk copy of the stream.
-  if n == 1 and #fetch == 0 then
-    local out = {}
-    local count = scan.take(want, out, 0)
-    if count < want then out = {} end
-    return out, tags, aside
   end
 
   local next_unit

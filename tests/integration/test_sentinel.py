@@ -85,6 +85,8 @@ def _lagging_put(ha: SentinelSetup, client, base: int):
 def test_without_durable_mode_a_failover_loses_an_acknowledged_put_and_clients_follow(ha, namespace):
     client = make_client(ha.url, namespace)
     kept = client.put(_td(4, 0), partition_id="p")
+    # without durable mode nothing waits for the replica: wait here, so "kept" is on it before the lag
+    ha.wait_replicas(ha.primary_port(), 1)
     lagging, _ = _lagging_put(ha, client, 100)
     assert not isinstance(lagging, Exception)  # acknowledged by the old primary ...
     survivors = _ids(client)  # ... the client followed the new primary on its own
