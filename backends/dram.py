@@ -358,7 +358,9 @@ class DramStore(NodeDiscovery):
                 (lk, c, OP_GET, {"keys": [keys[p] for p in pos.tolist()], "shm": c.shm}, ())
                 for lk, c, pos in zip(links, conns, pos_of)
             ]
-            run(reqs, on_reply)
+            # replies are read at the same time: on_reply touches only its own link and `out`
+            # (which takes a lock), and appends to `missing` (atomic)
+            run(reqs, on_reply, parallel_replies=True)
         finally:
             release(links, conns)
         return np.concatenate(missing) if missing else np.empty(0, dtype=np.intp)

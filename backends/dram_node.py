@@ -5,9 +5,10 @@ mapped, so writes never take first-touch page faults. A put batch gets one conti
 in a slab (values at :data:`~tq_redis.backends.dram_protocol.ALIGN`-byte alignment, in order); the
 extent is reference-counted by the keys that live in it and *pinned* while a reader may see it,
 and its space returns to the slab's free list when both reach zero. When no extent fits the whole
-batch, each value gets its own (all or none). Empty slabs beyond ``keep_warm`` bytes are released
-at once. A node with a spill tier (:mod:`tq_redis.backends.dram_spill`) writes a batch that does
-not fit its capacity there instead of refusing it.
+batch, each value gets its own (all or none). Empty slabs, batch-sized ones included, stay mapped
+for reuse up to ``keep_warm`` bytes; beyond that they are released at once. A node with a spill
+tier (:mod:`tq_redis.backends.dram_spill`) writes a batch that does not fit its capacity there
+instead of refusing it.
 
 :mod:`tq_redis.backends.dram_server` serves a node over sockets; tests drive one in-process.
 """
@@ -216,8 +217,10 @@ class StorageNode:
         self.used -= ext.size
         del self.extents[ext.id]
         if slab.used == 0 and slab.id in self.slabs:
-            warm = sum(s.size for s in self.slabs.values() if s.used == 0 and not s.dedicated)
-            if slab.dedicated or warm > self.keep_warm:
+            # Dedicated (batch-sized) slabs stay warm too: a client that puts and clears the same
+            # large batch shape again would otherwise pay for zeroing fresh pages every time.
+            warm = sum(s.size for s in self.slabs.values() if s.used == 0)
+            if warm > self.keep_warm:
                 self._drop_slab(slab)
 
     def _alloc_each(self, room: np.ndarray) -> list[tuple[Extent, int, int]]:

@@ -3,7 +3,8 @@
 A :class:`Link` is one storage-node *instance* as a client sees it: a pool of :class:`Conn`
 sockets (each used by one thread at a time), the node's memory slabs this client has mapped
 (same-host shared-memory path), and the unpins it owes the node. :func:`exchange` sends one
-request per node, all before reading any reply, so the nodes of a batch work in parallel.
+request per node, all before reading any reply, so the nodes of a batch work in parallel; large
+payloads (and, where the caller allows it, large replies) move over the sockets at the same time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tq_redis.backends.base import Buffer
+from tq_redis.backends.dram_parallel import PARALLEL_MIN_BYTES, concurrently
 from tq_redis.backends.dram_protocol import (
     HELLO_MAX,
     MAX_HEADER,
@@ -484,7 +486,9 @@ def check_put_size(conn: Conn, link: Link, nbytes: int) -> None:
         )
 
 
-def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseException | None]:
+def exchange(
+    reqs: Sequence[Request], handle: Handler, *, parallel_replies: bool = False
+) -> tuple[list[Any], BaseException | None]:
     """Send every request, then read every reply with ``handle(i, link, conn, code, meta, plen, fds)``.
 
     Returns ``(results, first_error)``. A connection that breaks is closed and marked broken
@@ -493,28 +497,73 @@ def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseE
     (lengths over the limits, an undecodable header map, fields that do not fit the request)
     is a :class:`ProtocolError` (a ``StorageUnavailable``) and its connection is dropped. Unpins a
     link owes its node ride along with the first request to it.
+
+    Requests to several nodes whose payloads reach :data:`PARALLEL_MIN_BYTES` are sent at the same
+    time, one thread per node. ``parallel_replies=True`` reads the replies at the same time too:
+    only for a ``handle`` that is safe to call from several threads at once (each call gets its
+    own link and connection).
     """
     sent = [False] * len(reqs)
     results: list[Any] = [None] * len(reqs)
     first_err: BaseException | None = None
-    for i, (link, conn, op, meta, payload) in enumerate(reqs):
+    framed: list[tuple[Request, list[Any]]] = []
+    for link, conn, op, meta, payload in reqs:
         unpins = link.take_unpins()
         if unpins:
             meta = {**meta, "unpin": unpins}
-        try:
-            _check_request(conn, link, meta)
-            send_frame(conn.sock, op, meta, payload)
+        framed.append(((link, conn, op, meta, payload), unpins))
+
+    sizes = [sum(map(len, req[4])) for req, _ in framed]
+    sends = [_sender(req, size) for (req, _), size in zip(framed, sizes, strict=True)]
+    large = sum(size >= PARALLEL_MIN_BYTES for size in sizes)
+    outcomes = concurrently(sends) if large > 1 else [send() for send in sends]
+    for i, ((link, conn, *_), unpins) in enumerate(framed):
+        exc = outcomes[i]
+        if exc is None:
             sent[i] = True
-        except OSError as exc:
-            link.unpins.extend(unpins)
+            continue
+        link.unpins.extend(unpins)
+        if isinstance(exc, OSError):
             link.fail(conn)
             first_err = first_err or link.unavailable(exc)
-        except InvalidArgument as exc:
-            link.unpins.extend(unpins)
+        else:
             first_err = first_err or exc
-    for i, (link, conn, _op, _meta, _payload) in enumerate(reqs):
-        if not sent[i]:
-            continue
+
+    receives = [_receiver(i, req, handle) for i, (req, _) in enumerate(framed) if sent[i]]
+    if parallel_replies and len(receives) > 1:
+        replies = concurrently(receives)
+    else:
+        replies = [receive() for receive in receives]
+    for i, result, exc in replies:
+        results[i] = result
+        if exc is not None:
+            first_err = first_err or exc
+    return results, first_err
+
+
+def _sender(req: Request, size: int) -> Callable[[], BaseException | None]:
+    """Sending one request: returns the ``OSError`` or ``InvalidArgument`` it met, else ``None``."""
+    link, conn, op, meta, payload = req
+
+    def send() -> BaseException | None:
+        try:
+            _check_request(conn, link, meta)
+            send_frame(conn.sock, op, meta, payload, size)
+        except (OSError, InvalidArgument) as exc:
+            return exc
+        return None
+
+    return send
+
+
+def _receiver(i: int, req: Request, handle: Handler) -> Callable[[], tuple[int, Any, BaseException | None]]:
+    """Reading request ``i``'s reply: ``(i, what handle returned, the error it met or None)``.
+
+    A broken connection (its node unreachable, or a reply that breaks the protocol) is failed
+    here, so a thread reading one node's reply only touches that node's link."""
+    link, conn = req[0], req[1]
+
+    def receive() -> tuple[int, Any, BaseException | None]:
         fds: list[int] = []
         try:
             code, mlen, plen, fds = recv_header(conn.sock, conn.local)
@@ -522,26 +571,27 @@ def exchange(reqs: Sequence[Request], handle: Handler) -> tuple[list[Any], BaseE
             check_lengths(mlen, plen, conn.max_header, link.store.max_frame, what)
             meta = recv_meta(conn.sock, mlen, conn.max_header, what)
             got, fds = fds, []  # the handler owns them now
-            results[i] = handle(i, link, conn, code, meta, plen, got)
+            return i, handle(i, link, conn, code, meta, plen, got), None
         except OSError as exc:
             link.fail(conn)
-            first_err = first_err or link.unavailable(exc)
+            return i, None, link.unavailable(exc)
         except TQError as exc:
             if isinstance(exc, ProtocolError):
                 link.fail(conn)
-            first_err = first_err or exc
+            return i, None, exc
         except Exception as exc:  # a reply whose fields do not fit: the stream is not trusted any more
             link.fail(conn)
-            first_err = first_err or malformed(link, exc)
+            return i, None, malformed(link, exc)
         finally:
             for fd in fds:
                 os.close(fd)
-    return results, first_err
+
+    return receive
 
 
-def run(reqs: Sequence[Request], handle: Handler) -> list[Any]:
+def run(reqs: Sequence[Request], handle: Handler, *, parallel_replies: bool = False) -> list[Any]:
     """:func:`exchange`, raising the first error."""
-    results, err = exchange(reqs, handle)
+    results, err = exchange(reqs, handle, parallel_replies=parallel_replies)
     if err is not None:
         raise err
     return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,20 +164,22 @@ class PutValues:
 class Gathered:
     """A get's values as they arrive from the nodes: source buffers and, per key, where its value is."""
 
-    __slots__ = ("sources", "index", "offsets", "lengths")
+    __slots__ = ("sources", "index", "offsets", "lengths", "_lock")
 
     def __init__(self, n: int) -> None:
         self.sources: list[memoryview] = []
         self.index = np.full(n, -1, np.int64)
         self.offsets = np.zeros(n, np.int64)
         self.lengths = np.zeros(n, np.int64)
+        self._lock = threading.Lock()  # the nodes' replies are read by several threads at once
 
     def add(self, source: memoryview, positions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Values ``positions`` of the get are ``lengths`` bytes of ``source`` from ``offsets``."""
-        self.index[positions] = len(self.sources)
-        self.offsets[positions] = offsets
-        self.lengths[positions] = lengths
-        self.sources.append(source)
+        with self._lock:
+            self.index[positions] = len(self.sources)
+            self.offsets[positions] = offsets
+            self.lengths[positions] = lengths
+            self.sources.append(source)
 
     def table(self) -> ValueTable:
         """Every value, in the get's key order."""

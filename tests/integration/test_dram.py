@@ -161,6 +161,70 @@ def test_large_values_32mib(cluster, store_factory, shm, copies):
     st.delete(keys)
 
 
+@pytest.mark.parametrize("shm", PATHS)
+def test_a_large_batch_moves_to_and_from_its_nodes_at_the_same_time(cluster, store_factory, shm, monkeypatch):
+    """A batch whose share on each node is over PARALLEL_MIN_BYTES is sent (TCP) and read back
+    by one thread per node; every byte comes back in key order."""
+    from tq_redis.backends import dram_parallel, dram_pool
+
+    fanned: list[int] = []
+    real = dram_parallel.concurrently
+
+    def counting(jobs):
+        fanned.append(len(jobs))
+        return real(jobs)
+
+    monkeypatch.setattr(dram_pool, "concurrently", counting)
+    st = store_factory(shm=shm)
+    rng = np.random.default_rng(7)
+    keys = [f"fan:{shm}:{i}" for i in range(96)]
+    values = [rng.integers(0, 255, 64 << 10, dtype=np.uint8) for _ in keys]  # 6 MiB over 3 nodes
+    owners = st._current_ring().owners(keys)
+    assert len(set(owners.tolist())) == 3
+    st.put(keys, [[b"h%d" % i, memoryview(v)] for i, v in enumerate(values)])
+    if not shm:  # shared memory sends no payload: the values are copied into the mapped slabs
+        assert fanned == [3]
+    fanned.clear()
+    got = st.get(keys)
+    assert fanned == [3]  # the replies are read at the same time
+    for i, (g, v) in enumerate(zip(got, values, strict=True)):
+        head = b"h%d" % i
+        assert bytes(g[: len(head)]) == head and np.array_equal(np.frombuffer(g, np.uint8, offset=len(head)), v)
+    del got
+    st.delete(keys)
+
+
+def test_a_node_stalling_a_parallel_put_fails_it_on_every_node(dram_redis, store_factory):
+    """Two nodes take a large TCP put at once; one stops answering mid-transfer. The put raises
+    StorageUnavailable naming it after the timeout, and the other node keeps nothing of it."""
+    ns = "dram-stall"
+    nodes = [spawn_node(dram_redis, ns, capacity="256MiB", node_id=f"stall-{i}") for i in range(2)]
+    try:
+        st = store_factory(ns, shm=False, timeout_s=1.0)
+        ring = st._current_ring()
+        keys = [f"s{i}" for i in range(64)]
+        by_node = {ring.links[o].node_id: k for k, o in zip(keys, ring.owners(keys))}
+        assert set(by_node) == {"stall-0", "stall-1"}
+        blob = [[os.urandom(2 << 20)]] * len(keys)  # 128 MiB: far more than the socket buffers hold
+        stalled = nodes[1]
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        assert os.WIFSTOPPED(os.waitpid(stalled.proc.pid, os.WUNTRACED)[1])
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnavailable, match=r"'stall-1'.*did not answer within 1 s"):
+                st.put(keys, blob)
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+        healthy = st.stats()
+        assert healthy["stall-0"]["keys"] == 0 and healthy["stall-0"]["used"] == 0, healthy
+        with pytest.raises(DataMissing):
+            st.get([by_node["stall-0"]])
+    finally:
+        for n in nodes:
+            n.stop()
+
+
 def test_zero_copy_views_are_read_only_and_pinned(cluster, store_factory):
     st = store_factory(shm=True)
     ring = st._current_ring()
