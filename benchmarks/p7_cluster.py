@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks import p6_shard
 from benchmarks._common import parse_args, write_result
+from tq_redis.keys import PartitionKeys
 
 MEASURE = "p7_cluster"
 NAMESPACE = "p7"
@@ -76,7 +77,7 @@ def balanced_partitions(masters: int, count: int) -> list[str]:
     i = 0
     while any(len(names) < count // masters for names in taken):
         name = f"part{i}"
-        slot = key_slot(f"{{{name}}}".encode())
+        slot = key_slot(PartitionKeys(NAMESPACE, name).meta.encode())
         owner = next(k for k, (first, last) in enumerate(ranges) if first <= slot <= last)
         if len(taken[owner]) < count // masters:
             taken[owner].append(name)
@@ -250,7 +251,7 @@ def many_partitions(shards: int, workers: int, partitions: list[str], samples: i
     cluster = EmbeddedCluster(masters=shards).start()
     out: dict[str, Any] = {"masters": shards}
     try:
-        owners = {p: _owner_url(cluster, f"{NAMESPACE}:{{{p}}}:meta") for p in partitions}
+        owners = {p: _owner_url(cluster, PartitionKeys(NAMESPACE, p).meta) for p in partitions}
         out["partitions_per_master"] = [sum(1 for o in owners.values() if o == url) for url in cluster.urls]
         if len(set(out["partitions_per_master"])) != 1:
             raise AssertionError(f"the partitions should spread evenly over the masters: {owners}")
@@ -296,7 +297,7 @@ def hot_partition(workers: int, samples: int) -> dict[str, Any]:
     cluster = EmbeddedCluster(masters=3).start()
     out: dict[str, Any] = {}
     try:
-        url = _owner_url(cluster, f"{p6_shard.NAMESPACE}:{{{p6_shard.PARTITION}}}:meta")
+        url = _owner_url(cluster, PartitionKeys(p6_shard.NAMESPACE, p6_shard.PARTITION).meta)
         out["owner"] = url
         _use_redis_store(url, p6_shard.NAMESPACE)
         for batch in BATCHES:

@@ -64,7 +64,7 @@ from tq_redis.wireformat import (
     tensor_from_bytes,
 )
 
-__all__ = ["decode_field", "decode_tensordict", "encode_field", "encode_tensordict"]
+__all__ = ["assemble", "decode_field", "decode_tensordict", "encode_field", "encode_tensordict"]
 
 Buffer = bytes | bytearray | memoryview
 Segments = list[bytes | memoryview]
@@ -439,6 +439,24 @@ def encode_tensordict(
     return {k: encode_field(k, td.get(k), n, allow_pickle=allow_pickle) for k in keys}
 
 
+def assemble(columns: dict[str, Any], batch_size: int) -> TensorDict:
+    """A TensorDict with ``batch_size=[batch_size]`` of decoded columns (one row per sample each).
+
+    When every column is a tensor (dense or jagged), TensorDict's checks are skipped: the decoder
+    built each with ``batch_size`` rows, and for a jagged tensor the checks re-derive its shape
+    through torch's dispatcher (~50 µs a field, most of a tiny ``get_data``). A non-tensor column
+    (strings, objects) goes through the checked constructor, which wraps it.
+    """
+    fast = _new_unsafe is not None and all(type(v) in _TENSOR_TYPES for v in columns.values())
+    if fast:
+        return _new_unsafe(columns, batch_size=torch.Size([batch_size]))
+    return TensorDict(columns, batch_size=[batch_size])
+
+
+_TENSOR_TYPES = (torch.Tensor,) if _NestedTensor is None else (torch.Tensor, _NestedTensor)
+_new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+
+
 def decode_tensordict(
     fields: dict[str, Sequence[Buffer]], batch_size: int, *, allow_pickle: bool = False,
     nested_output: bool = False,
@@ -456,4 +474,4 @@ def decode_tensordict(
         if len(values) != batch_size:
             raise batch_size_mismatch(name, len(values), batch_size)
         out[name] = decode_field(name, values, allow_pickle=allow_pickle, nested_output=nested_output)
-    return TensorDict(out, batch_size=[batch_size])
+    return assemble(out, batch_size)

@@ -340,7 +340,7 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
         out[name] = codec.decode_field(
             name, per_field[name], allow_pickle=ctx.allow_pickle, nested_output=ctx.nested_output
         )
-    return TensorDict(out, batch_size=[n])
+    return codec.assemble(out, n)
 
 
 def _read_store_first(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:

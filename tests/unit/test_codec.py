@@ -676,3 +676,29 @@ def test_jagged_tensor_is_what_torchs_public_constructor_builds(lengths):
     assert [a.tolist() for a in ours.unbind()] == [b.tolist() for b in theirs.unbind()]
     assert torch.equal(ours.to_padded_tensor(-1.0), theirs.to_padded_tensor(-1.0))
     assert ours.offsets().tolist() == theirs.offsets().tolist()
+
+
+def test_assemble_skips_the_checks_only_for_tensor_columns(monkeypatch):
+    """Tensor columns (dense and jagged) are assembled without TensorDict's checks and give the
+    same TensorDict as the checked constructor; a non-tensor column takes the checked path."""
+    dense = torch.arange(6).reshape(3, 2)
+    rows = torch.nested.nested_tensor([torch.arange(k) for k in (1, 3, 2)], layout=torch.jagged)
+    _schema, stored = codec.encode_field("j", rows, 3)
+    jagged = codec.decode_field("j", [b"".join(bytes(seg) for seg in value) for value in stored], nested_output=True)
+    assert jagged.is_nested
+    checked = TensorDict({"d": dense, "j": jagged}, batch_size=[3])
+
+    calls: list[str] = []
+    real = TensorDict.__init__
+
+    def spying_init(self, *args, **kwargs):
+        calls.append("checked")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TensorDict, "__init__", spying_init)
+    fast = codec.assemble({"d": dense, "j": jagged}, 3)
+    assert calls == [] and fast.batch_size == torch.Size([3])
+    assert torch.equal(fast["d"], checked["d"])
+    assert all(torch.equal(a, b) for a, b in zip(fast["j"].unbind(), checked["j"].unbind(), strict=True))
+    wrapped = codec.assemble({"d": dense, "s": ["a", "b", "c"]}, 3)
+    assert calls == ["checked"] and wrapped["s"] == ["a", "b", "c"]
