@@ -97,10 +97,12 @@ def _worker(
         report["attach_s"] = time.perf_counter() - t_attach
         barrier.wait(timeout=cfg["barrier_timeout_s"])
         deadline = time.monotonic() + cfg["timeout_s"]
+        cpu0 = time.process_time()
         if role == "producer":
             report.update(_produce(client, wid, cfg, produced, deadline))
         else:
             report.update(_consume(client, name, cfg, counter, produced, deadline))
+        report["cpu_s"] = time.process_time() - cpu0  # this process's CPU over the run, all its threads
     except Exception as exc:  # noqa: BLE001 - sent to the parent, which reports it
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()
@@ -247,6 +249,9 @@ def _summarize(
         "producers_done_s": produce_wall,
         "get_meta_calls": sum(r["get_meta_calls"] for r in consumers),
         "empty_polls": sum(r["empty_polls"] for r in consumers),
+        # where the machine's CPU went: the clients' own CPU per sample claimed, by role
+        "producer_cpu_us_per_sample": _cpu_per_sample(producers, distinct),
+        "consumer_cpu_us_per_sample": _cpu_per_sample(consumers, distinct),
         "attach_all_s": attach_all_s,
         "attach_s_max": max((r.get("attach_s", 0.0) for r in reports), default=None),
         "workers_reported": len(reports),
@@ -260,9 +265,21 @@ def _summarize(
         f"({result['empty_polls']} empty)",
         flush=True,
     )
+    if result["producer_cpu_us_per_sample"] is not None and result["consumer_cpu_us_per_sample"] is not None:
+        print(
+            f"[{name}] client CPU per sample: producers {result['producer_cpu_us_per_sample']:.0f} µs, "
+            f"consumers {result['consumer_cpu_us_per_sample']:.0f} µs",
+            flush=True,
+        )
     if errors:
         print(f"[{name}] {len(errors)} worker error(s): {errors[:3]}", flush=True)
     return result
+
+
+def _cpu_per_sample(reports: list[dict[str, Any]], samples: int) -> float | None:
+    """The workers' CPU seconds (``process_time``, every thread) per sample, in µs."""
+    cpu = [r["cpu_s"] for r in reports if "cpu_s" in r]
+    return 1e6 * sum(cpu) / samples if cpu and samples else None
 
 
 def main() -> dict[str, Any]:

@@ -47,6 +47,18 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _own_group_dying_with_parent() -> None:
+    """In the child: its own process group, so Ctrl-C in a terminal reaches only us (and we stop
+    the server in order), and stop when this process dies.
+
+    Not a new session: Linux schedules each session as one group (autogroup), and a server in a
+    session of its own is woken for every single request instead of serving the requests of
+    several clients per wake-up. Measured with 40 client processes on 2 cores (P3): 850 claims/s
+    in its own session, 1,209 in the clients' session."""
+    os.setpgrp()
+    _die_with_parent()
+
+
 class EmbeddedServer:
     """A Valkey (or Redis) server process on loopback.
 
@@ -104,8 +116,10 @@ class EmbeddedServer:
             args,
             stdout=open(self.data_dir / "server.log", "ab"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
-            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop the server in order
+            # detached (``tq-redis up --detach``): a session of its own, so closing the terminal
+            # does not stop it; else see _own_group_dying_with_parent
+            preexec_fn=_own_group_dying_with_parent if self.die_with_parent else None,
+            start_new_session=not self.die_with_parent,
         )
         atexit.register(self.stop)
         # a plain client that fails at once: the server may not even listen yet, and a cluster-mode

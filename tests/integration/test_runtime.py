@@ -68,3 +68,24 @@ def test_embedded_nodes_spill_beyond_their_capacity(monkeypatch, tmp_path):
     finally:
         tq.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_embedded_server_has_its_own_process_group_in_our_session():
+    """Ctrl-C in a terminal (the foreground process group) does not reach the server, yet it stays
+    in our session: Linux schedules a session as one group, and a server in a session of its own
+    is woken per request under load. A detached server (``up --detach``) gets its own session,
+    so closing the terminal does not stop it."""
+    from tq_redis.embedded import EmbeddedServer
+
+    server = EmbeddedServer().start()
+    try:
+        pid = server.process.pid
+        assert os.getsid(pid) == os.getsid(0)
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+    finally:
+        server.stop()
+    detached = EmbeddedServer(die_with_parent=False).start()
+    try:
+        assert os.getsid(detached.process.pid) == detached.process.pid != os.getsid(0)
+    finally:
+        detached.stop()
