@@ -121,11 +121,7 @@ def batch_meta(value: Any, call: str) -> Any:
     """
     from tq_redis.metadata import BatchMeta  # metadata imports much; this module stays a leaf
 
-    if not isinstance(value, BatchMeta):
-        raise InvalidArgument(
-            f"{call}() takes the BatchMeta that get_meta/put returned, got {_type(value)} {value!r:.80}"
-        )
-    return value
+    return _instance(value, BatchMeta, call, "get_meta/put")
 
 
 def kv_batch_meta(value: Any, call: str) -> Any:
@@ -136,8 +132,12 @@ def kv_batch_meta(value: Any, call: str) -> Any:
     """
     from tq_redis.metadata import KVBatchMeta
 
-    if not isinstance(value, KVBatchMeta):
+    return _instance(value, KVBatchMeta, call, "kv_put/kv_batch_put")
+
+
+def _instance(value: Any, cls: type, call: str, made_by: str) -> Any:
+    if not isinstance(value, cls):
         raise InvalidArgument(
-            f"{call}() takes the KVBatchMeta that kv_put/kv_batch_put returned, got {_type(value)} {value!r:.80}"
+            f"{call}() takes the {cls.__name__} that {made_by} returned, got {_type(value)} {value!r:.80}"
         )
     return value

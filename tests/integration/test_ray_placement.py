@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -38,6 +37,7 @@ from tq_redis.errors import ConfigError, InvalidArgument, StorageUnavailable
 from tq_redis.keys import storage_nodes_key
 from tq_redis.ray_placement import (
     PlacedNode,
+    _await_exit,
     place_storage_nodes,
     plan_placement,
     route_to,
@@ -296,18 +296,6 @@ def _slab_inodes(pid: int) -> set[int]:
     return found
 
 
-def _exits(pid: int, timeout: float) -> bool:
-    """True once process ``pid`` has exited (waits on a pidfd, up to ``timeout`` s)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
 def _registry(url: str, ns: str) -> dict[str, dict]:
     import redis
 
@@ -387,7 +375,7 @@ def test_one_storage_node_per_ray_node_used_through_local_shared_memory_and_rest
         # SIGKILL nodeB's keeper actor: its node stops, Ray restarts the keeper, which starts a new one
         victim = node_of["nodeB"]
         os.kill(victim.keeper_pid, signal.SIGKILL)
-        assert _exits(victim.pid, 30), "the killed keeper's storage node did not stop"
+        assert _await_exit(victim.pid, 30), "the killed keeper's storage node did not stop"
         node_of["nodeB"] = _restarted(placement, ray_ids["nodeB"], victim)
         assert _registry(url, namespace)[victim.node_id]["instance"] == node_of["nodeB"].instance
         check_round("keeper-killed")  # puts and gets work again, through the new node's memory too
@@ -418,4 +406,4 @@ def test_one_storage_node_per_ray_node_used_through_local_shared_memory_and_rest
     finally:
         placement.shutdown()
     assert not any(k.startswith("ray-") for k in _registry(url, namespace)), "nodes deregister on shutdown"
-    assert all(_exits(n.pid, 15) for n in node_of.values())
+    assert all(_await_exit(n.pid, 15) for n in node_of.values())
