@@ -61,18 +61,19 @@ def seconds(value: Any, name: str, *, allow_zero: bool = True, allow_none: bool 
     """
     if value is None and allow_none:
         return None
-    low = ">= 0" if allow_zero else "> 0"
-    rule = f"a finite number of seconds {low} and at most {MAX_SECONDS:g}"
-    if allow_none:
-        rule += " (or None)"
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be {rule}, got {_type(value)} {value!r:.80}")
+        raise InvalidArgument(f"{name} must be {_seconds_rule(allow_zero, allow_none)}, got {_type(value)} {value!r:.80}")
     number = float(value)
     if math.isnan(number) or math.isinf(number):
-        raise InvalidArgument(f"{name} must be {rule}, got {number!r}")
+        raise InvalidArgument(f"{name} must be {_seconds_rule(allow_zero, allow_none)}, got {number!r}")
     if number < 0 or (number == 0 and not allow_zero) or number > MAX_SECONDS:
-        raise InvalidArgument(f"{name} must be {rule}, got {value!r}")
+        raise InvalidArgument(f"{name} must be {_seconds_rule(allow_zero, allow_none)}, got {value!r}")
     return number
+
+
+def _seconds_rule(allow_zero: bool, allow_none: bool) -> str:
+    low = ">= 0" if allow_zero else "> 0"
+    return f"a finite number of seconds {low} and at most {MAX_SECONDS:g}" + (" (or None)" if allow_none else "")
 
 
 def count(value: Any, name: str, *, maximum: int = MAX_SAMPLE_ID + 1) -> int:

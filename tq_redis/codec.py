@@ -23,6 +23,7 @@ header copies every payload into one output in a single call (:mod:`tq_redis.fas
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from itertools import repeat
@@ -234,10 +235,27 @@ def _combine_tensors(parts: list[torch.Tensor]) -> Any:
 
 def _dense_to_jagged(t: torch.Tensor) -> torch.Tensor:
     n, length = t.shape[0], t.shape[1]
+    return jagged_tensor(t.reshape(n * length, *t.shape[2:]), _even_offsets(n, length), length, length)
+
+
+@functools.lru_cache(maxsize=256)
+def _even_offsets(n: int, length: int) -> torch.Tensor:
+    """The offsets of ``n`` rows of ``length`` each, one tensor per shape shared by every batch of it.
+
+    torch names a jagged tensor's ragged dimension after its offsets tensor: a shared one is
+    looked up instead of registered anew for each batch (most of a tiny ``get_data``), and
+    same-shaped fields can be combined (``a * b``) as torch allows only for one ragged dimension.
+    """
     offsets = torch.arange(0, (n + 1) * length, length, dtype=torch.int64) if length else torch.zeros(
         n + 1, dtype=torch.int64
     )
-    return jagged_tensor(t.reshape(n * length, *t.shape[2:]), offsets, length, length)
+    return offsets
+
+
+@functools.lru_cache(maxsize=1024)
+def _seqlen_bound(value: int) -> torch.Tensor:
+    # torch keeps a seqlen bound as the size of a (value, 0) tensor; it holds no data, so one per value serves all.
+    return _store_val_in_tensor(value)
 
 
 try:  # torch's jagged NestedTensor class and its way of holding the seqlen bounds
@@ -256,7 +274,7 @@ def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int, 
     """
     if _NestedTensor is not None:
         try:
-            bounds = {"min_seqlen": _store_val_in_tensor(min_seqlen), "max_seqlen": _store_val_in_tensor(max_seqlen)}
+            bounds = {"min_seqlen": _seqlen_bound(min_seqlen), "max_seqlen": _seqlen_bound(max_seqlen)}
             return _NestedTensor(values, offsets, _metadata_cache=bounds)
         except (TypeError, RuntimeError):  # a torch whose class takes other arguments
             pass

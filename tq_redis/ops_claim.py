@@ -271,13 +271,12 @@ def _user_claim(
 
 def _claimed_meta(partition_id: str, claimed: ClaimReply) -> BatchMeta:
     n = len(claimed.ids)
-    meta = BatchMeta.from_columns(
-        claimed.ids,
-        partition_id,
-        batchmeta_schema(claimed.schemas),
-        production_status=np.ones(n, dtype=np.int8),
-        custom_meta=claimed.tags,
-    )
+    # Every container here is new and ours (ids and tag rows decoded from the reply, schema
+    # entries copied), so the batch adopts them instead of validating and copying them again.
+    meta = BatchMeta._adopt(
+        claimed.ids, [partition_id] * n, batchmeta_schema(claimed.schemas), np.ones(n, dtype=np.int8),
+        claimed.tags or None, None, {},
+    )  # fmt: skip
     if claimed.deliveries:
         counts = claimed.deliveries
         meta.set_extra_info("delivery_counts", counts)

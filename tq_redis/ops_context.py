@@ -7,6 +7,7 @@ everything besides Redis through their context, never by importing the runtime.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -98,8 +99,16 @@ def check_fields(data_fields: Any) -> list[str]:
 
 
 def batchmeta_schema(schemas: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """``BatchMeta.field_schema`` entries from the schema JSON Redis stores per field."""
-    return {name: to_batchmeta_schema(json.loads(s)) for name, s in schemas.items()}
+    """``BatchMeta.field_schema`` entries from the schema JSON Redis stores per field (each a
+    fresh dict: the caller's batch owns it)."""
+    return {name: dict(_schema_entry(s)) for name, s in schemas.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_entry(schema_json: str) -> dict[str, Any]:
+    # A field's schema JSON repeats in every claim of it: decode each distinct text once. The
+    # entry's values (dtype, torch.Size, flags) are immutable, so a one-level copy is enough.
+    return to_batchmeta_schema(json.loads(schema_json))
 
 
 def group_by_partition(metadata: BatchMeta) -> dict[str, list[int]]:

@@ -233,6 +233,23 @@ def test_nested_output_option_returns_jagged_like_reference() -> None:
     assert not scalar.is_nested and scalar.tolist() == [0, 1, 2]
 
 
+def test_same_shaped_nested_fields_share_their_ragged_dimension_but_not_their_values() -> None:
+    # Fields of one shape come back with one offsets tensor: torch then lets them be combined,
+    # which it refuses for two ragged dimensions of different names.
+    ids = torch.arange(6).reshape(3, 2)
+    mask = torch.tensor([[1, 0], [1, 1], [0, 1]])
+    a = codec.decode_field("a", [stored(s) for s in codec.encode_field("a", ids, 3)[1]], nested_output=True)
+    b = codec.decode_field("b", [stored(s) for s in codec.encode_field("b", mask, 3)[1]], nested_output=True)
+    assert a.offsets() is b.offsets()
+    assert torch.equal(torch.stack((a * b).unbind()), ids * mask)
+    a.values().fill_(-1)  # each batch owns its values
+    again = codec.decode_field("a", [stored(s) for s in codec.encode_field("a", ids, 3)[1]], nested_output=True)
+    assert torch.equal(torch.stack(again.unbind()), ids)
+    assert again.offsets().tolist() == [0, 2, 4, 6]
+    padded = torch.nested.to_padded_tensor(again, 0)  # the seqlen bounds still size the padding
+    assert padded.shape == (3, 2)
+
+
 # --------------------------------------------------------------------------------------------
 # nested tensors
 # --------------------------------------------------------------------------------------------

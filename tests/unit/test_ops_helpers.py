@@ -25,3 +25,19 @@ def test_id_ranges_expand_back_to_the_ids(ids):
 
 def test_canonical_schema_json_is_order_independent():
     assert canonical({"b": 1, "a": [2]}) == canonical({"a": [2], "b": 1}) == '{"a":[2],"b":1}'
+
+
+def test_claimed_schema_entries_are_decoded_once_and_owned_by_each_batch():
+    import json
+
+    import torch
+
+    from tq_redis.ops_context import batchmeta_schema
+
+    text = json.dumps({"kind": "tensor", "dtype": "int64", "shape": [2]})
+    first = batchmeta_schema({"x": text})
+    assert first["x"]["dtype"] == torch.int64 and first["x"]["shape"] == torch.Size([2])
+    first["x"]["dtype"] = None  # a caller editing its batch's schema
+    second = batchmeta_schema({"x": text, "y": text})
+    assert second["x"]["dtype"] == torch.int64
+    assert second["x"] is not second["y"] and second["x"] == second["y"]
