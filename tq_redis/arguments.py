@@ -62,7 +62,8 @@ def seconds(value: Any, name: str, *, allow_zero: bool = True, allow_none: bool 
     if value is None and allow_none:
         return None
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be {_seconds_rule(allow_zero, allow_none)}, got {_type(value)} {value!r:.80}")
+        rule = _seconds_rule(allow_zero, allow_none)
+        raise InvalidArgument(f"{name} must be {rule}, got {_type(value)} {value!r:.80}")
     number = float(value)
     if math.isnan(number) or math.isinf(number):
         raise InvalidArgument(f"{name} must be {_seconds_rule(allow_zero, allow_none)}, got {number!r}")
