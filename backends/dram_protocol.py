@@ -48,6 +48,10 @@ ST_OK, ST_BAD, ST_AUTH, ST_FULL, ST_INTERNAL = range(5)
 #: values are laid out at this alignment inside a node's slabs (keeps tensor data aligned)
 ALIGN = 64
 MAX_IOV = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+#: the most bytes one ``sendmsg`` is given. A sender that hands the kernel far more than the
+#: socket buffer holds sleeps and wakes in small steps with its receiver; measured on loopback
+#: (64 MiB, one connection), 1 MiB calls moved 4.3 GB/s where one 64 MiB call moved 2.3.
+SEND_PIECE = 1 << 20
 MAX_FDS = 200  # per message; below the kernel's SCM_MAX_FD (253)
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 _DRAIN = memoryview(bytearray(1 << 20))
@@ -131,7 +135,7 @@ def send_buffers(sock: socket.socket, bufs: list[Buffer], anc: list | None = Non
     n = len(bufs)
     i = 0
     while i < n:
-        chunk = bufs[i : i + MAX_IOV]
+        chunk = _next_piece(bufs, i)
         sent = sock.sendmsg(chunk, anc) if anc else sock.sendmsg(chunk)
         anc = None
         while i < n and sent >= len(bufs[i]):
@@ -139,6 +143,21 @@ def send_buffers(sock: socket.socket, bufs: list[Buffer], anc: list | None = Non
             i += 1
         if sent:
             bufs[i] = memoryview(bufs[i])[sent:]
+
+
+def _next_piece(bufs: list[Buffer], i: int) -> list[Buffer]:
+    """The buffers from ``bufs[i]`` on that one ``sendmsg`` sends: at most :data:`MAX_IOV` of them
+    and :data:`SEND_PIECE` bytes (the last one cut there)."""
+    chunk: list[Buffer] = []
+    room = SEND_PIECE
+    for b in bufs[i : i + MAX_IOV]:
+        size = len(b)
+        if size >= room:
+            chunk.append(memoryview(b)[:room] if size > room else b)
+            break
+        chunk.append(b)
+        room -= size
+    return chunk
 
 
 def _coalesce(bufs: list[Buffer], small: int = 64 << 10) -> list[Buffer]:
