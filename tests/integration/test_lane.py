@@ -1,0 +1,141 @@
+"""A single-server client's lane: function calls on one kept connection, every reply to its own call.
+
+The lane skips the pool's per-command checkout; these tests hold it to what the pool path
+guaranteed: a reply never goes to another call (threads, an interrupted call, a fork), and a
+connection that dies is replaced without the caller seeing it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from tq_redis import connections
+
+ECHO_LIBRARY = "#!lua name=lanetest\nredis.register_function('lane_echo', function(keys, args) return args[1] end)"
+
+
+@pytest.fixture
+def lane_client(real_server):
+    admin = redis.Redis.from_url(real_server.url)
+    admin.function_load(ECHO_LIBRARY, replace=True)
+    client = connections.sync_client(real_server.url, cluster=False)
+    assert isinstance(client, connections.SingleClient)
+    yield client
+    client.close()
+    admin.function_delete("lanetest")
+    admin.close()
+
+
+def _echo(client, value: str) -> str:
+    return client.execute_command("FCALL", "lane_echo", 0, value).decode()
+
+
+def test_function_calls_reuse_one_connection_without_pool_checkouts(lane_client, monkeypatch):
+    _echo(lane_client, "warm")
+    checkouts = []
+    real_get = lane_client.connection_pool.get_connection
+    monkeypatch.setattr(lane_client.connection_pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
+    assert [_echo(lane_client, str(i)) for i in range(100)] == [str(i) for i in range(100)]
+    assert checkouts == []
+    assert lane_client.execute_command("PING") is True  # other commands: the pool's way
+    assert checkouts == [1]
+
+
+def test_a_killed_lane_connection_is_replaced_and_the_call_still_answers(lane_client, real_server):
+    _echo(lane_client, "warm")
+    lane = lane_client._lane
+    lane.send_command("CLIENT", "ID")
+    lane_id = lane.read_response()
+    admin = redis.Redis.from_url(real_server.url)
+    try:
+        assert admin.client_kill_filter(_id=lane_id) == 1
+    finally:
+        admin.close()
+    assert _echo(lane_client, "after the kill") == "after the kill"
+    assert _echo(lane_client, "and again") == "and again"
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C or a timeout exception thrown into the caller mid-call."""
+
+
+def test_a_call_interrupted_before_its_reply_does_not_hand_that_reply_to_the_next(lane_client, monkeypatch):
+    _echo(lane_client, "warm")
+    conn = lane_client._lane
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.undo()  # once: the pool may hand this connection out again, reconnected
+        raise _Interrupted
+
+    monkeypatch.setattr(conn, "read_response", interrupted)
+    with pytest.raises(_Interrupted):
+        _echo(lane_client, "lost")
+    assert lane_client._lane is None
+    assert _echo(lane_client, "mine") == "mine"  # not "lost", the reply left unread
+    assert _echo(lane_client, "and mine") == "and mine"
+
+
+def test_threads_sharing_a_client_each_get_their_own_replies(lane_client):
+    wrong: list[tuple[str, str]] = []
+
+    def calls(tag: str) -> None:
+        for i in range(300):
+            want = f"{tag}-{i}"
+            got = _echo(lane_client, want)
+            if got != want:
+                wrong.append((want, got))
+
+    threads = [threading.Thread(target=calls, args=(f"t{k}",)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+
+
+def _child_echoes(client, out) -> None:
+    out.put([_echo(client, f"child-{i}") for i in range(20)])
+
+
+def test_a_forked_child_uses_its_own_connection_and_the_parent_keeps_its_lane(lane_client):
+    _echo(lane_client, "warm")
+    parent_lane = lane_client._lane
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_echoes, args=(lane_client, out))
+    child.start()
+    try:
+        assert out.get(timeout=60) == [f"child-{i}" for i in range(20)]
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    token = uuid.uuid4().hex
+    assert _echo(lane_client, token) == token
+    assert lane_client._lane is parent_lane
+
+
+def test_closing_the_client_closes_its_lane(real_server):
+    client = connections.sync_client(real_server.url, cluster=False)
+    admin = redis.Redis.from_url(real_server.url)
+    try:
+        admin.function_load(ECHO_LIBRARY, replace=True)
+        name = f"lane-{uuid.uuid4().hex[:8]}"
+        client.client_setname(name)  # the pool's connection; the lane is named below
+        _echo(client, "warm")
+        lane = client._lane
+        lane.send_command("CLIENT", "SETNAME", name)
+        assert lane.read_response() in (b"OK", "OK", True)
+        assert any(c["name"] == name for c in admin.client_list())
+        client.close()
+        deadline = time.monotonic() + 10  # the server drops a closed connection on its next loop
+        while any(c["name"] == name for c in admin.client_list()):
+            assert time.monotonic() < deadline, "the lane's connection is still open after close()"
+    finally:
+        admin.close()
