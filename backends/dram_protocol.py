@@ -22,6 +22,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 import msgpack
@@ -150,7 +151,7 @@ def _next_piece(bufs: list[Buffer], i: int) -> list[Buffer]:
     and :data:`SEND_PIECE` bytes (the last one cut there)."""
     chunk: list[Buffer] = []
     room = SEND_PIECE
-    for b in bufs[i : i + MAX_IOV]:
+    for b in islice(bufs, i, i + MAX_IOV):  # no copy of the list: a piece usually needs a few
         size = len(b)
         if size >= room:
             chunk.append(memoryview(b)[:room] if size > room else b)

@@ -246,10 +246,9 @@ def _even_offsets(n: int, length: int) -> torch.Tensor:
     looked up instead of registered anew for each batch (most of a tiny ``get_data``), and
     same-shaped fields can be combined (``a * b``) as torch allows only for one ragged dimension.
     """
-    offsets = torch.arange(0, (n + 1) * length, length, dtype=torch.int64) if length else torch.zeros(
-        n + 1, dtype=torch.int64
-    )
-    return offsets
+    if not length:
+        return torch.zeros(n + 1, dtype=torch.int64)
+    return torch.arange(0, (n + 1) * length, length, dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=1024)
