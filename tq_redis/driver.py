@@ -63,6 +63,13 @@ class Offload:
 
 
 @dataclass(frozen=True, slots=True)
+class Pause:
+    """Sleep ``seconds`` (a retry's backoff); the async drivers yield to the event loop meanwhile."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Wait:
     """Block until an entry newer than ``last_id`` is added to ``stream`` or ``timeout_s`` passes."""
 
@@ -376,6 +383,8 @@ class SyncDriver(_Driver):
             return self._pipe(effect)
         if isinstance(effect, Offload):
             return effect.fn(*effect.args)
+        if isinstance(effect, Pause):
+            return time.sleep(effect.seconds)
         if isinstance(effect, Wait):
             with metrics.WAIT_SECONDS.time():
                 return self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))
@@ -483,6 +492,8 @@ class AsyncDriver(_Driver):
             return await self._pipe(effect)
         if isinstance(effect, Offload):
             return await asyncio.to_thread(effect.fn, *effect.args)
+        if isinstance(effect, Pause):
+            return await asyncio.sleep(effect.seconds)
         if isinstance(effect, Wait):
             with metrics.WAIT_SECONDS.time():
                 return await self.redis.xread({effect.stream: effect.last_id}, count=1, block=_wait_ms(effect))

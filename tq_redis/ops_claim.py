@@ -11,6 +11,7 @@ each event wakes one waiting consumer, who passes the token on if it got somethi
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tq_redis import arguments, samplers, transitions
-from tq_redis.driver import Cmd, WaitToken
+from tq_redis.driver import Cmd, Pause, WaitToken
 from tq_redis.errors import InvalidArgument
 from tq_redis.keys import PartitionKeys, check_name, config_key
 from tq_redis.metadata import BatchMeta
@@ -32,6 +33,12 @@ MODES = ("fetch", "force_fetch", "insert")
 
 # A user sampler whose choice keeps being taken by other consumers gives up after this many tries.
 USER_SAMPLER_ATTEMPTS = 16
+
+# After the k-th lost choice a consumer pauses a random time below min(BASE * 2**(k-1), CAP)
+# before it reads the ready set again: consumers that lost to each other come back at different
+# times instead of colliding again in step (at most about 0.2 s over all attempts).
+RETRY_PAUSE_BASE_S = 0.0005
+RETRY_PAUSE_CAP_S = 0.02
 
 # The per-sample key of the delivery count a sample was handed out with (its fencing token).
 _DELIVERY = "_delivery"
@@ -189,6 +196,11 @@ class ChoiceClaim(NamedTuple):
     lost: list[int]  # then: the ids the last attempt lost
 
 
+def retry_pause(lost: int) -> float:
+    """Seconds to pause after the ``lost``-th lost choice in a row: random, within a doubling bound."""
+    return random.uniform(0.0, min(RETRY_PAUSE_BASE_S * 2 ** (lost - 1), RETRY_PAUSE_CAP_S))
+
+
 def claim_choice(
     pk: PartitionKeys,
     task: str,
@@ -204,12 +216,15 @@ def claim_choice(
 
     Reads the ready set (``lua/ready_ids.lua``); with fewer than ``batch_size`` ready, or a
     choice of nothing, claims nothing. The choice is claimed only if every id is still free
-    (``lua/claim_ids.lua``); when another consumer took one first, the loop starts over with a
-    fresh ready set, at most ``attempts`` times (0: :data:`USER_SAMPLER_ATTEMPTS`). Returns a
+    (``lua/claim_ids.lua``); when another consumer took one first, the loop pauses
+    (:func:`retry_pause`) and starts over with a fresh ready set, at most ``attempts`` times
+    (0: :data:`USER_SAMPLER_ATTEMPTS`). Returns a
     :class:`ChoiceClaim`; the caller decides what running out of attempts means.
     """
     last_id, next_deadline, lost = "", -1, []
-    for _ in range(attempts or USER_SAMPLER_ATTEMPTS):
+    for attempt in range(attempts or USER_SAMPLER_ATTEMPTS):
+        if attempt:
+            yield Pause(retry_pause(attempt))
         ready = yield from transitions.ready_ids(pk, task, fields, max_deliveries=max_deliveries).call()
         last_id, next_deadline = ready.last_event_id, ready.next_deadline_ms
         if len(ready.ids) < batch_size:

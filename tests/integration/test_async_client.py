@@ -67,3 +67,43 @@ def test_async_waiters_and_producer_share_one_loop(aclient):
         await aclient.async_close()
 
     asyncio.run(main())
+
+
+def test_async_user_samplers_racing_on_one_loop_never_share_a_sample(aclient):
+    """Coroutines whose samplers choose among the same few ids lose choices to each other; the
+    losers pause on the loop (not blocking it) and retry, and every sample goes out exactly once."""
+    import random
+
+    from tq_redis.samplers import BaseSampler
+
+    class Contended(BaseSampler):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.rng, self.calls = random.Random(seed), 0
+
+        def sample(self, ready_indexes, batch_size, *args, **kwargs):
+            self.calls += 1
+            chosen = self.rng.sample(ready_indexes[: 3 * batch_size], batch_size)
+            return chosen, chosen
+
+    async def consumer(seed: int) -> tuple[list[int], int, int]:
+        sampler, seen, batches = Contended(seed), [], 0
+        while True:
+            meta = await aclient.async_get_meta(["x"], 4, "r", task_name="t", sampling_config={"sampler": sampler})
+            if not meta.size:
+                return seen, batches, sampler.calls
+            seen.extend(meta.global_indexes)
+            batches += 1
+
+    async def main():
+        await aclient.async_put(TensorDict({"x": torch.arange(240)}, batch_size=[240]), partition_id="r")
+        results = await asyncio.wait_for(asyncio.gather(*(consumer(s) for s in range(6))), 60)
+        await aclient.async_close()
+        return results
+
+    results = asyncio.run(main())
+    ids = sorted(i for seen, _, _ in results for i in seen)
+    assert ids == list(range(240))  # nothing duplicated, nothing lost
+    batches, calls = sum(r[1] for r in results), sum(r[2] for r in results)
+    assert batches == 60
+    assert calls > batches  # choices were lost and retried

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tq_redis import ops, scripts, transitions
+from tq_redis import ops, ops_claim, scripts, transitions
 from tq_redis.driver import Cmd, FCall, Pipe
 from tq_redis.errors import (
     DTypeConflict,
@@ -486,18 +486,32 @@ def test_claim_choice_claims_the_choice():
     assert (got.last_event_id, got.exhausted) == ("2-0", False)
 
 
-def test_claim_choice_retries_with_a_fresh_ready_set_after_losing_its_choice():
+def _names(effects: list[Any]) -> list[str]:
+    return [e.name if isinstance(e, FCall) else type(e).__name__ for e in effects]
+
+
+def test_claim_choice_pauses_then_retries_with_a_fresh_ready_set_after_losing_its_choice():
     op = ops.claim_choice(PK, "t", ["a"], 2, _first_two)
-    got, effects = drive(op, [_ready(0, 1, 2, 3), [0, 1], _ready(2, 3), _claimed(2, 3)])
-    assert [e.name for e in effects] == ["ready_ids", "claim_ids", "ready_ids", "claim_ids"]
+    got, effects = drive(op, [_ready(0, 1, 2, 3), [0, 1], None, _ready(2, 3), _claimed(2, 3)])
+    assert _names(effects) == ["ready_ids", "claim_ids", "Pause", "ready_ids", "claim_ids"]
+    assert 0 <= effects[2].seconds <= ops_claim.RETRY_PAUSE_BASE_S
     assert got.meta.global_indexes == [2, 3] and not got.exhausted
 
 
 def test_claim_choice_reports_running_out_of_attempts():
     op = ops.claim_choice(PK, "t", ["a"], 2, _first_two, attempts=2)
-    got, effects = drive(op, [_ready(0, 1), [0, 0, 1], _ready(0, 1), [0, 1]])
-    assert len(effects) == 4
+    got, effects = drive(op, [_ready(0, 1), [0, 0, 1], None, _ready(0, 1), [0, 1]])
+    assert _names(effects) == ["ready_ids", "claim_ids", "Pause", "ready_ids", "claim_ids"]
     assert (got.meta, got.exhausted, got.lost) == (None, True, [1])
+
+
+def test_retry_pauses_are_random_below_a_doubling_bound_with_a_cap():
+    for lost in range(1, 12):
+        bound = min(ops_claim.RETRY_PAUSE_BASE_S * 2 ** (lost - 1), ops_claim.RETRY_PAUSE_CAP_S)
+        pauses = [ops_claim.retry_pause(lost) for _ in range(200)]
+        assert all(0 <= p <= bound for p in pauses)
+        assert len(set(pauses)) > 100  # spread, so consumers that collided come back apart
+    assert ops_claim.retry_pause(40) <= ops_claim.RETRY_PAUSE_CAP_S
 
 
 def test_claim_choice_claims_nothing_when_too_few_are_ready_or_nothing_is_chosen():
