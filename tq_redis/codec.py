@@ -37,6 +37,7 @@ from tq_redis import buffers, fastcopy
 from tq_redis.backends.batches import RowBlock, ValueTable
 from tq_redis.dtypes import NO_DTYPE, dtype_code, dtype_from_code
 from tq_redis.errors import EmptyBatch, StorageError, UnsupportedValue
+from tq_redis.jagged import JAGGED_CLASS, JaggedParts, jagged_parts, jagged_tensor
 from tq_redis.objects import decode_object, encode_samples
 from tq_redis.schemas import (
     KIND_JAGGED,
@@ -87,10 +88,13 @@ def _encode_dense(name: str, t: torch.Tensor, n: int) -> RowBlock:
 
 
 def _encode_jagged(name: str, nt: torch.Tensor, n: int) -> list[Segments]:
-    code = dtype_code(name, nt.dtype)
-    if nt._ragged_idx == 1 and nt.lengths() is None:
-        values = plain_tensor(nt.values())
-        offsets = nt.offsets().tolist()
+    parts = jagged_parts(nt)
+    if parts is None:
+        parts = JaggedParts(nt.values(), nt.offsets(), nt.lengths(), nt._ragged_idx, n)
+    code = dtype_code(name, parts.values.dtype)
+    if parts.ragged_idx == 1 and parts.lengths is None:
+        values = plain_tensor(parts.values)
+        offsets = parts.offsets.tolist()
         rest = tuple(values.shape[1:])
         row = prod(rest) * values.element_size()
         mv = byte_view(values)
@@ -249,35 +253,6 @@ def _even_offsets(n: int, length: int) -> torch.Tensor:
     if not length:
         return torch.zeros(n + 1, dtype=torch.int64)
     return torch.arange(0, (n + 1) * length, length, dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=1024)
-def _seqlen_bound(value: int) -> torch.Tensor:
-    # torch keeps a seqlen bound as the size of a (value, 0) tensor; it holds no data, so one per value serves all.
-    return _store_val_in_tensor(value)
-
-
-try:  # torch's jagged NestedTensor class and its way of holding the seqlen bounds
-    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor
-    from torch.nested._internal.nested_tensor import _store_val_in_tensor
-except ImportError:  # another torch layout: the public constructor below
-    _NestedTensor = None
-
-
-def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int, max_seqlen: int) -> torch.Tensor:
-    """The jagged nested tensor of ``values`` cut at ``offsets``, knowing its row-length bounds.
-
-    Same tensor as ``torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=,
-    max_seqlen=)``, built with the class itself: the public function goes through a dispatched
-    view op that costs ~75 µs a field (most of a tiny get_data), the class ~18 µs.
-    """
-    if _NestedTensor is not None:
-        try:
-            bounds = {"min_seqlen": _seqlen_bound(min_seqlen), "max_seqlen": _seqlen_bound(max_seqlen)}
-            return _NestedTensor(values, offsets, _metadata_cache=bounds)
-        except (TypeError, RuntimeError):  # a torch whose class takes other arguments
-            pass
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
 
 
 def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -470,7 +445,7 @@ def assemble(columns: dict[str, Any], batch_size: int) -> TensorDict:
     return TensorDict(columns, batch_size=[batch_size])
 
 
-_TENSOR_TYPES = (torch.Tensor,) if _NestedTensor is None else (torch.Tensor, _NestedTensor)
+_TENSOR_TYPES = (torch.Tensor,) if JAGGED_CLASS is None else (torch.Tensor, JAGGED_CLASS)
 _new_unsafe = getattr(TensorDict, "_new_unsafe", None)
 
 

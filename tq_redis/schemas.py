@@ -24,6 +24,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_non_ten
 
 from tq_redis.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE, RAW_NP_KINDS, dtype_code
 from tq_redis.errors import BatchSizeMismatch, DTypeConflict, EmptyBatch, ShapeConflict, UnsupportedValue
+from tq_redis.jagged import JaggedParts, jagged_parts
 
 __all__ = [
     "DTYPE_MIXED",
@@ -97,6 +98,9 @@ def _object_schema() -> dict:
 
 
 def _classify_tensor(name: str, value: torch.Tensor, batch_size: int) -> dict:
+    parts = jagged_parts(value)
+    if parts is not None:  # the common nested case, without torch's per-attribute dispatch
+        return _classify_jagged(name, parts, batch_size)
     if value.device.type == "meta":
         raise UnsupportedValue(
             f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
@@ -120,6 +124,19 @@ def _classify_tensor(name: str, value: torch.Tensor, batch_size: int) -> dict:
         raise batch_size_mismatch(name, value.shape[0], batch_size)
     dtype_code(name, value.dtype)
     return {"kind": KIND_TENSOR, "dtype": DTYPE_TO_NAME[value.dtype], "shape": list(value.shape[1:])}
+
+
+def _classify_jagged(name: str, parts: JaggedParts, batch_size: int) -> dict:
+    if parts.values.device.type == "meta":
+        raise UnsupportedValue(
+            f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
+            "materialise it first (e.g. torch.empty_like(t, device='cpu') and fill it)"
+        )
+    if parts.rows != batch_size:
+        raise batch_size_mismatch(name, parts.rows, batch_size)
+    dtype = parts.values.dtype
+    dtype_code(name, dtype)
+    return {"kind": KIND_JAGGED, "dtype": DTYPE_TO_NAME.get(dtype), "shape": None}
 
 
 def _classify_ndarray(name: str, value: np.ndarray, batch_size: int) -> dict:

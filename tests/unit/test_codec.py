@@ -683,7 +683,7 @@ def test_property_object_roundtrip(items: list) -> None:
 
 @pytest.mark.parametrize("lengths", [[1, 1, 1], [3, 0, 2], [0, 0], [5]])
 def test_jagged_tensor_is_what_torchs_public_constructor_builds(lengths):
-    from tq_redis.codec import jagged_tensor
+    from tq_redis.jagged import jagged_tensor
 
     values = torch.arange(sum(lengths) * 2, dtype=torch.float32).reshape(sum(lengths), 2)
     offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
