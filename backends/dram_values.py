@@ -75,21 +75,22 @@ class PutValues:
     fields) becomes two buffers and arithmetic, with no per-row Python objects at all.
     """
 
-    __slots__ = ("bufs", "seg_buf", "seg_src", "seg_len", "first", "nseg", "sizes", "seg_off", "_views")
+    __slots__ = ("bufs", "seg_buf", "seg_src", "seg_len", "seg_whole", "first", "nseg", "sizes", "seg_off", "_views")
 
     def __init__(self, values: Sequence[Segments]) -> None:
         parts = values.parts if isinstance(values, ValueChain) else (values,)
         self.bufs: list[Buffer] = []
-        cols: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        cols: list[tuple[np.ndarray, ...]] = []
         for part in parts:
             if isinstance(part, RowBlock):
                 cols.append(self._block(part))
             elif len(part):
                 cols.append(self._listed(part))
         if cols:
-            self.seg_buf, self.seg_src, self.seg_len, self.nseg = map(np.concatenate, zip(*cols))
+            self.seg_buf, self.seg_src, self.seg_len, self.nseg, self.seg_whole = map(np.concatenate, zip(*cols))
         else:
             self.seg_buf, self.seg_src, self.seg_len, self.nseg = (np.empty(0, np.int64) for _ in range(4))
+            self.seg_whole = np.empty(0, bool)
         ends = np.cumsum(self.nseg)
         self.first = ends - self.nseg
         cum = np.concatenate(([0], np.cumsum(self.seg_len)))
@@ -97,7 +98,7 @@ class PutValues:
         self.seg_off = cum[:-1] - np.repeat(cum[self.first], self.nseg)  # offset within its value
         self._views: list[memoryview] | None = None
 
-    def _block(self, block: RowBlock) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _block(self, block: RowBlock) -> tuple[np.ndarray, ...]:
         k, n = len(self.bufs), block.n
         self.bufs += [block.header, block.base]
         seg_src = np.zeros(2 * n, np.int64)
@@ -107,9 +108,10 @@ class PutValues:
             seg_src,
             np.tile(np.array([len(block.header), block.row], np.int64), n),
             np.full(n, 2, np.int64),
+            np.tile(np.array([True, False]), n),  # the header is a whole buffer, a row a slice of the base
         )
 
-    def _listed(self, values: Sequence[Segments]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _listed(self, values: Sequence[Segments]) -> tuple[np.ndarray, ...]:
         # per-segment work stays in C (map/fromiter/set): this runs for every segment of every put
         if set(map(type, values)) <= {list, tuple}:
             vals = values
@@ -122,7 +124,8 @@ class PutValues:
         k = len(self.bufs)
         self.bufs += flat
         nseg = np.fromiter(map(len, vals), np.int64, len(vals))
-        return np.arange(k, k + len(flat), dtype=np.int64), np.zeros(len(flat), np.int64), nbytes, nseg
+        whole = np.ones(len(flat), bool)  # every segment is a buffer of its own
+        return np.arange(k, k + len(flat), dtype=np.int64), np.zeros(len(flat), np.int64), nbytes, nseg, whole
 
     @staticmethod
     def _normalised(segments: list) -> tuple[list[Buffer], np.ndarray]:
@@ -147,9 +150,11 @@ class PutValues:
 
     def payload(self, vidx: np.ndarray) -> list[Buffer]:
         """The segments of values ``vidx`` as buffers, in order (for a socket's scatter/gather send)."""
+        seg = self.segments_of(vidx)
+        if self.seg_whole[seg].all():  # no slicing: hand over the buffers themselves (no view per segment)
+            return list(map(self.bufs.__getitem__, self.seg_buf[seg].tolist()))
         if self._views is None:
             self._views = [memoryview(b) for b in self.bufs]
-        seg = self.segments_of(vidx)
         src = self.seg_src[seg]
         cuts = map(slice, src.tolist(), (src + self.seg_len[seg]).tolist())
         return list(map(memoryview.__getitem__, map(self._views.__getitem__, self.seg_buf[seg].tolist()), cuts))

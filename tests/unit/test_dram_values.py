@@ -66,3 +66,17 @@ def test_row_blocks_and_lists_in_one_chain_copy_and_send_exactly(impl, monkeypat
     assert bytes(out) == b"".join(expected[i] for i in pick.tolist())
     # the TCP path sends the same values as segment buffers
     assert b"".join(map(bytes, vals.payload(pick))) == bytes(out)
+    # values that are lists of whole buffers go out as those very buffers, with no view made per segment
+    listed_only = vals.payload(np.array([6, 5]))
+    assert [bytes(b) for b in listed_only] == [b"obj1", b"o", b"bj0"]
+    assert listed_only[0] is listed[1][0] and listed_only[1] is listed[0][0]
+
+
+def test_a_list_of_codec_pairs_is_sent_as_the_callers_own_buffers() -> None:
+    rows = np.arange(64, dtype=np.int64).reshape(8, 8)
+    payload = memoryview(rows.reshape(-1).view(np.uint8))
+    values = [[b"H", payload[i * 64 : (i + 1) * 64]] for i in range(8)]
+    vals = PutValues(values)
+    sent = vals.payload(np.array([3, 1]))
+    assert all(a is b for a, b in zip(sent, values[3] + values[1], strict=True))
+    assert b"".join(map(bytes, sent)) == b"H" + rows[3].tobytes() + b"H" + rows[1].tobytes()
