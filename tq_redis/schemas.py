@@ -97,15 +97,19 @@ def _object_schema() -> dict:
     return {"kind": KIND_OBJECT, "dtype": None, "shape": None}
 
 
+def _on_meta_device(name: str) -> UnsupportedValue:
+    return UnsupportedValue(
+        f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
+        "materialise it first (e.g. torch.empty_like(t, device='cpu') and fill it)"
+    )
+
+
 def _classify_tensor(name: str, value: torch.Tensor, batch_size: int) -> dict:
     parts = jagged_parts(value)
     if parts is not None:  # the common nested case, without torch's per-attribute dispatch
         return _classify_jagged(name, parts, batch_size)
     if value.device.type == "meta":
-        raise UnsupportedValue(
-            f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
-            "materialise it first (e.g. torch.empty_like(t, device='cpu') and fill it)"
-        )
+        raise _on_meta_device(name)
     if value.is_nested:
         n = value.size(0)
         if n != batch_size:
@@ -128,10 +132,7 @@ def _classify_tensor(name: str, value: torch.Tensor, batch_size: int) -> dict:
 
 def _classify_jagged(name: str, parts: JaggedParts, batch_size: int) -> dict:
     if parts.values.device.type == "meta":
-        raise UnsupportedValue(
-            f"field {name!r}: a tensor on the meta device has a shape but no data to store; "
-            "materialise it first (e.g. torch.empty_like(t, device='cpu') and fill it)"
-        )
+        raise _on_meta_device(name)
     if parts.rows != batch_size:
         raise batch_size_mismatch(name, parts.rows, batch_size)
     dtype = parts.values.dtype
