@@ -16,7 +16,7 @@ stored there, so it is what loopback TCP and one Python process can do at best.
 Reported per node count: GB/s (1e9 B/s) of put and get for both, and the store's share of the
 limit (target >= 70%).
 
-    python -m benchmarks.p1_tcp [--quick] [--iters 5] [--nodes 1,2,4]
+    python -m benchmarks.p1_tcp [--quick] [--iters 9] [--nodes 1,2,4]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    parser.add_argument("--iters", type=int, default=None, help="timed repetitions, the median is reported (default 9, quick 2)")
     parser.add_argument("--nodes", default="1,2,4", help="node counts to measure (default %(default)s)")
 
 
@@ -244,7 +244,7 @@ def measure(node_counts: list[int], iters: int) -> dict[str, Any]:
 def main() -> dict[str, Any]:
     """Measure and write the result (tq-redis against the socket limit; the reference has no TCP store path)."""
     args = parse_args(__doc__.splitlines()[0], _add_args)
-    iters = args.iters or (2 if args.quick else 5)
+    iters = args.iters or (2 if args.quick else 9)
     node_counts = [int(n) for n in args.nodes.split(",") if n.strip()]
     params = {"iters": iters, "bytes": TOTAL, "values": N_SAMPLES * N_FIELDS, "value_bytes": VALUE + len(HEADER)}
     print(f"P1-TCP: {TOTAL / 2**20:.0f} MiB per operation over loopback TCP, nodes {node_counts}, median of {iters}")
