@@ -45,7 +45,9 @@ MAX_IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=None, help="timed repetitions, the median is reported (default 9, quick 2)")
+    parser.add_argument(
+        "--iters", type=int, default=None, help="timed repetitions, the median is reported (default 9, quick 2)"
+    )
     parser.add_argument("--nodes", default="1,2,4", help="node counts to measure (default %(default)s)")
 
 

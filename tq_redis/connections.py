@@ -357,6 +357,38 @@ class SingleClient(redis.Redis):
             self._leave_lane(conn)
             raise
 
+    def pipeline_on_lane(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+        """Send ``commands`` on the lane in one write and read every reply: a pipeline without
+        redis-py's pipeline object (its pool checkout and per-command bookkeeping). An error
+        reply takes its command's place in the list, as ``execute(raise_on_error=False)`` puts it.
+        None when the lane is taken by another thread, in a forked child's first call that
+        fails to connect, or when its connection fails: the caller then sends the pipeline the
+        pool's way (resending it whole, as redis-py's own retry does)."""
+        if self.connection is not None or not self._lane_lock.acquire(blocking=False):
+            return None
+        try:
+            conn = self._lane
+            if conn is None or self._lane_pid != os.getpid():
+                conn = self._lane = self.connection_pool.get_connection()
+                self._lane_pid = os.getpid()
+            try:
+                conn.send_packed_command(conn.pack_commands(commands))
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(conn.read_response())
+                    except redis.ResponseError as exc:  # in step still: the next reply follows
+                        replies.append(exc)
+                return replies
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                self._leave_lane(conn)
+                return None
+            except BaseException:  # interrupted mid-way: replies may still be on their way
+                self._leave_lane(conn)
+                raise
+        finally:
+            self._lane_lock.release()
+
     def _leave_lane(self, conn: Any) -> None:
         self._lane = None
         try:

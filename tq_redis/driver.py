@@ -433,6 +433,10 @@ class SyncDriver(_Driver):
         wait = _durable_wait(self.durable, calls)
         if wait is not None:
             self._check_durable()
+        elif isinstance(self.redis, connections.SingleClient):
+            replies = self.redis.pipeline_on_lane([_as_args(call) for call in calls])
+            if replies is not None:
+                return replies
         pipe = self.redis.pipeline(transaction=False)
         for call in calls:
             pipe.execute_command(*_as_args(call))

@@ -139,3 +139,90 @@ def test_closing_the_client_closes_its_lane(real_server):
             assert time.monotonic() < deadline, "the lane's connection is still open after close()"
     finally:
         admin.close()
+
+
+# ------------------------------------------------------------------ pipelines on the lane
+
+
+def test_a_pipeline_goes_out_on_the_lane_with_its_replies_in_order(lane_client, monkeypatch):
+    _echo(lane_client, "warm")
+    checkouts = []
+    real_get = lane_client.connection_pool.get_connection
+    monkeypatch.setattr(lane_client.connection_pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
+    key = f"lane:{uuid.uuid4().hex}"
+    replies = lane_client.pipeline_on_lane(
+        [("FCALL", "lane_echo", 0, "a"), ("SET", key, "v"), ("INCR", key), ("FCALL", "lane_echo", 0, "b")]
+    )
+    assert replies is not None and checkouts == []
+    assert replies[0] == b"a" and replies[1] in (True, b"OK") and replies[3] == b"b"
+    assert isinstance(replies[2], redis.ResponseError)  # an error reply takes its command's place
+    assert _echo(lane_client, "next") == "next"  # and the lane is still in step
+    lane_client.delete(key)
+
+
+def test_a_pipeline_on_a_killed_lane_connection_is_left_to_the_pool(lane_client, real_server):
+    _echo(lane_client, "warm")
+    lane = lane_client._lane
+    lane.send_command("CLIENT", "ID")
+    lane_id = lane.read_response()
+    admin = redis.Redis.from_url(real_server.url)
+    try:
+        assert admin.client_kill_filter(_id=lane_id) == 1
+    finally:
+        admin.close()
+    assert lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "x")]) is None  # the caller resends
+    assert lane_client._lane is None
+    assert lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "y")]) == [b"y"]  # a new lane
+
+
+def test_a_pipeline_is_left_to_the_pool_while_another_thread_holds_the_lane(lane_client):
+    _echo(lane_client, "warm")
+    assert lane_client._lane_lock.acquire(blocking=False)
+    try:
+        assert lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "x")]) is None
+    finally:
+        lane_client._lane_lock.release()
+
+
+def test_an_interrupted_pipeline_leaves_no_reply_for_the_next_call(lane_client, monkeypatch):
+    _echo(lane_client, "warm")
+    conn = lane_client._lane
+    calls = []
+
+    def second_read_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            monkeypatch.undo()
+            raise _Interrupted
+        return real_read(*args, **kwargs)
+
+    real_read = conn.read_response
+    monkeypatch.setattr(conn, "read_response", second_read_interrupted)
+    with pytest.raises(_Interrupted):
+        lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "one"), ("FCALL", "lane_echo", 0, "two")])
+    assert lane_client._lane is None
+    assert _echo(lane_client, "mine") == "mine"  # not "two", the reply left unread
+
+
+def test_the_driver_resends_a_pipeline_its_lane_lost_the_pool_way(real_server):
+    from tq_redis.driver import Cmd, Pipe, SyncDriver
+
+    driver = SyncDriver(real_server.url)
+    key = f"lane:{uuid.uuid4().hex}"
+
+    def incr_twice():
+        return (yield Pipe((Cmd(("INCR", key)), Cmd(("INCR", key)))))
+
+    assert driver.run(incr_twice()) == [1, 2]
+    lane = driver.redis._lane
+    lane.send_command("CLIENT", "ID")
+    lane_id = lane.read_response()
+    admin = redis.Redis.from_url(real_server.url)
+    try:
+        assert admin.client_kill_filter(_id=lane_id) == 1
+        assert driver.run(incr_twice()) == [3, 4]  # sent once more, the pool's way, and only once
+        assert int(admin.get(key)) == 4
+        admin.delete(key)
+    finally:
+        admin.close()
+        driver.close()
