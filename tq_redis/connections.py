@@ -361,9 +361,9 @@ class SingleClient(redis.Redis):
         """Send ``commands`` on the lane in one write and read every reply: a pipeline without
         redis-py's pipeline object (its pool checkout and per-command bookkeeping). An error
         reply takes its command's place in the list, as ``execute(raise_on_error=False)`` puts it.
-        None when the lane is taken by another thread, in a forked child's first call that
-        fails to connect, or when its connection fails: the caller then sends the pipeline the
-        pool's way (resending it whole, as redis-py's own retry does)."""
+        Replies go through redis-py's response callbacks, as its pipeline's do. None when the
+        lane is taken by another thread or its connection fails: the caller then sends the
+        pipeline the pool's way (resending it whole, as redis-py's own retry does)."""
         if self.connection is not None or not self._lane_lock.acquire(blocking=False):
             return None
         try:
@@ -379,15 +379,21 @@ class SingleClient(redis.Redis):
                         replies.append(conn.read_response())
                     except redis.ResponseError as exc:  # in step still: the next reply follows
                         replies.append(exc)
-                return replies
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 self._leave_lane(conn)
                 return None
             except BaseException:  # interrupted mid-way: replies may still be on their way
                 self._leave_lane(conn)
                 raise
+            return [self._parsed(args[0], reply) for args, reply in zip(commands, replies)]
         finally:
             self._lane_lock.release()
+
+    def _parsed(self, command: Any, reply: Any) -> Any:
+        """``reply`` as redis-py's pipeline returns it: through the command's response callback
+        (``SMEMBERS`` gives a set, ``SET`` a bool); error replies as they are."""
+        callback = self.response_callbacks.get(command)
+        return reply if callback is None or isinstance(reply, Exception) else callback(reply)
 
     def _leave_lane(self, conn: Any) -> None:
         self._lane = None

@@ -149,15 +149,27 @@ def test_a_pipeline_goes_out_on_the_lane_with_its_replies_in_order(lane_client, 
     checkouts = []
     real_get = lane_client.connection_pool.get_connection
     monkeypatch.setattr(lane_client.connection_pool, "get_connection", lambda *a: checkouts.append(1) or real_get(*a))
-    key = f"lane:{uuid.uuid4().hex}"
-    replies = lane_client.pipeline_on_lane(
-        [("FCALL", "lane_echo", 0, "a"), ("SET", key, "v"), ("INCR", key), ("FCALL", "lane_echo", 0, "b")]
-    )
+    key, members = f"lane:{uuid.uuid4().hex}", f"lane:{uuid.uuid4().hex}"
+    commands = [
+        ("FCALL", "lane_echo", 0, "a"), ("SET", key, "v"), ("INCR", key), ("SADD", members, "x", "y"),
+        ("SMEMBERS", members), ("FCALL", "lane_echo", 0, "b"),
+    ]  # fmt: skip
+    replies = lane_client.pipeline_on_lane(commands)
     assert replies is not None and checkouts == []
-    assert replies[0] == b"a" and replies[1] in (True, b"OK") and replies[3] == b"b"
+    assert replies[0] == b"a" and replies[1] is True and replies[3] == 2
+    assert replies[4] == {b"x", b"y"} and replies[5] == b"b"  # as redis-py's callbacks make them
     assert isinstance(replies[2], redis.ResponseError)  # an error reply takes its command's place
     assert _echo(lane_client, "next") == "next"  # and the lane is still in step
-    lane_client.delete(key)
+    lane_client.delete(key, members)
+    pipe = lane_client.pipeline(transaction=False)
+    for args in commands:
+        pipe.execute_command(*args)
+    pooled = pipe.execute(raise_on_error=False)  # the same pipeline the pool's way gives the same replies
+    lane_client.delete(key, members)
+    again = lane_client.pipeline_on_lane(commands)
+    assert [type(r) for r in again] == [type(r) for r in pooled]
+    assert [r for r in again if not isinstance(r, Exception)] == [r for r in pooled if not isinstance(r, Exception)]
+    lane_client.delete(key, members)
 
 
 def test_a_pipeline_on_a_killed_lane_connection_is_left_to_the_pool(lane_client, real_server):
