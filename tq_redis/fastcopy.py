@@ -140,6 +140,10 @@ def copy_table(
     deque(map(out.__setitem__, map(slice, doff.tolist(), (doff + lens).tolist()), pieces), maxlen=0)
 
 
+#: up to this many rows, :func:`gather_rows` copies them one by one (a tiny get_data's case)
+_FEW_ROWS = 4
+
+
 def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> None:
     """Copy bytes ``[skip, skip + row)`` of each ``parts[i]`` to ``dst[i * row:(i + 1) * row]``.
 
@@ -149,4 +153,14 @@ def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> No
     if skip < 0 or row < 0:
         raise ValueError("gather_rows: skip and row must be >= 0")
     n = len(parts)
+    if n <= _FEW_ROWS:  # slice assignments cost less than building the copy tables
+        out = _writable(dst)
+        srcs = [_byte_view(p) for p in parts]
+        if any(len(s) < skip + row for s in srcs):
+            raise ValueError(f"gather_rows: a source is shorter than {skip} + {row} bytes")
+        if n * row > out.nbytes:
+            raise ValueError(f"gather_rows: a row does not fit the {out.nbytes}-byte destination ({n} x {row} bytes)")
+        for i, src in enumerate(srcs):
+            out[i * row : (i + 1) * row] = src[skip : skip + row]
+        return
     copy_table(dst, np.arange(n, dtype=np.int64) * row, parts, np.arange(n), np.full(n, skip), np.full(n, row))

@@ -162,7 +162,7 @@ def test_scatter_refuses_a_read_only_destination(impl):
         scatter(b"\0" * 10, np.zeros(1, dtype=np.int64), [b"abc"])
 
 
-@pytest.mark.parametrize("rows, row, skip", [(7, 24, 8), (600, 32768, 40), (3, 0, 5)])
+@pytest.mark.parametrize("rows, row, skip", [(1, 8, 16), (4, 24, 8), (7, 24, 8), (600, 32768, 40), (3, 0, 5)])
 def test_gather_rows_copies_each_payload_into_its_row(impl, rows, row, skip):
     rng = np.random.default_rng(rows)
     parts = _parts(rng, [skip + row + (i % 3) for i in range(rows)])  # trailing bytes are ignored
