@@ -140,8 +140,10 @@ def copy_table(
     deque(map(out.__setitem__, map(slice, doff.tolist(), (doff + lens).tolist()), pieces), maxlen=0)
 
 
-#: up to this many rows, :func:`gather_rows` copies them one by one (a tiny get_data's case)
+#: up to this many rows and bytes, :func:`gather_rows` copies them one by one, holding the GIL
+#: (a tiny get_data's case); larger copies go to the native copier, which releases it
 _FEW_ROWS = 4
+_FEW_BYTES = 64 << 10
 
 
 def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> None:
@@ -153,7 +155,7 @@ def gather_rows(dst: Buffer, parts: Sequence[Buffer], skip: int, row: int) -> No
     if skip < 0 or row < 0:
         raise ValueError("gather_rows: skip and row must be >= 0")
     n = len(parts)
-    if n <= _FEW_ROWS:  # slice assignments cost less than building the copy tables
+    if n <= _FEW_ROWS and n * row <= _FEW_BYTES:  # slice assignments cost less than building the copy tables
         out = _writable(dst)
         srcs = [_byte_view(p) for p in parts]
         if any(len(s) < skip + row for s in srcs):
