@@ -36,6 +36,17 @@ def _echo(client, value: str) -> str:
     return client.execute_command("FCALL", "lane_echo", 0, value).decode()
 
 
+def _kill(conn, url: str) -> None:
+    """Kill connection ``conn`` from another client (``CLIENT KILL``), as a dropped link would."""
+    conn.send_command("CLIENT", "ID")
+    conn_id = conn.read_response()
+    admin = redis.Redis.from_url(url)
+    try:
+        assert admin.client_kill_filter(_id=conn_id) == 1
+    finally:
+        admin.close()
+
+
 def test_function_calls_reuse_one_connection_without_pool_checkouts(lane_client, monkeypatch):
     _echo(lane_client, "warm")
     checkouts = []
@@ -49,14 +60,7 @@ def test_function_calls_reuse_one_connection_without_pool_checkouts(lane_client,
 
 def test_a_killed_lane_connection_is_replaced_and_the_call_still_answers(lane_client, real_server):
     _echo(lane_client, "warm")
-    lane = lane_client._lane
-    lane.send_command("CLIENT", "ID")
-    lane_id = lane.read_response()
-    admin = redis.Redis.from_url(real_server.url)
-    try:
-        assert admin.client_kill_filter(_id=lane_id) == 1
-    finally:
-        admin.close()
+    _kill(lane_client._lane, real_server.url)
     assert _echo(lane_client, "after the kill") == "after the kill"
     assert _echo(lane_client, "and again") == "and again"
 
@@ -174,14 +178,7 @@ def test_a_pipeline_goes_out_on_the_lane_with_its_replies_in_order(lane_client, 
 
 def test_a_pipeline_on_a_killed_lane_connection_is_left_to_the_pool(lane_client, real_server):
     _echo(lane_client, "warm")
-    lane = lane_client._lane
-    lane.send_command("CLIENT", "ID")
-    lane_id = lane.read_response()
-    admin = redis.Redis.from_url(real_server.url)
-    try:
-        assert admin.client_kill_filter(_id=lane_id) == 1
-    finally:
-        admin.close()
+    _kill(lane_client._lane, real_server.url)
     assert lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "x")]) is None  # the caller resends
     assert lane_client._lane is None
     assert lane_client.pipeline_on_lane([("FCALL", "lane_echo", 0, "y")]) == [b"y"]  # a new lane
@@ -226,12 +223,9 @@ def test_the_driver_resends_a_pipeline_its_lane_lost_the_pool_way(real_server):
         return (yield Pipe((Cmd(("INCR", key)), Cmd(("INCR", key)))))
 
     assert driver.run(incr_twice()) == [1, 2]
-    lane = driver.redis._lane
-    lane.send_command("CLIENT", "ID")
-    lane_id = lane.read_response()
+    _kill(driver.redis._lane, real_server.url)
     admin = redis.Redis.from_url(real_server.url)
     try:
-        assert admin.client_kill_filter(_id=lane_id) == 1
         assert driver.run(incr_twice()) == [3, 4]  # sent once more, the pool's way, and only once
         assert int(admin.get(key)) == 4
         admin.delete(key)
