@@ -1,7 +1,7 @@
 """Drivers that execute operations written once as generators, synchronously or with asyncio.
 
 Every client operation in :mod:`tq_redis.ops` is a generator that *yields effects* (a Redis
-command, a function call, a pipeline, blocking store I/O, a wait on an event stream) and receives
+command, a function call, a pipeline, blocking store I/O, a wait on an event stream, a pause) and receives
 their results. :class:`SyncDriver` runs them with redis-py's blocking client; :class:`AsyncDriver`
 runs the very same generators with ``redis.asyncio`` and moves blocking store I/O to a worker
 thread. So ``TransferQueueClient`` and ``AsyncTransferQueueClient`` share one implementation.
