@@ -37,7 +37,7 @@ from tq_redis import buffers, fastcopy
 from tq_redis.backends.batches import RowBlock, ValueTable
 from tq_redis.dtypes import NO_DTYPE, dtype_code, dtype_from_code
 from tq_redis.errors import EmptyBatch, StorageError, UnsupportedValue
-from tq_redis.jagged import JAGGED_CLASS, JaggedParts, jagged_parts, jagged_tensor
+from tq_redis.jagged import JAGGED_CLASS, jagged_tensor, parts_of
 from tq_redis.objects import decode_object, encode_samples
 from tq_redis.schemas import (
     KIND_JAGGED,
@@ -88,9 +88,7 @@ def _encode_dense(name: str, t: torch.Tensor, n: int) -> RowBlock:
 
 
 def _encode_jagged(name: str, nt: torch.Tensor, n: int) -> list[Segments]:
-    parts = jagged_parts(nt)
-    if parts is None:
-        parts = JaggedParts(nt.values(), nt.offsets(), nt.lengths(), nt._ragged_idx, n)
+    parts = parts_of(nt)
     code = dtype_code(name, parts.values.dtype)
     if parts.ragged_idx == 1 and parts.lengths is None:
         values = plain_tensor(parts.values)

@@ -341,10 +341,7 @@ class SingleClient(redis.Redis):
             raise not_a_single_server(self.tq_url, exc) from exc
 
     def _on_lane(self, args: tuple[Any, ...]) -> Any:
-        conn = self._lane
-        if conn is None or self._lane_pid != os.getpid():  # none yet, or the parent's (fork)
-            conn = self._lane = self.connection_pool.get_connection()
-            self._lane_pid = os.getpid()
+        conn = self._lane_connection()
         try:
             conn.send_command(*args)
             return conn.read_response()
@@ -367,10 +364,7 @@ class SingleClient(redis.Redis):
         if self.connection is not None or not self._lane_lock.acquire(blocking=False):
             return None
         try:
-            conn = self._lane
-            if conn is None or self._lane_pid != os.getpid():
-                conn = self._lane = self.connection_pool.get_connection()
-                self._lane_pid = os.getpid()
+            conn = self._lane_connection()
             try:
                 conn.send_packed_command(conn.pack_commands(commands))
                 replies: list[Any] = []
@@ -394,6 +388,14 @@ class SingleClient(redis.Redis):
         (``SMEMBERS`` gives a set, ``SET`` a bool); error replies as they are."""
         callback = self.response_callbacks.get(command)
         return reply if callback is None or isinstance(reply, Exception) else callback(reply)
+
+    def _lane_connection(self) -> Any:
+        """The lane's connection (the lane's lock held): checked out of the pool on first use,
+        and again in a forked child, whose inherited one belongs to the parent."""
+        if self._lane is None or self._lane_pid != os.getpid():
+            self._lane = self.connection_pool.get_connection()
+            self._lane_pid = os.getpid()
+        return self._lane
 
     def _leave_lane(self, conn: Any) -> None:
         self._lane = None

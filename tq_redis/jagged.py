@@ -47,6 +47,15 @@ def jagged_parts(t: Any) -> JaggedParts | None:
     return JaggedParts(values, offsets, lengths, ragged_idx, int(size[0]))
 
 
+def parts_of(t: torch.Tensor) -> JaggedParts:
+    """The parts of jagged nested tensor ``t``: read directly (:func:`jagged_parts`) when it is
+    torch's own class, through its public methods otherwise."""
+    parts = jagged_parts(t)
+    if parts is None:
+        parts = JaggedParts(t.values(), t.offsets(), t.lengths(), t._ragged_idx, t.size(0))
+    return parts
+
+
 @functools.lru_cache(maxsize=1024)
 def _seqlen_bound(value: int) -> torch.Tensor:
     # torch keeps a seqlen bound as the size of a (value, 0) tensor; it holds no data, so one per value serves all.
