@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -66,10 +67,12 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
 from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
 from tq_redis import demo_workload as wl
 from tq_redis.demo import STAGES
+from tq_redis.jagged import jagged_parts
 
 MEASURE = "p5_pipeline"
 UID_STEP = 1_000_000
@@ -111,6 +114,19 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="runs per system, alternating the systems; the median is reported (default 3, quick 1)",
     )
+    parser.add_argument(
+        "--compute",
+        default=",".join(MODES),
+        help="comma-separated compute modes, each run on every system: cpu (the stages compute on "
+        "this machine's cores) and device (a known device time per token, the host CPU left free; "
+        "see benchmarks/p5_compute.py); the first is the headline result (default %(default)s)",
+    )
+    parser.add_argument(
+        "--device-us-per-token",
+        type=float,
+        default=DEFAULT_DEVICE_US_PER_TOKEN,
+        help="device mode: microseconds of device time per token of a cost-1 stage (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up after this long (default %(default)s)")
 
@@ -123,14 +139,32 @@ def _response_len(cfg: dict[str, Any], uid: int) -> int:
     return wl.response_length(wl.generator(cfg["seed"], uid, 1), cfg["response_len"])
 
 
+def _response_lengths(cfg: dict[str, Any]) -> dict[int, int]:
+    """Every row's response length, worked out once before the clock starts (drawing one costs a
+    generator, ~10 µs, which rollout and the trainer's check would otherwise pay per row)."""
+    uids = (s * UID_STEP + i for s in range(cfg["steps"]) for i in range(cfg["samples_per_step"]))
+    return {uid: _response_len(cfg, uid) for uid in uids}
+
+
 def _rows(value: Any) -> list[Any]:
-    """Per-sample 1-D tensors of a jagged (or dense 2-D) field."""
-    return list(value.unbind())
+    """Per-sample 1-D tensors of a jagged (or dense 2-D) field. A ``torch.jagged`` tensor (what
+    both systems return) is cut at its offsets: ``unbind()`` goes through torch's dispatcher,
+    ~0.2 ms a field, which would be charged to both systems as overhead."""
+    parts = jagged_parts(value)
+    if parts is None or parts.lengths is not None or parts.ragged_idx != 1:
+        return list(value.unbind())
+    bounds = parts.offsets.tolist()
+    return [parts.values[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _flat(value: Any) -> Any:
-    """A per-sample ``[B, 1]`` field as a ``[B]`` tensor (the reference returns it nested)."""
-    return value.values() if value.is_nested else value.reshape(-1)
+    """A per-sample ``[B, 1]`` field as a ``[B]`` tensor (both systems return it nested)."""
+    if not value.is_nested:
+        return value.reshape(-1)
+    parts = jagged_parts(value)
+    if parts is None or parts.lengths is not None:
+        return value.values()
+    return parts.values[int(parts.offsets[0]) : int(parts.offsets[-1])]
 
 
 def _partition(step: int) -> str:
@@ -154,7 +188,8 @@ class _Stage:
         self.sh = shared
         self.deadline = deadline
         self.busy_s = 0.0
-        self.compute_s = 0.0  # CPU seconds of the stage's own work (model, rewards, burns), no I/O
+        self.compute_s = 0.0  # the stage's own work (model, rewards, burns; no I/O): CPU s, or device s
+        self.compute_cpu_s = 0.0  # the CPU seconds of that work (in device mode, the real work's only)
         self.batches = 0
         self.samples = 0
         self.tokens = 0
@@ -163,6 +198,7 @@ class _Stage:
         self.claim_s = 0.0
         self.cpu0 = time.process_time()
         self.batch_log: list[tuple[int, float, float]] = []  # (step, wall clock at start, compute s)
+        self.compute = Compute(cfg["compute"], cfg["device_us_per_token"])
 
     def check(self) -> None:
         if self.sh["stop"].is_set() or time.monotonic() > self.deadline:
@@ -208,17 +244,19 @@ class _Stage:
         self.done(t0, meta.size, tokens)
 
     @contextlib.contextmanager
-    def computing(self, step: int) -> Iterator[None]:
-        """Count the CPU time of the block as the stage's compute (``thread_time``: a worker
-        descheduled by the others on a busy machine is not charged for the wait), and log it as one
-        batch of ``step`` for the compute-only schedule (:mod:`benchmarks.p5_schedule`)."""
-        started, t0 = time.time(), time.thread_time()
+    def computing(self, stage: str, step: int, tokens: int) -> Iterator[None]:
+        """Compute one batch of ``stage`` (the block is its real work; see
+        :meth:`benchmarks.p5_compute.Compute.batch`), count its compute and log it as one batch of
+        ``step`` for the compute-only schedule (:mod:`benchmarks.p5_schedule`)."""
+        started, cpu0, spent = time.time(), time.thread_time(), []
         try:
-            yield
+            with self.compute.batch(stage, tokens, spent):
+                yield
         finally:
-            spent = time.thread_time() - t0
-            self.compute_s += spent
-            self.batch_log.append((step, started, spent))
+            seconds = spent[0] if spent else 0.0
+            self.compute_s += seconds
+            self.compute_cpu_s += time.thread_time() - cpu0
+            self.batch_log.append((step, started, seconds))
 
     def done(self, t0: float, n: int, tokens: int) -> None:
         self.busy_s += time.perf_counter() - t0
@@ -230,6 +268,8 @@ class _Stage:
         return {
             "busy_s": self.busy_s,
             "compute_s": self.compute_s,
+            "compute_cpu_s": self.compute_cpu_s,
+            "device_late_s": self.compute.late_s,
             "batches": self.batches,
             "samples": self.samples,
             "tokens": self.tokens,
@@ -286,28 +326,28 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
                 rolled[step] += meta.size
             t0 = time.perf_counter()
             data = st.client.get_data(meta)
+            uids = _flat(data["uid"]).tolist()
+            lengths = [cfg["lengths"][uid] for uid in uids]
             responses, logps = [], []
-            with st.computing(step):
-                for uid, prompt in zip(_flat(data["uid"]).tolist(), _rows(data["prompts"])):
-                    gen = wl.generator(cfg["seed"], uid, 2)
-                    tokens, logp = policy.generate(int(prompt[-1]), _response_len(cfg, uid), gen)
+            with st.computing("rollout", step, sum(lengths)):
+                for uid, prompt, length in zip(uids, _rows(data["prompts"]), lengths):
+                    tokens, logp = st.compute.generate(policy, prompt, length, wl.generator(cfg["seed"], uid, 2))
                     responses.append(tokens)
                     logps.append(logp)
-            tokens = sum(len(r) for r in responses)
+            tokens = sum(lengths)
             st.store(meta, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
     return {}
 
 
 def _stage_reward(st: _Stage) -> dict[str, Any]:
     cfg = st.cfg
-    burn = wl.Burn()
     split_groups = 0
     for step in range(cfg["steps"]):
         for meta, data, t0 in st.step_batches(["prompt_id", "responses", "uid"], cfg["stage_batch"], step, "reward"):
             responses = _rows(data["responses"])
             pids = _flat(data["prompt_id"])
             tokens = sum(len(r) for r in responses)
-            with st.computing(step):
+            with st.computing("reward", step, tokens):
                 rewards = wl.rewards(responses)
                 advantages = torch.zeros_like(rewards)
                 for pid in pids.unique():  # normalised over each prompt's rows in the micro-batch
@@ -315,29 +355,25 @@ def _stage_reward(st: _Stage) -> dict[str, Any]:
                     if int(mask.sum()) != cfg["n_samples"]:
                         split_groups += 1
                     advantages[mask] = wl.group_advantages(rewards[mask])
-                burn.charge("reward", tokens)
             st.store(meta, t0, tokens, rewards=rewards.unsqueeze(1), advantages=advantages.unsqueeze(1))
     return {"split_groups": split_groups}
 
 
 def _stage_ref(st: _Stage) -> dict[str, Any]:
     cfg = st.cfg
-    burn = wl.Burn()
     ref = wl.reference_model(cfg["seed"])
     for step in range(cfg["steps"]):
         for meta, data, t0 in st.step_batches(["prompts", "responses"], cfg["stage_batch"], step, "ref"):
             responses = _rows(data["responses"])
             tokens = sum(len(r) for r in responses)
-            with st.computing(step):
+            with st.computing("ref", step, tokens):
                 rows = wl.ref_log_probs(ref, _rows(data["prompts"]), responses)
-                burn.charge("ref", tokens)
             st.store(meta, t0, tokens, ref_log_prob=wl.jagged(rows))
     return {}
 
 
 def _stage_trainer(st: _Stage) -> dict[str, Any]:
     cfg, sh = st.cfg, st.sh
-    burn = wl.Burn()
     learner = wl.GRPOLearner(cfg["seed"])
     trained: dict[int, list[int]] = {}
     step_done_at: list[float] = []
@@ -350,16 +386,15 @@ def _stage_trainer(st: _Stage) -> dict[str, Any]:
             prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
             sizes = [len(r) for r in responses]
             for uid, size in zip(uids, sizes):
-                if size != _response_len(cfg, uid) and len(bad) < 10:
-                    bad.append(f"uid {uid}: response of {size} tokens, expected {_response_len(cfg, uid)}")
+                if size != cfg["lengths"][uid] and len(bad) < 10:
+                    bad.append(f"uid {uid}: response of {size} tokens, expected {cfg['lengths'][uid]}")
             old = _rows(data["old_log_prob"])
             ref = _rows(data["ref_log_prob"])
             if [len(x) for x in old] != sizes or [len(x) for x in ref] != sizes:
                 bad.append(f"step {step}: log-prob lengths do not match the responses")
             total = sum(len(p) for p in prompts) + sum(sizes)
-            with st.computing(step):
+            with st.computing("trainer", step, total):
                 learner.update(prompts, responses, torch.cat(old), torch.cat(ref), _flat(data["advantages"]))
-                burn.charge("trainer", total)
             st.done(t0, meta.size, total)
         st.client.clear_partition(_partition(step))
         trained[step] = seen
@@ -470,12 +505,13 @@ def machine_cpu_seconds() -> tuple[float, float] | None:
 def _cpu_split(
     result: dict[str, Any], before: tuple[float, float] | None, after: tuple[float, float] | None, elapsed: float
 ) -> dict[str, Any]:
-    """Where the machine's CPU went while the pipeline ran: the stages' compute, the rest of the
-    workers' CPU (clients, encoding, their own glue), everything else busy (Redis or the
-    controller, storage units, the OS) and idle. Machine figures span ``elapsed`` (to the last
+    """Where the machine's CPU went while the pipeline ran: the stages' compute (in device mode,
+    only the CPU of their real work: the device time is not the host's), the rest of the workers'
+    CPU (clients, encoding, their own glue), everything else busy (Redis or the controller,
+    storage units, the OS) and idle. Machine figures span ``elapsed`` (to the last
     report), a little more than the pipeline's wall time."""
     stages = result["stages"].values()
-    compute = sum(s["compute_s"] for s in stages)
+    compute = sum(s["compute_cpu_s"] for s in stages)
     workers = sum(s["cpu_s"] for s in stages)
     split: dict[str, Any] = {"compute_s": compute, "workers_other_s": workers - compute, "span_s": elapsed}
     if before and after:
@@ -547,11 +583,13 @@ def _summarize(
     stages: dict[str, dict[str, Any]] = {}
     for stage, rs in by_stage.items():
         keys = (
-            "busy_s", "compute_s", "cpu_s", "batches", "samples", "tokens", "get_meta_calls", "empty_polls", "claim_s",
-        )
+            "busy_s", "compute_s", "compute_cpu_s", "cpu_s", "batches", "samples", "tokens", "get_meta_calls",
+            "empty_polls", "claim_s", "device_late_s",
+        )  # fmt: skip
         stages[stage] = {"workers": len(rs), **{k: sum(r.get(k, 0) for r in rs) for k in keys}}
     tokens = stages["rollout"]["tokens"]
-    plain_bound = compute_bound(stages)
+    lanes = compute_lanes(cfg)
+    plain_bound = compute_bound(stages, lanes)
     scheduled = None
     if steps_done == cfg["steps"]:
         logs = {
@@ -559,7 +597,7 @@ def _summarize(
             for s, rs in by_stage.items()
         }
         try:
-            scheduled = compute_only_wall(logs, cfg, cfg["workers"], os.cpu_count() or 1)
+            scheduled = compute_only_wall(logs, cfg, cfg["workers"], lanes)
         except RuntimeError as exc:  # a batch log the replay cannot follow: keep the run's other figures
             print(f"[{name}] compute-only schedule not available: {exc}", flush=True)
     bound = max(plain_bound, scheduled or 0.0)
@@ -618,6 +656,14 @@ def _summarize(
     return result
 
 
+def compute_lanes(cfg: dict[str, Any]) -> int:
+    """How many batches can compute at once: the machine's cores when the compute runs on them
+    (``cpu``), one per worker when each has its own device (``device``)."""
+    if cfg["compute"] == "device":
+        return cfg["workers"] + 3  # rollout workers + reward, ref, trainer (the feeder computes nothing)
+    return os.cpu_count() or 1
+
+
 def compute_bound(stages: dict[str, dict[str, Any]], cores: int | None = None) -> float:
     """The wall time the pipeline needs at least for its compute alone: the larger of the busiest
     stage's compute spread over its workers (a stage cannot go faster than its workers) and all the
@@ -631,6 +677,10 @@ def compute_bound(stages: dict[str, dict[str, Any]], cores: int | None = None) -
     return max(per_stage, total / max(1, min(cores, workers)))
 
 
+def _measure_in(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    return measure_system(name, cfg)
+
+
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median steps/s (the lower middle for an even count), plus every round's
     steps/s; exactly-once holds only if it held in every round. All failed: the first error."""
@@ -642,6 +692,14 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     median["rounds_failed"] = len(runs) - len(done)
     median["exactly_once"] = len(done) == len(runs) and all(r.get("exactly_once") for r in runs)
     return median
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise SystemExit(f"--compute takes a comma-separated list of {', '.join(MODES)}; got {text!r}")
+    return modes
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -665,6 +723,9 @@ def main() -> dict[str, Any]:
         "poll_interval": args.poll_interval,
         "wait_s": args.wait_s,
         "attach_mode": args.attach_mode,
+        "compute": "cpu",  # set per run from --compute
+        "compute_modes": _modes(args.compute),
+        "device_us_per_token": args.device_us_per_token,
         "seed": args.seed,
         "timeout_s": args.timeout_s,
         "barrier_timeout_s": 300.0,
@@ -673,6 +734,7 @@ def main() -> dict[str, Any]:
         "process_model": "separate processes (forkserver), each attached to the running system",
     }
     cfg["samples_per_step"] = cfg["batch"] * cfg["n_samples"]
+    cfg["lengths"] = _response_lengths(cfg)
     for key in ("stage_batch", "micro_batch"):
         if cfg["samples_per_step"] % cfg[key]:
             raise SystemExit(f"--{key.replace('_', '-')} must divide batch x n-samples ({cfg['samples_per_step']})")
@@ -686,18 +748,30 @@ def main() -> dict[str, Any]:
     )
     rounds = args.rounds or (1 if args.quick else 3)
     cfg["rounds"] = rounds
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.systems}
+    modes = cfg["compute_modes"]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(m, name): [] for m in modes for name in args.systems}
     for k in range(rounds):
-        if rounds > 1:
-            print(f"=== round {k + 1}/{rounds} ===", flush=True)
-        # one short pipeline run moves with the machine's load: alternate the systems, keep the median
-        for name, res in run_per_system(args.systems, lambda name: measure_system(name, cfg)).items():
-            runs[name].append(res)
-    results = {name: _median_run(rs) for name, rs in runs.items()}
+        for mode in modes:
+            print(f"=== round {k + 1}/{rounds}, {mode} compute ===", flush=True)
+            run_cfg = {**cfg, "compute": mode}
+            # one short pipeline run moves with the machine's load: alternate the systems, keep the median
+            measure = functools.partial(_measure_in, run_cfg)
+            for name, res in run_per_system(args.systems, measure).items():
+                runs[(mode, name)].append({**res, "compute": mode})
+    results = {}
+    for name in args.systems:  # the first mode's figures at the top, the others under "other_modes"
+        results[name] = _median_run(runs[(modes[0], name)])
+        results[name]["other_modes"] = {m: _median_run(runs[(m, name)]) for m in modes[1:]}
+    for mode in modes[1:]:
+        print(f"\n{mode} compute:", flush=True)
+        for name in args.systems:
+            res = results[name]["other_modes"][mode]
+            print(f"  {name}: {res.get('steps_per_s') or 0:.3f} steps/s, overhead "
+                  f"{res.get('overhead_pct_of_bound') or 0:.0f}% of the bound", flush=True)
 
     title = "P5 demo-shaped pipeline (steps/s higher is better; wall s lower is better)"
     print_run_comparison(title, results, ("steps/s", "steps_per_s"), ("exactly once", "exactly_once"))
-    write_result(MEASURE, args, cfg, results, args.out)
+    write_result(MEASURE, args, {k: v for k, v in cfg.items() if k != "lengths"}, results, args.out)
     return results
 
 

@@ -26,6 +26,7 @@ from tq_redis.errors import BatchSizeMismatch, InvalidArgument, UnknownField
 from tq_redis.field_schema import (
     check_concat_schemas,
     concat_schema,
+    copy_schema,
     extract_field_schema,
     normalized_schema,
     take_schema,
@@ -559,7 +560,7 @@ class BatchMeta:
         return BatchMeta._adopt(
             list(self.global_indexes),
             list(self.partition_ids),
-            copy.deepcopy(self.field_schema),
+            copy_schema(self.field_schema),
             self.production_status.copy(),
             copy.deepcopy(self._cm),
             copy.deepcopy(self._bm),

@@ -53,6 +53,7 @@ from tq_redis.wireformat import (
     K_OBJECT,
     K_STRIDED,
     K_TENSOR,
+    ROW_HEADER_SIZE,
     Header,
     byte_view,
     header,
@@ -63,6 +64,7 @@ from tq_redis.wireformat import (
     parse_header,
     plain_tensor,
     prod,
+    row_lengths,
     tensor_from_bytes,
 )
 
@@ -191,7 +193,7 @@ def _decode_one(name: str, i: int, mv: memoryview, h: Header, allow_pickle: bool
         raise type(e)(f"field {name!r}, sample {i}: {e}") from None
 
 
-def _jagged_from_parts(dtype: torch.dtype, shapes: list[tuple[int, ...]], payloads: list[memoryview]):
+def _jagged_from_parts(name: str, dtype: torch.dtype, shapes: list[tuple[int, ...]], payloads: list[memoryview]):
     rest = shapes[0][1:]
     lengths = [s[0] for s in shapes]
     total = sum(lengths)
@@ -199,12 +201,12 @@ def _jagged_from_parts(dtype: torch.dtype, shapes: list[tuple[int, ...]], payloa
     row = prod(rest) * values.element_size()
     out = byte_view(values)
     pos = 0
-    for length, p in zip(lengths, payloads):
+    for i, (length, p) in enumerate(zip(lengths, payloads)):
         nb = length * row
         if len(p) != nb:
             raise StorageError(
-                f"stored jagged component is {len(p)} bytes but its header says {nb}; "
-                "the value is truncated or corrupt"
+                f"field {name!r}, sample {i}: stored jagged component is {len(p)} bytes but its header "
+                f"says {nb}; the value is truncated or corrupt"
             )
         out[pos:pos + nb] = p
         pos += nb
@@ -272,8 +274,10 @@ def _as_bytes_view(value: Any) -> memoryview:
 
 def _bytes_views(values: Sequence[Buffer]) -> list[memoryview]:
     """``values`` as one-dimensional byte memoryviews (a store's views usually already are)."""
-    if set(map(type, values)) == {memoryview} and set(map(_FORMAT, values)) == {"B"} \
-            and set(map(_NDIM, values)) == {1}:
+    types = set(map(type, values))
+    if types == {bytes}:  # values read from Redis (inline)
+        return list(map(memoryview, values))
+    if types == {memoryview} and set(map(_FORMAT, values)) == {"B"} and set(map(_NDIM, values)) == {1}:
         return list(values)  # type: ignore[arg-type]
     return [_as_bytes_view(v) for v in values]
 
@@ -355,11 +359,17 @@ def decode_field(
 
     if table is not None:
         mvs = list(table)
+    if h0.kind == K_JAGGED and len(h0.shape) == 1 and not h0.extra:
+        dtype = dtype_from_code(h0.code, name)
+        lengths = row_lengths(mvs, K_JAGGED, h0.code, dtype.itemsize)
+        if lengths is not None:  # one 1-D row per sample, the usual jagged field: no header objects
+            return _jagged_from_parts(name, dtype, [(n,) for n in lengths], [mv[ROW_HEADER_SIZE:] for mv in mvs])
     headers = [h0] + [parse_header(mv, name, i) for i, mv in enumerate(mvs[1:], 1)]
     kinds = {h.kind for h in headers}
     if kinds == {K_JAGGED} and len({h.code for h in headers}) == 1 \
             and len({h.shape[1:] for h in headers}) == 1 and len(h0.shape) >= 1:
         return _jagged_from_parts(
+            name,
             dtype_from_code(h0.code, name),
             [h.shape for h in headers],
             [mv[h.offset:] for mv, h in zip(mvs, headers)],

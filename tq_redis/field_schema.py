@@ -19,10 +19,12 @@ errors.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from tensordict import TensorDictBase
 
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument
@@ -32,6 +34,7 @@ __all__ = [
     "FieldSchema",
     "check_concat_schemas",
     "concat_schema",
+    "copy_schema",
     "extract_field_schema",
     "field_kind",
     "normalized_schema",
@@ -86,6 +89,32 @@ def normalized_schema(field_schema: Mapping[str, Mapping[str, Any]] | None, n: i
             entry["per_sample_shapes"] = list(shapes)
         schema[name] = entry
     return schema
+
+
+_IMMUTABLE = (str, int, float, bool, type(None), torch.dtype, np.dtype)
+
+
+def _immutable(value: Any) -> bool:
+    if isinstance(value, tuple):  # a shape (torch.Size is a tuple)
+        return all(isinstance(v, int) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
+def copy_schema(schema: Mapping[str, Mapping[str, Any]]) -> FieldSchema:
+    """A deep copy of ``schema``, made cheaply: the entries tq-redis builds hold only immutable
+    values and a list of shape tuples, so those are copied one level deep (``copy.deepcopy`` of a
+    few fields' entries was most of a small ``put(metadata=...)``); an entry holding anything else
+    is deep-copied."""
+    out: FieldSchema = {}
+    for name, meta in schema.items():
+        entry = dict(meta)
+        for key, value in meta.items():
+            if key == "per_sample_shapes" and isinstance(value, list) and all(map(_immutable, value)):
+                entry[key] = list(value)
+            elif not _immutable(value):
+                entry[key] = copy.deepcopy(value)
+        out[name] = entry
+    return out
 
 
 def take_schema(schema: Mapping[str, Mapping[str, Any]], positions: list[int] | slice) -> FieldSchema:

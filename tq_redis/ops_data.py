@@ -266,18 +266,11 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
 
 
 def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
-    """``metadata`` with ``schemas``' fields produced (what a put with metadata returns)."""
+    """A copy of ``metadata`` with ``schemas``' fields produced (what a put with metadata returns)."""
     result = metadata.copy()
     result.field_schema.update(batchmeta_schema(schemas))
     result.production_status[:] = 1
-    return BatchMeta(
-        result.global_indexes,
-        result.partition_ids,
-        result.field_schema,
-        production_status=result.production_status,
-        extra_info=result.extra_info,
-        custom_meta=result.custom_meta,
-    )
+    return result
 
 
 # ------------------------------------------------------------------ tags

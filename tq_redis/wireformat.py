@@ -34,6 +34,7 @@ __all__ = [
     "K_OBJECT",
     "K_STRIDED",
     "K_TENSOR",
+    "ROW_HEADER_SIZE",
     "Header",
     "byte_view",
     "header",
@@ -44,6 +45,7 @@ __all__ = [
     "parse_header",
     "plain_tensor",
     "prod",
+    "row_lengths",
     "tensor_from_bytes",
 ]
 
@@ -129,6 +131,31 @@ def parse_header(mv: memoryview, name: str, index: int) -> Header:
         raise StorageError(f"field {name!r}, sample {index}: stored shape {shape} is corrupt")
     extra = bytes(mv[pos:pos + extra_len]) if extra_len else b""
     return Header(kind, code, shape, extra, end)
+
+
+ROW_HEADER_SIZE = _FIXED_SIZE + 8
+"""Header bytes of a 1-D value without extra bytes: the fixed part and one dimension."""
+_ROW_LENGTH = struct.Struct("<q")
+
+
+def row_lengths(mvs: Sequence[memoryview], kind: int, code: int, itemsize: int) -> list[int] | None:
+    """The lengths of ``mvs`` when every value is a 1-D value of header kind ``kind`` and dtype
+    code ``code``, without extra header bytes, holding exactly its ``length * itemsize`` payload
+    after :data:`ROW_HEADER_SIZE` bytes of header; ``None`` when any is not.
+
+    The common jagged field (token ids, log-probs: one 1-D row per sample) read without a
+    :class:`Header` per sample. ``None`` sends the caller to :func:`parse_header`, which names
+    what is wrong with a value that is not well formed.
+    """
+    prefix = _FIXED.pack(_MAGIC, _VERSION, kind, code, 1, 0)
+    if min(map(len, mvs), default=0) < ROW_HEADER_SIZE:
+        return None
+    if not all(mv[:_FIXED_SIZE] == prefix for mv in mvs):
+        return None
+    lengths = [_ROW_LENGTH.unpack_from(mv, _FIXED_SIZE)[0] for mv in mvs]
+    if min(lengths) < 0 or list(map(len, mvs)) != [ROW_HEADER_SIZE + n * itemsize for n in lengths]:
+        return None
+    return lengths
 
 
 def np_dtype(extra: bytes, name: str) -> np.dtype:

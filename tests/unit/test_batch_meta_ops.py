@@ -425,6 +425,18 @@ class TestCopy:
         assert m.global_indexes == [0, 1]
 
 
+    def test_copy_deep_copies_a_schema_value_that_is_not_immutable(self):
+        # tq-redis's own entries hold dtypes, sizes and shape lists; a caller's entry may hold more
+        m = BatchMeta([0, 1], ["p", "p"], {"x": {"dtype": torch.float32, "shape": (2,), "note": {"by": ["me"]},
+                                              "shape_list": [2]}})  # fmt: skip
+        c = m.copy()
+        c.field_schema["x"]["note"]["by"].append("you")
+        c.field_schema["x"]["shape_list"].append(3)
+        assert m.field_schema["x"]["note"] == {"by": ["me"]}
+        assert m.field_schema["x"]["shape_list"] == [2]
+        assert c.field_schema["x"]["dtype"] is torch.float32
+
+
 # ---------------------------------------------------------------------------------------------
 # custom_meta / extra_info
 # ---------------------------------------------------------------------------------------------

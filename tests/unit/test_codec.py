@@ -279,6 +279,50 @@ def test_jagged_bf16_1d_components_are_zero_copy() -> None:
     assert [tensor_bytes(p) for p in out.unbind()] == [tensor_bytes(p) for p in parts]
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
+def test_one_d_jagged_rows_decode_like_the_general_path(dtype: torch.dtype) -> None:
+    # rows read through row_lengths (no header per sample) must equal what per-sample headers give
+    parts = [random_tensor(dtype, (n,), seed=n) for n in (5, 0, 1, 9)]
+    _, per_sample = codec.encode_field("tokens", torch.nested.as_nested_tensor(parts, layout=torch.jagged), 4)
+    values = [stored(s) for s in per_sample]
+    mvs = [memoryview(v) for v in values]
+    code = dtypes.dtype_code("tokens", dtype)
+    assert wireformat.row_lengths(mvs, wireformat.K_JAGGED, code, dtype.itemsize) == [5, 0, 1, 9]
+    for stored_as in (values, mvs, [bytearray(v) for v in values]):
+        out = codec.decode_field("tokens", stored_as)
+        assert out.layout == torch.jagged and out.dtype == dtype
+        assert torch.equal(out.offsets(), torch.tensor([0, 5, 5, 6, 15]))
+        assert [tensor_bytes(p) for p in out.unbind()] == [tensor_bytes(p) for p in parts]
+
+
+def test_row_lengths_declines_values_it_cannot_vouch_for() -> None:
+    code = dtypes.dtype_code("t", torch.int64)
+    rows = [stored(s) for s in codec.encode_field("t", torch.nested.as_nested_tensor(
+        [torch.arange(3), torch.arange(2)], layout=torch.jagged), 2)[1]]  # fmt: skip
+    wide = [torch.ones(3, 2, dtype=torch.int64), torch.ones(1, 2, dtype=torch.int64)]
+    two_d = [stored(s) for s in codec.encode_field("t", torch.nested.as_nested_tensor(wide, layout=torch.jagged), 2)[1]]
+    mvs = [memoryview(v) for v in rows]
+    assert wireformat.row_lengths(mvs, wireformat.K_JAGGED, code, 8) == [3, 2]
+    assert wireformat.row_lengths(mvs, wireformat.K_JAGGED, code + 1, 8) is None  # another dtype
+    assert wireformat.row_lengths(mvs, wireformat.K_TENSOR, code, 8) is None  # another kind
+    assert wireformat.row_lengths([memoryview(v) for v in two_d], wireformat.K_JAGGED, code, 8) is None
+    assert wireformat.row_lengths([mvs[0], mvs[1][:-1]], wireformat.K_JAGGED, code, 8) is None  # truncated
+    assert wireformat.row_lengths([mvs[0], memoryview(rows[1] + b"x")], wireformat.K_JAGGED, code, 8) is None
+    assert wireformat.row_lengths([mvs[0], mvs[1][:4]], wireformat.K_JAGGED, code, 8) is None  # shorter than a header
+    negative = rows[1][:8] + struct.pack("<q", -1) + rows[1][16:]
+    assert wireformat.row_lengths([mvs[0], memoryview(negative)], wireformat.K_JAGGED, code, 8) is None
+
+
+def test_a_bad_row_among_jagged_rows_is_still_named() -> None:
+    # the fast path declines, so the per-sample check names the sample and what is wrong
+    rows = [stored(s) for s in codec.encode_field("t", torch.nested.as_nested_tensor(
+        [torch.arange(3), torch.arange(2), torch.arange(4)], layout=torch.jagged), 3)[1]]  # fmt: skip
+    with pytest.raises(StorageError, match="'t', sample 2.*truncated"):
+        codec.decode_field("t", [rows[0], rows[1], rows[2][:-3]])
+    with pytest.raises(StorageError, match="sample 1.*magic"):
+        codec.decode_field("t", [rows[0], b"XX" + rows[1][2:], rows[2]])
+
+
 def test_jagged_narrowed_with_holes_falls_back_and_roundtrips() -> None:
     values = torch.arange(20.0).reshape(10, 2)
     offsets = torch.tensor([0, 4, 7, 10])
