@@ -318,12 +318,13 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
     total = cfg["samples_per_step"]
     rolled = sh["rolled"]
     for step in range(cfg["steps"]):
-        while rolled[step] < total:
-            meta = st.claim(["prompts", "uid"], cfg["stage_batch"], step, "rollout")
-            if meta is None:
-                continue
-            with rolled.get_lock():
-                rolled[step] += meta.size
+        while _take_share(rolled, step, total, cfg["stage_batch"]):
+            meta = None
+            while meta is None:
+                meta = st.claim(["prompts", "uid"], cfg["stage_batch"], step, "rollout")
+            if meta.size < cfg["stage_batch"]:  # fewer rows than the share: give the rest back
+                with rolled.get_lock():
+                    rolled[step] -= cfg["stage_batch"] - meta.size
             t0 = time.perf_counter()
             data = st.client.get_data(meta)
             uids = _flat(data["uid"]).tolist()
@@ -337,6 +338,17 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
             tokens = sum(lengths)
             st.store(meta, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
     return {}
+
+
+def _take_share(rolled: Any, step: int, total: int, share: int) -> bool:
+    """Count ``share`` of ``step``'s rows as this rollout worker's before claiming them; False once
+    the workers have taken them all. Counting before claiming keeps a worker from claiming (and, in
+    a blocking claim, waiting for) rows another worker has already taken."""
+    with rolled.get_lock():
+        if rolled[step] >= total:
+            return False
+        rolled[step] += share
+        return True
 
 
 def _stage_reward(st: _Stage) -> dict[str, Any]:
@@ -420,7 +432,7 @@ def _warm_up(client: Any) -> None:
     this process, before the clock starts. A long training job pays these once, not per step."""
     wl.warm_up()
     partition = f"p5_warmup_{os.getpid()}"
-    td = TensorDict({"prompts": wl.jagged([[1, 2, 3], [4, 5]]), "uid": torch.tensor([[0], [1]])}, batch_size=[2])
+    td = TensorDict({"prompts": wl.jagged([torch.tensor([1, 2, 3]), torch.tensor([4, 5])]), "uid": torch.tensor([[0], [1]])}, batch_size=[2])
     client.put(td, partition_id=partition)
     meta = client.get_meta(["prompts", "uid"], 2, partition, mode="fetch", task_name="warmup")
     if meta.size:

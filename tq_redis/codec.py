@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import accumulate, repeat
 from typing import Any
 
 import numpy as np
@@ -196,22 +196,22 @@ def _decode_one(name: str, i: int, mv: memoryview, h: Header, allow_pickle: bool
 def _jagged_from_parts(name: str, dtype: torch.dtype, shapes: list[tuple[int, ...]], payloads: list[memoryview]):
     rest = shapes[0][1:]
     lengths = [s[0] for s in shapes]
-    total = sum(lengths)
-    values = torch.empty((total, *rest), dtype=dtype)
-    row = prod(rest) * values.element_size()
-    out = byte_view(values)
-    pos = 0
-    for i, (length, p) in enumerate(zip(lengths, payloads)):
-        nb = length * row
-        if len(p) != nb:
-            raise StorageError(
-                f"field {name!r}, sample {i}: stored jagged component is {len(p)} bytes but its header "
-                f"says {nb}; the value is truncated or corrupt"
-            )
-        out[pos:pos + nb] = p
-        pos += nb
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+    row = prod(rest) * dtype.itemsize
+    sizes = list(map(len, payloads))
+    if sizes != [n * row for n in lengths]:
+        i = next(i for i, (n, size) in enumerate(zip(lengths, sizes)) if size != n * row)
+        raise StorageError(
+            f"field {name!r}, sample {i}: stored jagged component is {sizes[i]} bytes but its header "
+            f"says {lengths[i] * row}; the value is truncated or corrupt"
+        )
+    bounds = [0, *accumulate(lengths)]
+    values = torch.empty((bounds[-1], *rest), dtype=dtype)
+    if bounds[-1] and row:  # one native copy of every row (a slice assignment per row cost more)
+        n = len(payloads)
+        starts = np.fromiter(bounds, np.int64, n) * row
+        fastcopy.copy_table(byte_view(values), starts, payloads, np.arange(n), np.zeros(n, np.int64),
+                            np.fromiter(sizes, np.int64, n))  # fmt: skip
+    offsets = torch.tensor(bounds, dtype=torch.int64)
     # Without the bounds torch pads to_padded_tensor() to the total length, not the longest row.
     return jagged_tensor(values, offsets, min(lengths), max(lengths))
 

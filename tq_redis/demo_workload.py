@@ -2,9 +2,9 @@
 rule-based reward, group-normalised advantages, a GRPO update, and bounded CPU work that stands in
 for the cost of real models.
 
-Pure torch: no I/O, no tq-redis, no state but constants. ``tq-redis demo`` runs it one stage per
-process, streaming through tq-redis (:mod:`tq_redis.demo_stages`), and ``benchmarks/p5_pipeline.py``
-runs the same work on tq-redis and on the reference system, so the benchmark measures the demo's
+Pure torch (jagged fields built by :func:`tq_redis.jagged.jagged_from_rows`): no I/O, no client,
+no state but constants. ``tq-redis demo`` runs it one stage per process, streaming through
+tq-redis (:mod:`tq_redis.demo_stages`), and ``benchmarks/p5_pipeline.py`` runs the same work on tq-redis and on the reference system, so the benchmark measures the demo's
 pipeline without copying it. Every random draw comes from :func:`generator`, keyed by what it is
 for (seed, step, sample, purpose), so any process can reproduce any sample.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from tq_redis.jagged import jagged_from_rows
 
 __all__ = [
     "DIM",
@@ -56,7 +58,7 @@ def generator(*key: int) -> torch.Generator:
 
 def jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """Variable-length 1-D rows as one jagged nested tensor."""
-    return torch.nested.nested_tensor(list(rows), layout=torch.jagged)
+    return jagged_from_rows(rows)
 
 
 class Burn:

@@ -82,3 +82,25 @@ def test_rows_with_holes_are_stored_row_by_row_through_the_public_path():
     assert schema["kind"] == "jagged"
     back = codec.decode_field("h", stored, nested_output=True)
     assert [r.tolist() for r in back.unbind()] == [[0.0, 1.0], [6.0, 7.0, 8.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
+
+
+@pytest.mark.parametrize("lengths", [(3, 0, 5), (1,), (0, 0), (7, 2)])
+@pytest.mark.parametrize("width", [0, 3])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])
+def test_jagged_from_rows_builds_what_the_public_constructor_builds(lengths, width, dtype):
+    rows = list(_rows(*lengths, width=width, dtype=dtype).unbind())
+    built, public = jagged.jagged_from_rows(rows), torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    assert type(built) is type(public) and built.layout == torch.jagged and built.dtype == dtype
+    assert torch.equal(built.offsets(), public.offsets())
+    assert [r.tolist() for r in built.unbind()] == [r.tolist() for r in rows]
+    assert built.to_padded_tensor(0).shape == public.to_padded_tensor(0).shape  # the bounds are the rows' own
+    before = [r.clone() for r in rows]
+    jagged.parts_of(built).values.zero_()  # a copy: the caller's rows are untouched
+    assert all(torch.equal(r, b) for r, b in zip(rows, before))
+
+
+def test_jagged_from_rows_refuses_what_cannot_be_one_tensor():
+    with pytest.raises(ValueError, match="at least one row"):
+        jagged.jagged_from_rows([])
+    with pytest.raises(RuntimeError):
+        jagged.jagged_from_rows([torch.ones(2, 3), torch.ones(2, 4)])
