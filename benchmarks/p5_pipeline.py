@@ -432,7 +432,8 @@ def _warm_up(client: Any) -> None:
     this process, before the clock starts. A long training job pays these once, not per step."""
     wl.warm_up()
     partition = f"p5_warmup_{os.getpid()}"
-    td = TensorDict({"prompts": wl.jagged([torch.tensor([1, 2, 3]), torch.tensor([4, 5])]), "uid": torch.tensor([[0], [1]])}, batch_size=[2])
+    prompts = wl.jagged([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+    td = TensorDict({"prompts": prompts, "uid": torch.tensor([[0], [1]])}, batch_size=[2])
     client.put(td, partition_id=partition)
     meta = client.get_meta(["prompts", "uid"], 2, partition, mode="fetch", task_name="warmup")
     if meta.size:

@@ -366,6 +366,13 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         '"tq-redis vs reference" is how many times better tq-redis is: ours / reference for rates, '
         "reference / ours for latencies. What each measure does: "
         "[benchmarks/README.md](benchmarks/README.md).",
+        "",
+        "P5's two overhead rows run the same pipeline two ways. With *CPU compute* the stages' work "
+        "runs on the cores the six worker processes share with their clients, Redis, the storage "
+        "units and the OS: on 2 cores every CPU-second of the data plane is taken from the compute, "
+        "so the overhead is mostly CPU the data plane used. With *device compute* a batch holds its "
+        "worker for a known time per token while the host CPU stays free, as on GPU ranks: the "
+        "overhead is the data system's latency on the pipeline's critical path.",
     ]
     loads = [
         f"{m.split('_', 1)[0].upper()} {doc['loadavg_at_start'][0]:.1f}"

@@ -6,9 +6,13 @@
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
   Output:
-    {alive_bitmap, fields, older}  the alive bitmap as it was (the client deletes those samples'
-                                 bytes), the registered field names ({false, {}} if unknown), and
-                                 how many ids were in the trash before (an earlier delete's leftovers)
+    {alive_bitmap, fields, older, in_store}
+                                 the alive bitmap as it was, the registered field names ({false,
+                                 {}} if unknown), how many ids were in the trash before (an earlier
+                                 delete's leftovers), and 1 if the samples may have bytes in the
+                                 store (the client deletes those), 0 if every value the partition
+                                 ever held was inline (`inlineonly`, see insert.lua): the alive
+                                 samples then go nowhere, their values went with <p>:inline
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
@@ -26,10 +30,11 @@
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local older = redis.call('BITCOUNT', prefix .. 'trash')
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older} end
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1} end
   local alive = redis.call('GET', prefix .. 'alive')
   local fields = redis.call('HKEYS', prefix .. 'fields')
-  if alive and redis.call('BITCOUNT', prefix .. 'alive') > 0 then
+  local in_store = redis.call('HGET', KEYS[1], 'inlineonly') ~= '1'
+  if in_store and alive and redis.call('BITCOUNT', prefix .. 'alive') > 0 then
     redis.call('BITOP', 'OR', prefix .. 'trash', prefix .. 'trash', prefix .. 'alive')
     if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
   end
@@ -59,5 +64,5 @@ local function drop_partition(KEYS, ARGV)
   -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')
   redis.call('PEXPIRE', prefix .. 'events', 60000)
-  return {alive or false, fields, older}
+  return {alive or false, fields, older, in_store and 1 or 0}
 end

@@ -4,6 +4,8 @@
     first, then bits), and this script flips the bits;
   - small values inline (first_id ''): the ids are allocated here and the values stored in
     <p>:inline in the same atomic step as the bits, so a small put is one round trip.
+  A partition created by an inline put is marked `inlineonly` in its meta hash until a put
+  through `reserve` (values in the store) arrives: clearing it then needs no store round trip.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
@@ -41,7 +43,8 @@ local function insert(KEYS, ARGV)
   local names = {}
   for i = 1, #pairs_, 2 do names[#names + 1] = pairs_[i] end
   local first = tonumber(ARGV[1])
-  if not first then -- inline: ids from the same counter `reserve` uses, values next to the bits
+  local inline = not first
+  if inline then -- inline: ids from the same counter `reserve` uses, values next to the bits
     first = redis.call('INCRBY', prefix .. 'seq', count) - count
     local ids = {}
     for i = 1, count do ids[i] = first + i - 1 end
@@ -50,7 +53,12 @@ local function insert(KEYS, ARGV)
   register_schemas(prefix, pairs_)
   set_bit_range(prefix .. 'alive', first, count)
   for i = 1, #names do set_bit_range(prefix .. 'prod:' .. names[i], first, count) end
-  redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[3])
+  local created = redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[3]) == 1
+  if not inline then
+    redis.call('HDEL', KEYS[1], 'inlineonly')
+  elseif created then
+    redis.call('HSET', KEYS[1], 'inlineonly', 1)
+  end
   redis.call('HINCRBY', KEYS[1], 'samples', count)
   redis.call('HSET', prefix .. 'groups', first, count)
   emit(prefix, 'insert', 'first', first, 'count', count, 'fields', table.concat(names, ','))

@@ -3,7 +3,8 @@
   Data first, then bits: the client calls this only after every value is in its store.
 
   Small values may come inline (see includes/inline.lua): stored in <p>:inline in this same
-  atomic step. Values written to a store instead replace any inline value the samples had.
+  atomic step. Values written to a store instead replace any inline value the samples had, and
+  the partition is no longer `inlineonly` (see insert.lua).
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
@@ -54,6 +55,7 @@ local function produce(KEYS, ARGV)
     inline_put(prefix, ids, names, ARGV, values_at)
   else
     inline_drop(prefix, ids, names) -- the store holds the new values: no stale inline copy
+    redis.call('HDEL', KEYS[1], 'inlineonly')
   end
   for i = 1, #names do set_bits(prefix .. 'prod:' .. names[i], ids, 1) end
   emit(prefix, 'produced', 'count', #ids, 'fields', table.concat(names, ','))

@@ -4,8 +4,9 @@ for the cost of real models.
 
 Pure torch (jagged fields built by :func:`tq_redis.jagged.jagged_from_rows`): no I/O, no client,
 no state but constants. ``tq-redis demo`` runs it one stage per process, streaming through
-tq-redis (:mod:`tq_redis.demo_stages`), and ``benchmarks/p5_pipeline.py`` runs the same work on tq-redis and on the reference system, so the benchmark measures the demo's
-pipeline without copying it. Every random draw comes from :func:`generator`, keyed by what it is
+tq-redis (:mod:`tq_redis.demo_stages`), and ``benchmarks/p5_pipeline.py`` runs the same work on
+tq-redis and on the reference system, so the benchmark measures the demo's pipeline without
+copying it. Every random draw comes from :func:`generator`, keyed by what it is
 for (seed, step, sample, purpose), so any process can reproduce any sample.
 """
 

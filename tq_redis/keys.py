@@ -15,7 +15,7 @@ key                                type    holds
 ``ns:channels``                    SET     channel names (what ``Channel.create`` made)
 ``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
 ``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
-``ns:{p}:meta``                    HASH    partition info: created_ms, samples, sealed
+``ns:{p}:meta``                    HASH    partition info: created_ms, samples, sealed, inlineonly
                                            (and ``dock_cursor``: next free row of a GRPOTransferDock)
 ``ns:{p}:seq``                     STRING  next sample id (survives clears: ids never reused)
 ``ns:{p}:alive``                   BITMAP  bit i set while sample i exists

@@ -61,7 +61,7 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     if dropped.older:
         yield from empty_trash(store, pk)
         return
-    ids = dropped.alive_ids()
+    ids = dropped.alive_ids() if dropped.in_store else []  # inline values went with the partition
     if ids:
         yield from delete_bytes(store, pk, ids, dropped.fields)
 

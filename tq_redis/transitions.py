@@ -263,11 +263,13 @@ class Cleared(NamedTuple):
 
 
 class Dropped(NamedTuple):
-    """``lua/drop_partition.lua``: the alive bitmap as it was, the fields, the trash's earlier size."""
+    """``lua/drop_partition.lua``: the alive bitmap as it was, the fields, the trash's earlier
+    size, and whether the samples may have bytes in the store (False: every value was inline)."""
 
     alive: bytes | None
     fields: list[str]
     older: int
+    in_store: bool = True
 
     def alive_ids(self) -> list[int]:
         return bitmaps.set_ids(self.alive)
@@ -557,8 +559,8 @@ def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
 
 
 def _read_drop(reply: Sequence[Any]) -> Dropped:
-    alive, fields, older = reply
-    return Dropped(alive or None, [text(f) for f in fields], int(older))
+    alive, fields, older, in_store = reply
+    return Dropped(alive or None, [text(f) for f in fields], int(older), bool(int(in_store)))
 
 
 def drop_partition(pk: PartitionKeys) -> Transition[Dropped]:

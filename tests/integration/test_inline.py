@@ -178,3 +178,36 @@ def test_a_partition_claimed_before_small_values_arrived_still_reads_them(inline
     inline_client.put(TensorDict({"r": torch.ones(2, 1)}, batch_size=[2]), metadata=meta)
     claimed = inline_client.get_meta(["x", "r"], 2, "p", mode="force_fetch")
     assert torch.equal(inline_client.get_data(claimed)["r"], torch.ones(2, 1))
+
+
+def test_clearing_a_partition_that_only_ever_held_inline_values_skips_the_store(counted):
+    counted.put(_td(3), partition_id="p")
+    counted.put(_td(2), partition_id="p")
+    pk = PartitionKeys(counted.namespace, "p")
+    assert counted.redis.hget(pk.meta, "inlineonly") == b"1"
+    _, calls = _calls(counted, ops.clear_partition(counted.context, "p"))
+    assert calls == ["sadd+drop_partition+zrem"], calls  # no store delete, no trash to empty
+    assert not counted.redis.exists(pk.inline) and not counted.redis.exists(pk.trash)
+    assert counted.put(_td(1), partition_id="p").global_indexes == [5]  # ids are still never reused
+
+
+@pytest.mark.parametrize("order", ["inline first, then a store put", "store put first", "inline, then a store rewrite"])
+def test_a_partition_with_any_value_in_the_store_is_cleared_through_it(inline_client, order):
+    big = TensorDict({"x": torch.ones(2, 2048), "y": torch.ones(2, 2048)}, batch_size=[2])
+    pk = PartitionKeys(inline_client.namespace, "p")
+    if order == "store put first":
+        inline_client.put(big, partition_id="p")
+        inline_client.put(_td(2), partition_id="p")
+    else:
+        small = inline_client.put(_td(2), partition_id="p")
+        assert inline_client.redis.hget(pk.meta, "inlineonly") == b"1"
+        if order == "inline first, then a store put":
+            inline_client.put(big, partition_id="p")
+        else:
+            inline_client.put(big, metadata=small)
+    assert inline_client.redis.hget(pk.meta, "inlineonly") is None
+    assert _data_keys(inline_client, pk)
+    inline_client.clear_partition("p")
+    assert _data_keys(inline_client, pk) == []  # the store's bytes were deleted
+    assert not inline_client.redis.exists(pk.inline)
+    assert not inline_client.redis.bitcount(pk.trash)  # and taken out of the trash

@@ -379,10 +379,11 @@ def test_settle_reads_count_and_not_held():
 def test_clear_and_drop_read_ids_fields_and_leftovers():
     assert read("clear", [[3, 4], [b"a", b"b"], 0]) == Cleared([3, 4], ["a", "b"], 0)
     assert read("clear", [[], [], 5]) == Cleared([], [], 5)
-    dropped = read("drop_partition", [b"\x60", [b"a"], 2])
-    assert (dropped.alive_ids(), dropped.fields, dropped.older) == ([1, 2], ["a"], 2)
-    unknown = read("drop_partition", [None, [], 0])
-    assert (unknown.alive_ids(), unknown.fields, unknown.older) == ([], [], 0)
+    dropped = read("drop_partition", [b"\x60", [b"a"], 2, 1])
+    assert (dropped.alive_ids(), dropped.fields, dropped.older, dropped.in_store) == ([1, 2], ["a"], 2, True)
+    unknown = read("drop_partition", [None, [], 0, 1])
+    assert (unknown.alive_ids(), unknown.fields, unknown.older, unknown.in_store) == ([], [], 0, True)
+    assert read("drop_partition", [b"\x60", [b"a"], 0, 0]).in_store is False
 
 
 def test_counting_replies_read_as_numbers_and_flags():
