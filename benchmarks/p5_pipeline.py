@@ -36,14 +36,18 @@ worker is attached and warmed up to the trainer finishing the last step; system 
 excluded). Verified: every fed ``uid`` is trained exactly once, each response arrives with the
 length its ``uid`` determines, and the log-prob fields match the responses.
 
-Efficiency: the compute-bound wall time is the larger of :func:`compute_bound` and the
-compute-only schedule of :mod:`benchmarks.p5_schedule` (the run's batches replayed with their
-compute times only, under the pipeline's dependencies); the wall time above it is the overhead.
-Where the machine's CPU went over the run (``/proc/stat`` and the workers' ``process_time``) is
-reported with it.
+Compute modes (``--compute``, both by default, :mod:`benchmarks.p5_compute`): ``cpu``, the stages
+compute on the machine's cores as described above; ``device``, a batch holds its worker for a
+known device time per token while the host CPU stays free, as on GPU ranks.
 
-Run: ``python -m benchmarks.p5_pipeline [--systems ...] [--quick] [--steps 4 --batch 16 ...]``.
-(Slightly over 600 lines: one measure per file, runnable alone, as every ``benchmarks/p*.py``.)
+Efficiency: the compute-bound wall time is the larger of the plain bounds
+(:func:`benchmarks.p5_accounting.compute_bound`) and the compute-only schedule of
+:mod:`benchmarks.p5_schedule` (the run's batches replayed with their compute times only, under the
+pipeline's dependencies); the wall time above it is the overhead. Where the machine's CPU went
+over the run (``/proc/stat`` and the workers' ``process_time``) is reported with it.
+
+Run: ``python -m benchmarks.p5_pipeline [--systems ...] [--quick] [--compute cpu,device] ...``.
+(About 700 lines: one measure per file, runnable alone, as every ``benchmarks/p*.py``.)
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks.p5_accounting import compute_bound, compute_lanes, cpu_split, machine_cpu_seconds, print_cpu
 from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
 from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
@@ -498,49 +503,9 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
         cpu_after = machine_cpu_seconds()
         result = _summarize(name, cfg, reports, start_wall, attach_all_s)
-        result["cpu"] = _cpu_split(result, cpu_before, cpu_after, time.time() - start_wall)
-        _print_cpu(name, result["cpu"])
+        result["cpu"] = cpu_split(result, cpu_before, cpu_after, time.time() - start_wall)
+        print_cpu(name, result["cpu"])
         return result
-
-
-def machine_cpu_seconds() -> tuple[float, float] | None:
-    """``(busy, idle)`` CPU seconds of the whole machine so far (``/proc/stat``); None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / tick, idle / tick
-
-
-def _cpu_split(
-    result: dict[str, Any], before: tuple[float, float] | None, after: tuple[float, float] | None, elapsed: float
-) -> dict[str, Any]:
-    """Where the machine's CPU went while the pipeline ran: the stages' compute (in device mode,
-    only the CPU of their real work: the device time is not the host's), the rest of the workers'
-    CPU (clients, encoding, their own glue), everything else busy (Redis or the controller,
-    storage units, the OS) and idle. Machine figures span ``elapsed`` (to the last
-    report), a little more than the pipeline's wall time."""
-    stages = result["stages"].values()
-    compute = sum(s["compute_cpu_s"] for s in stages)
-    workers = sum(s["cpu_s"] for s in stages)
-    split: dict[str, Any] = {"compute_s": compute, "workers_other_s": workers - compute, "span_s": elapsed}
-    if before and after:
-        busy, idle = after[0] - before[0], after[1] - before[1]
-        split.update(machine_busy_s=busy, machine_idle_s=idle, servers_and_os_s=busy - workers)
-    return split
-
-
-def _print_cpu(name: str, cpu: dict[str, Any]) -> None:
-    line = (
-        f"[{name}] CPU over {cpu['span_s']:.2f} s: stage compute {cpu['compute_s']:.2f} s, "
-        f"workers' other CPU {cpu['workers_other_s']:.2f} s"
-    )
-    if "machine_busy_s" in cpu:
-        line += f", servers + OS {cpu['servers_and_os_s']:.2f} s, idle {cpu['machine_idle_s']:.2f} s"
-    print(line, flush=True)
 
 
 def _collect(shared: dict[str, Any], procs: list[Any], n_workers: int, timeout_s: float, name: str) -> list[dict]:
@@ -667,27 +632,6 @@ def _summarize(
     if errors:
         print(f"[{name}] {len(errors)} worker error(s): {errors[:3]}", flush=True)
     return result
-
-
-def compute_lanes(cfg: dict[str, Any]) -> int:
-    """How many batches can compute at once: the machine's cores when the compute runs on them
-    (``cpu``), one per worker when each has its own device (``device``)."""
-    if cfg["compute"] == "device":
-        return cfg["workers"] + 3  # rollout workers + reward, ref, trainer (the feeder computes nothing)
-    return os.cpu_count() or 1
-
-
-def compute_bound(stages: dict[str, dict[str, Any]], cores: int | None = None) -> float:
-    """The wall time the pipeline needs at least for its compute alone: the larger of the busiest
-    stage's compute spread over its workers (a stage cannot go faster than its workers) and all the
-    compute spread over the cores that run it (``min(cores, workers)``). Same work in both systems
-    (same seeds, same tokens), so the wall time above it is each system's overhead: waiting, data
-    movement, coordination."""
-    cores = cores or os.cpu_count() or 1
-    workers = sum(s["workers"] for s in stages.values())
-    total = sum(s["compute_s"] for s in stages.values())
-    per_stage = max((s["compute_s"] / s["workers"] for s in stages.values() if s["workers"]), default=0.0)
-    return max(per_stage, total / max(1, min(cores, workers)))
 
 
 def _measure_in(cfg: dict[str, Any], name: str) -> dict[str, Any]:

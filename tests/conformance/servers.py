@@ -172,13 +172,22 @@ class _Watchdog:
 
     def __init__(self, home: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, home], stdin=subprocess.PIPE, start_new_session=True
-        )
+            [sys.executable, "-c", _WATCHDOG, home], stdin=subprocess.PIPE, start_new_session=True,
+            env=_own_environment(),
+        )  # fmt: skip
 
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(10)
+
+
+def _own_environment() -> dict[str, str]:
+    """A copy of the environment for a child started from a background thread. Without ``env``,
+    ``subprocess`` hands the C library's ``environ`` to a vfork'ed child; a change to
+    ``os.environ`` in another thread meanwhile can free that array before ``exec`` reads it, and
+    the spawn fails with ``[Errno 14] Bad address`` (seen once in CI)."""
+    return dict(os.environ)
 
 
 def _dscli() -> str:
@@ -202,7 +211,7 @@ def start_yuanrong() -> Servers:
          "--worker_address", address, "--metastore_address", f"{HOST}:{metastore}",
          "--start_metastore_service", "true", "--shared_memory_size_mb", str(YUANRONG_SHM_MB),
          "--arena_per_tenant", "1", "--enable_worker_worker_batch_get", "true", "--minloglevel", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=90, env=_own_environment(),
     )  # fmt: skip
     if out.returncode != 0 or "[  OK  ]" not in out.stdout:
         servers.stop()
@@ -212,7 +221,7 @@ def start_yuanrong() -> Servers:
     def stop_worker() -> None:
         done = subprocess.run(
             [_dscli(), "stop", "--worker_address", address],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=_own_environment(),
         )  # fmt: skip
         if done.returncode != 0 or (pid is not None and os.path.exists(f"/proc/{pid}")):
             raise RuntimeError(f"dscli stop did not stop the worker at {address} (pid {pid}):\n{done.stdout[-2000:]}")

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
+from benchmarks.p5_accounting import compute_lanes
 from benchmarks.p5_compute import Compute
-from benchmarks.p5_pipeline import compute_lanes
 from tq_redis import demo_workload as wl
 
 
