@@ -193,9 +193,10 @@ def _decode_one(name: str, i: int, mv: memoryview, h: Header, allow_pickle: bool
         raise type(e)(f"field {name!r}, sample {i}: {e}") from None
 
 
-def _jagged_from_parts(name: str, dtype: torch.dtype, shapes: list[tuple[int, ...]], payloads: list[memoryview]):
-    rest = shapes[0][1:]
-    lengths = [s[0] for s in shapes]
+def _jagged_from_parts(
+    name: str, dtype: torch.dtype, lengths: list[int], rest: tuple[int, ...], payloads: list[memoryview]
+) -> torch.Tensor:
+    """The jagged tensor of rows ``lengths[i] x rest`` whose bytes are ``payloads[i]``."""
     row = prod(rest) * dtype.itemsize
     sizes = list(map(len, payloads))
     if sizes != [n * row for n in lengths]:
@@ -363,7 +364,7 @@ def decode_field(
         dtype = dtype_from_code(h0.code, name)
         lengths = row_lengths(mvs, K_JAGGED, h0.code, dtype.itemsize)
         if lengths is not None:  # one 1-D row per sample, the usual jagged field: no header objects
-            return _jagged_from_parts(name, dtype, [(n,) for n in lengths], [mv[ROW_HEADER_SIZE:] for mv in mvs])
+            return _jagged_from_parts(name, dtype, lengths, (), [mv[ROW_HEADER_SIZE:] for mv in mvs])
     headers = [h0] + [parse_header(mv, name, i) for i, mv in enumerate(mvs[1:], 1)]
     kinds = {h.kind for h in headers}
     if kinds == {K_JAGGED} and len({h.code for h in headers}) == 1 \
@@ -371,7 +372,8 @@ def decode_field(
         return _jagged_from_parts(
             name,
             dtype_from_code(h0.code, name),
-            [h.shape for h in headers],
+            [h.shape[0] for h in headers],
+            tuple(h0.shape[1:]),
             [mv[h.offset:] for mv, h in zip(mvs, headers)],
         )
     if kinds == {K_NDARRAY} and {(h.extra, h.shape) for h in headers} == {(b"|O", h0.shape)}:

@@ -94,3 +94,14 @@ def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     lengths = [len(r) for r in rows]
     offsets = torch.tensor([0, *accumulate(lengths)], dtype=torch.int64, device=rows[0].device)
     return jagged_tensor(torch.cat(list(rows)), offsets, min(lengths), max(lengths))
+
+
+def row_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of jagged tensor ``t`` as views of its values, cut at its offsets; ``unbind()``
+    (the fallback for rows with holes or another ragged dimension) goes through torch's
+    dispatcher, ~0.2 ms for a few small rows."""
+    parts = parts_of(t)
+    if parts.lengths is not None or parts.ragged_idx != 1:
+        return list(t.unbind())
+    bounds = parts.offsets.tolist()
+    return [parts.values[a:b] for a, b in zip(bounds, bounds[1:])]

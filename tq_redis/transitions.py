@@ -269,7 +269,7 @@ class Dropped(NamedTuple):
     alive: bytes | None
     fields: list[str]
     older: int
-    in_store: bool = True
+    in_store: bool
 
     def alive_ids(self) -> list[int]:
         return bitmaps.set_ids(self.alive)

@@ -104,3 +104,16 @@ def test_jagged_from_rows_refuses_what_cannot_be_one_tensor():
         jagged.jagged_from_rows([])
     with pytest.raises(RuntimeError):
         jagged.jagged_from_rows([torch.ones(2, 3), torch.ones(2, 4)])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_row_views_are_the_rows_unbind_gives(name):
+    t = CASES[name]
+    assert [r.tolist() for r in jagged.row_views(t)] == [r.tolist() for r in t.unbind()]
+
+
+def test_row_views_of_rows_with_holes_fall_back_to_unbind():
+    t = torch.nested.nested_tensor_from_jagged(
+        torch.arange(10.0), torch.tensor([0, 4, 7, 10]), lengths=torch.tensor([2, 1, 3])
+    )
+    assert [r.tolist() for r in jagged.row_views(t)] == [[0.0, 1.0], [4.0], [7.0, 8.0, 9.0]]
