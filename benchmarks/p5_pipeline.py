@@ -2,7 +2,9 @@
 
 One pipeline implementation, written against the API subset both systems share
 (``put(td, partition_id=...)``, ``put(td, metadata=meta)``, ``get_meta(fields, batch_size,
-partition_id, mode="fetch", task_name=...)``, ``get_data(meta)``, ``clear_partition``), runs
+partition_id, mode="fetch", task_name=...)``, ``get_data(meta)``, ``clear_partition``) except
+for one call: a stage claims a batch and reads it with tq-redis's ``get_meta_and_data`` (one
+round trip when the values are inline) and with the reference's ``get_meta`` + ``get_data``. It runs
 as independent worker processes that attach to the running system
 (:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo.py``), and doing
 the demo's work: the model, rewards, GRPO update and simulated costs are
@@ -207,13 +209,16 @@ class _Stage:
         if self.sh["stop"].is_set() or time.monotonic() > self.deadline:
             raise _Stopped
 
-    def claim(self, fields: list[str], batch_size: int, step: int, task: str) -> Any | None:
-        """One ``get_meta`` fetch for ``task``; ``None`` when nothing was ready (after waiting)."""
+    def fetch(self, fields: list[str], batch_size: int, step: int, task: str) -> tuple[Any, Any, float] | None:
+        """One claim of ``task``'s rows and their data: ``(meta, data, t0)``, ``t0`` taken when
+        the claim returned; ``None`` when nothing was ready (after waiting). tq-redis claims and
+        reads in one call (``get_meta_and_data``), the reference with ``get_meta`` then ``get_data``."""
         self.check()
         t0 = time.perf_counter()
+        data = None
         if self.system == "tq_redis":
-            meta = self.client.get_meta(
-                fields, batch_size, _partition(step), mode="fetch", task_name=task, timeout=self.cfg["wait_s"]
+            meta, data = self.client.get_meta_and_data(
+                fields, batch_size, _partition(step), task_name=task, timeout=self.cfg["wait_s"]
             )
         else:
             meta = self.client.get_meta(fields, batch_size, _partition(step), mode="fetch", task_name=task)
@@ -224,22 +229,24 @@ class _Stage:
                 time.sleep(self.cfg["poll_interval"])
             self.claim_s += time.perf_counter() - t0
             return None
-        self.claim_s += time.perf_counter() - t0
-        return meta
+        claimed = time.perf_counter()
+        self.claim_s += claimed - t0
+        if data is None:
+            data = self.client.get_data(meta)
+        return meta, data, claimed
 
     def step_batches(
         self, fields: list[str], batch_size: int, step: int, task: str
     ) -> Iterator[tuple[Any, Any, float]]:
         """Claim ``task``'s micro-batches of ``step`` until this worker has had all of the step's
-        samples; yields ``(meta, data, t0)``, ``t0`` taken when the claim returned."""
+        samples; yields ``(meta, data, t0)`` as :meth:`fetch` returns them."""
         got = 0
         while got < self.cfg["samples_per_step"]:
-            meta = self.claim(fields, batch_size, step, task)
-            if meta is None:
+            fetched = self.fetch(fields, batch_size, step, task)
+            if fetched is None:
                 continue
-            got += meta.size
-            t0 = time.perf_counter()
-            yield meta, self.client.get_data(meta), t0
+            got += fetched[0].size
+            yield fetched
 
     def store(self, meta: Any, t0: float, tokens: int, **outputs: Any) -> None:
         """Put ``outputs`` (one row per sample of ``meta``) and count the micro-batch as done."""
@@ -322,14 +329,13 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
     rolled = sh["rolled"]
     for step in range(cfg["steps"]):
         while _take_share(rolled, step, total, cfg["stage_batch"]):
-            meta = None
-            while meta is None:
-                meta = st.claim(["prompts", "uid"], cfg["stage_batch"], step, "rollout")
+            fetched = None
+            while fetched is None:
+                fetched = st.fetch(["prompts", "uid"], cfg["stage_batch"], step, "rollout")
+            meta, data, t0 = fetched
             if meta.size < cfg["stage_batch"]:  # fewer rows than the share: give the rest back
                 with rolled.get_lock():
                     rolled[step] -= cfg["stage_batch"] - meta.size
-            t0 = time.perf_counter()
-            data = st.client.get_data(meta)
             uids = _flat(data["uid"]).tolist()
             lengths = [cfg["lengths"][uid] for uid in uids]
             responses, logps = [], []
@@ -441,6 +447,8 @@ def _warm_up(client: Any) -> None:
     meta = client.get_meta(["prompts", "uid"], 2, partition, mode="fetch", task_name="warmup")
     if meta.size:
         client.get_data(meta)
+    if hasattr(client, "get_meta_and_data"):  # tq-redis: the call its stages claim with
+        client.get_meta_and_data(["prompts", "uid"], 2, partition, task_name="warmup_combined")
     client.clear_partition(partition)
 
 

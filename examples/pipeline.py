@@ -5,6 +5,7 @@ starts three worker processes that know nothing but the Redis URL and the namesp
 
 * rollout: puts prompts and variable-length responses into partition ``step_<k>``;
 * reward:  claims responses as task ``reward`` and writes a ``reward`` field back (a rewrite);
+  it claims and reads in one call (``get_meta_and_data``: small values come with the claim);
 * trainer: claims (responses, reward) as task ``train``, checks every byte, then clears the step.
 
 Run: ``python examples/pipeline.py [--steps 3] [--batch 64] [--store dram|redis]``
@@ -45,10 +46,11 @@ def reward(url: str, ns: str, steps: int, batch: int) -> None:
     for step in range(steps):
         done = 0
         while done < batch:
-            meta = client.get_meta(["prompt_id", "responses"], 8, f"step_{step}", task_name="reward", timeout=30)
+            meta, data = client.get_meta_and_data(
+                ["prompt_id", "responses"], 8, f"step_{step}", task_name="reward", timeout=30
+            )
             if meta.size == 0:
                 raise RuntimeError(f"reward worker starved on step {step}")
-            data = client.get_data(meta)
             scores = torch.stack([r.float().mean() for r in data["responses"].unbind()])
             client.put(TensorDict({"reward": scores}, batch_size=[meta.size]), metadata=meta)
             done += meta.size

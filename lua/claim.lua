@@ -34,12 +34,14 @@
                min_version  only samples with policy_version >= it        default none
                drop_stale   1 = put samples below min_version aside       default 0
                dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
+               _values      1 = also return the batch's inline values (get_batch)
     then     nfields, then nfields required field names
     then     optional: waiter id, wait_ms  the caller's waiter id; when nothing is handed out and
                                  wait_ms > 0 it is registered as waiting that long (see `wait`),
                                  otherwise it is removed from the task's waiters
   Output:
-    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered[, inline]}
+    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered, inline, values}
+                                 (inline and values only with ids; values only with _values)
       last_event_id              what to pass to `wait` when ids is empty ('' otherwise)
     A claim that hands out samples wakes one more waiting consumer of the task, if any (the
     baton: one wake per event, then one per successful claim, never every waiter at once).
@@ -52,6 +54,10 @@
       registered                 1 when the waiter was registered (BLPOP <prefix>wake:<task> next)
       inline                     (with ids) 1 when the partition keeps values inline, so get_data
                                  reads them with read_inline first
+      values                     (with ids and _values) the batch's values kept inline, read in the
+                                 same atomic step as the claim: field-major over ids in the
+                                 order of ids, false where a value lives in a store; empty when
+                                 the partition keeps nothing inline
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
@@ -61,6 +67,7 @@
 -- @include balance
 -- @include chunks
 -- @include events
+-- @include inline
 -- @include leases
 -- @include prefix
 -- @include ready
@@ -111,8 +118,10 @@ local function claim(KEYS, ARGV)
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
     pass_baton(prefix, task) -- there may be more for the other waiters
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
-    return {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
-            deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}
+    local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
+                 deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}
+    if opts._values == '1' then out[9] = inline_get(prefix, ids, fields) end
+    return out
   end
   local function known_deliveries(ids)
     if lease_ms <= 0 or #ids == 0 then return {} end

@@ -111,6 +111,11 @@ class AsyncTransferQueueClient:
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
         return await self.arun(ops.get_data(self._ctx, metadata))
 
+    async_get_meta_and_data = awaiting(
+        ops.get_meta_and_data, doc="See :meth:`tq_redis.TransferQueueClient.get_meta_and_data`.",
+        returns="tuple[BatchMeta, TensorDict]", keyword_only="task_name",
+    )
+
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
         await self.arun(ops.set_custom_meta(self._ctx, metadata))
 

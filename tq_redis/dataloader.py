@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tq_redis import streaming
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.metadata import BatchMeta
+from tq_redis.ops_batch import read_claimed
 from tq_redis.sync import TransferQueueClient
 
 Batch = tuple[TensorDict, BatchMeta]
@@ -229,14 +230,16 @@ class StreamingDataset(IterableDataset):
     def _fetch(self) -> Batch | None:
         client = self.client
         if self.fetch_batch_fn is None:
+            values: dict[str, list] = {}  # the batch's inline values, which come with its claim
             meta = client.run(
                 streaming.next_batch(
                     client.context, self.data_fields, self.batch_size, self.partition_id, self.task_name,
                     self._sampling_config(), drop_last=self.drop_last,
                     end_when_consumed=self.should_check_consumption_status, timeout=self.timeout,
+                    values=values,
                 )
             )
-            return None if meta is None else (client.get_data(meta), meta)
+            return None if meta is None else (client.run(read_claimed(client.context, meta, values)), meta)
         return self._fetch_custom(client)
 
     def _fetch_custom(self, client: TransferQueueClient) -> Batch | None:

@@ -113,17 +113,21 @@ class MicroBatch:
     The span runs from the claim returning to :meth:`finish`.
     """
 
-    def __init__(self, client: Any, rep: Reporter, step: int, meta: Any) -> None:
+    def __init__(self, client: Any, rep: Reporter, step: int, meta: Any, values: dict[str, list] | None = None) -> None:
         self.client = client
         self.rep = rep
         self.step = step
         self.meta = meta
+        self.values = values or {}  # the inline values that came with the claim
         self.start, self.cpu0 = time.time(), time.process_time()
         self.bytes_in = 0
 
     def read(self) -> TensorDict:
-        """The claimed fields of every sample (``get_data``)."""
-        data = self.client.get_data(self.meta)
+        """The claimed fields of every sample: from the values that came with the claim, and the
+        store for the rest (:func:`tq_redis.ops_batch.read_claimed`; ``get_data`` without them)."""
+        from tq_redis.ops_batch import read_claimed
+
+        data = self.client.run(read_claimed(self.client.context, self.meta, self.values))
         self.bytes_in += nbytes(data)
         return data
 
@@ -163,7 +167,10 @@ def micro_batches(
         if sh.trained.value > step:
             return
         want = batch_size if expected is None else min(batch_size, expected - got)
-        op = streaming.next_batch(client.context, list(fields), want, part, task, sampling, timeout=WAIT_SLICE_S)
+        values: dict[str, list] = {}
+        op = streaming.next_batch(
+            client.context, list(fields), want, part, task, sampling, timeout=WAIT_SLICE_S, values=values
+        )
         try:
             meta = client.run(op)
         except TimeoutError:
@@ -171,7 +178,7 @@ def micro_batches(
         if meta is None:
             return
         got += meta.size
-        yield MicroBatch(client, rep, step, meta)
+        yield MicroBatch(client, rep, step, meta, values)
 
 
 def _maybe_fail(cfg: DemoConfig, stage: str) -> None:

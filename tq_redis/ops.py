@@ -15,18 +15,20 @@ This module is where to import them from; each part lives in a module of its own
 * :mod:`tq_redis.ops_claim` — :func:`get_meta` (claims with built-in or user samplers, and waiting),
   :func:`claim_choice` (the one ready-set-then-claim loop), :func:`settle` and
   :func:`reset_consumption`;
+* :mod:`tq_redis.ops_batch` — :func:`get_meta_and_data`: a claim that returns its inline values;
 * :mod:`tq_redis.ops_clear` — :func:`clear_samples`, :func:`clear_partition` and the trash
   (:func:`delete_bytes`, :func:`empty_trash`, :func:`discard_bytes`);
 * :mod:`tq_redis.ops_status` — :func:`production_status`, :func:`consumption_status`,
   :func:`get_partition_list`.
 
 Those modules import from :mod:`tq_redis.ops_context` and from each other in one direction
-(``ops_context`` <- ``ops_clear`` <- ``ops_data`` <- ``ops_claim``, ``ops_status`` <- ``ops_claim``);
+(``ops_context`` <- ``ops_clear`` <- ``ops_data`` <- ``ops_claim`` <- ``ops_batch``, ``ops_status`` <- ``ops_claim``);
 none imports this module.
 """
 
 from __future__ import annotations
 
+from tq_redis.ops_batch import get_meta_and_data
 from tq_redis.ops_claim import (
     MODES,
     USER_SAMPLER_ATTEMPTS,
@@ -60,6 +62,7 @@ __all__ = [
     "empty_trash",
     "get_data",
     "get_meta",
+    "get_meta_and_data",
     "get_partition_list",
     "production_status",
     "put",

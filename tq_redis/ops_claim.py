@@ -75,6 +75,25 @@ def get_meta(
     batch_size = arguments.count(batch_size, "batch_size")
     if mode == "insert":
         return (yield from allocate(ctx, pk, fields, batch_size))
+    return (yield from fetch(ctx, fields, batch_size, pk, task_name, sampling_config, timeout, lease_s, max_deliveries))
+
+
+def fetch(
+    ctx: Context,
+    fields: list[str],
+    batch_size: int,
+    pk: PartitionKeys,
+    task_name: str | None,
+    sampling_config: dict[str, Any] | None = None,
+    timeout: float = 0.0,
+    lease_s: float | None = None,
+    max_deliveries: int | None = None,
+    values: dict[str, list[bytes | None]] | None = None,
+) -> Op:
+    """``get_meta(mode="fetch")`` of checked ``fields`` and ``batch_size``. ``values``: a dict
+    that receives the claimed batch's inline values (field -> value per sample, None where a
+    value lives in a store), read in the claim's own atomic step; a claim by a user sampler
+    leaves it empty."""
     if task_name is None:
         raise InvalidArgument("get_meta(mode='fetch') needs task_name= (the consumer whose progress is tracked)")
     check_name("task_name", task_name)
@@ -97,7 +116,7 @@ def get_meta(
     sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
-        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions)
+        attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions, values)
     else:
         attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
     # Waiting is for a wake token, not for any event: each event wakes one waiting consumer of
@@ -146,18 +165,22 @@ def _default_sampler(ctx: Context) -> Op:
 
 def _builtin_claim(
     pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str],
-    inline_hints: dict[str, bool],
+    inline_hints: dict[str, bool], values: dict[str, list[bytes | None]] | None = None,
 ):  # fmt: skip
     """One claim with a built-in sampler: an attempt ``(waiter, wait_ms)`` yielding ``(meta|None,
     last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself.
-    A claim also says whether the partition keeps values inline (``inline_hints``, for get_data)."""
+    A claim also says whether the partition keeps values inline (``inline_hints``, for get_data);
+    with ``values`` it also returns the batch's inline values, which go there."""
 
     def attempt(waiter: str | None, wait_ms: int) -> Op:
         got = yield from transitions.claim(
-            pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms
+            pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms,
+            with_values=values is not None,
         ).call()
         if got.inline is not None:
             inline_hints[pk.partition] = got.inline
+        if values is not None and got.values is not None:
+            values.update(got.values)
         meta = _claimed_meta(pk.partition, got) if got.ids else None
         return meta, got.last_event_id, got.next_deadline_ms, got.registered
 

@@ -328,6 +328,11 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
             column = per_field[name]
             for pos, value in zip(positions, got[name]):
                 column[pos] = value
+    return decode_batch(ctx, fields, per_field, n)
+
+
+def decode_batch(ctx: Context, fields: list[str], per_field: dict[str, list], n: int) -> TensorDict:
+    """The TensorDict of ``fields`` of ``n`` samples from their stored values (field -> value per sample)."""
     out = {}
     for name in fields:
         out[name] = codec.decode_field(
@@ -358,7 +363,13 @@ def _read_inline_first(
     _raise_invisible(pk, read.visibility)
     ctx.inline_partitions[pk.partition] = bool(read.values)
     got = {f: [read.values.get(f, {}).get(i) for i in ids] for f in fields}
-    lacking = {f: [i for i, v in zip(ids, got[f]) if v is None] for f in fields}
+    return (yield from fill_from_store(store, pk, ids, got))
+
+
+def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], got: dict[str, list]) -> Op:
+    """``got`` (field -> value per id of ``ids``, None where not read yet) with its Nones read
+    from the store, each read checked against the bits afterwards (bytes before bits)."""
+    lacking = {f: [i for i, v in zip(ids, column) if v is None] for f, column in got.items()}
     lacking = {f: missing for f, missing in lacking.items() if missing}
     if not lacking:
         return got

@@ -17,6 +17,8 @@ from tq_redis import arguments, ops, transitions
 from tq_redis.driver import Cmd, Wait
 from tq_redis.keys import check_name, partitions_key
 from tq_redis.metadata import BatchMeta
+from tq_redis.ops_claim import fetch
+from tq_redis.ops_context import check_fields
 from tq_redis.transitions import Progress
 
 Op = ops.Op
@@ -58,8 +60,11 @@ def next_batch(
     drop_last: bool = False,
     end_when_consumed: bool = False,
     timeout: float | None = None,
+    values: dict[str, list[bytes | None]] | None = None,
 ) -> Op:
     """Claim ``task_name``'s next batch of ``partition_id``, waiting for data as long as needed.
+    ``values``: a dict that receives the batch's inline values with the claim (see
+    :func:`tq_redis.ops_batch.read_claimed`, which reads the batch from them).
 
     Returns ``None`` when the stream has ended: the partition is sealed and the task consumed
     every sample, or (``end_when_consumed``) every sample present is consumed, or what is left
@@ -76,14 +81,14 @@ def next_batch(
         # Progress first: any change after it emits an event after last_event_id, so the wait
         # below cannot miss what the claim did not see.
         state = yield from progress(ctx, partition_id, task_name, fields)
-        meta = yield from _claim(ctx, fields, batch_size, partition_id, task_name, sampling_config)
+        meta = yield from _claim(ctx, fields, batch_size, partition_id, task_name, sampling_config, values)
         if meta.size:
             return meta
         if state.drained or (end_when_consumed and state.alive and state.pending == 0):
             return None
         if state.settled:
             if not drop_last and 0 < state.ready < batch_size:
-                meta = yield from _claim(ctx, fields, state.ready, partition_id, task_name, sampling_config)
+                meta = yield from _claim(ctx, fields, state.ready, partition_id, task_name, sampling_config, values)
                 if meta.size:
                     return meta
             if previous == state:
@@ -107,8 +112,11 @@ def _claim(
     partition_id: str,
     task_name: str,
     sampling_config: dict[str, Any] | None,
+    values: dict[str, list[bytes | None]] | None = None,
 ) -> Op:
-    meta: BatchMeta = yield from ops.get_meta(
-        ctx, fields, batch_size, partition_id, "fetch", task_name, sampling_config, 0.0, None
+    fields = check_fields(fields)
+    batch_size = arguments.count(batch_size, "batch_size")
+    meta: BatchMeta = yield from fetch(
+        ctx, fields, batch_size, ctx.keys(partition_id), task_name, sampling_config, values=values
     )
     return meta

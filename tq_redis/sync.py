@@ -75,6 +75,15 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""
         return self.run(ops.get_data(self._ctx, metadata))
 
+    get_meta_and_data = blocking(
+        ops.get_meta_and_data, returns="tuple[BatchMeta, TensorDict]", keyword_only="task_name", doc="""
+        Claim a batch and read it: ``get_meta(mode="fetch")`` with these arguments, then
+        ``get_data`` of what it claimed, returned as ``(meta, data)``. Values kept inline (at most
+        ``storage.inline_max_bytes`` each) come back with the claim itself, so a batch of small
+        samples costs one round trip instead of two. An empty claim returns an empty
+        ``BatchMeta`` and an empty TensorDict.
+        """)
+
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store ``metadata.custom_meta`` as per-sample tags (e.g. ``total_lengths``)."""
         self.run(ops.set_custom_meta(self._ctx, metadata))

@@ -40,7 +40,14 @@ import torch
 
 from tq_redis import bitmaps
 from tq_redis.driver import Cmd, FCall, Pipe
-from tq_redis.errors import InvalidArgument, PartitionSealed, SampleNotFound, UnknownPartition, UnsupportedValue
+from tq_redis.errors import (
+    InvalidArgument,
+    LibraryNotLoaded,
+    PartitionSealed,
+    SampleNotFound,
+    UnknownPartition,
+    UnsupportedValue,
+)
 from tq_redis.keys import ChannelKeys, PartitionKeys, check_name
 from tq_redis.schemas import check_compatible
 
@@ -217,6 +224,7 @@ class ClaimReply(NamedTuple):
     next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
     registered: bool  # the waiter was registered: BLPOP the task's wake list next
     inline: bool | None = None  # with ids: whether the partition keeps values inline (None: not said)
+    values: dict[str, list[bytes | None]] | None = None  # with_values: field -> inline value per id (None: in a store)
 
 
 class ClaimIdsReply(NamedTuple):
@@ -464,25 +472,47 @@ def _claim_reply(
     )  # fmt: skip
 
 
-def _read_claim(reply: Sequence[Any]) -> ClaimReply:
+def _read_claim(reply: Sequence[Any], fields: Sequence[str] = ()) -> ClaimReply:
     last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
     inline = bool(int(rest[1])) if len(rest) > 1 else None
-    return _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])), inline)
+    got = _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])), inline)
+    if len(rest) > 2 and got.ids:
+        got = got._replace(values=_claimed_values(rest[2], len(got.ids), fields))
+    return got
+
+
+def _claimed_values(flat: Sequence[Any], n: int, fields: Sequence[str]) -> dict[str, list[bytes | None]]:
+    """The claim's inline values (field-major over its ``n`` ids) per field; all None when the
+    partition keeps nothing inline (the script then sends none)."""
+    if not flat:
+        return {f: [None] * n for f in fields}
+    if len(flat) != n * len(fields):
+        raise LibraryNotLoaded(
+            f"the claim script returned {len(flat)} inline values for {n} ids x {len(fields)} fields: the "
+            f"server runs another tq-redis library than this client's; run `tq-redis load-library --redis URL`"
+        )
+    return {f: [v if v else None for v in flat[k * n:(k + 1) * n]] for k, f in enumerate(fields)}
 
 
 def claim(
     pk: PartitionKeys, task: str, plan: SamplerPlan, fields: Sequence[str], *, lease_ms: int = 0,
     max_deliveries: int = 0, waiter: str | None = None, wait_ms: int = 0, now_ms: int | None = None,
+    with_values: bool = False,
 ) -> Transition[ClaimReply]:  # fmt: skip
     """``lua/claim.lua``: a batch chosen by the built-in sampler ``plan`` from the samples with
     every one of ``fields`` that ``task`` has not consumed. With ``waiter``, a claim that hands
-    out nothing registers it as waiting ``wait_ms`` (else removes it from the task's waiters)."""
+    out nothing registers it as waiting ``wait_ms`` (else removes it from the task's waiters).
+    ``with_values``: the reply also holds the batch's inline values of ``fields``
+    (:attr:`ClaimReply.values`), read in the same atomic step."""
     waiting = (waiter, wait_ms) if waiter else ()
+    kind, nopts, *options = plan.args()
+    if with_values:
+        nopts, options = nopts + 1, [*options, "_values", "1"]
     args = (
-        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, *plan.args(),
+        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, kind, nopts, *options,
         len(fields), *fields, *waiting,
     )  # fmt: skip
-    return Transition(FCall("claim", (pk.meta,), args), _read_claim)
+    return Transition(FCall("claim", (pk.meta,), args), partial(_read_claim, fields=list(fields)))
 
 
 def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:

@@ -737,6 +737,10 @@ def test_jagged_tensor_is_what_torchs_public_constructor_builds(lengths):
     assert [a.tolist() for a in ours.unbind()] == [b.tolist() for b in theirs.unbind()]
     assert torch.equal(ours.to_padded_tensor(-1.0), theirs.to_padded_tensor(-1.0))
     assert ours.offsets().tolist() == theirs.offsets().tolist()
+    # the row-length bounds, and their sizes marked dynamic for torch.compile as the class marks them
+    assert (ours._min_seqlen, ours._max_seqlen) == (theirs._min_seqlen, theirs._max_seqlen)
+    for key in ("min_seqlen", "max_seqlen"):
+        assert ours._metadata_cache[key]._dynamo_dynamic_indices == theirs._metadata_cache[key]._dynamo_dynamic_indices
 
 
 def test_assemble_skips_the_checks_only_for_tensor_columns(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.p5_accounting import compute_lanes
-from benchmarks.p5_compute import Compute
+from benchmarks.p5_compute import SPIN_TAIL_S, Compute, _wait_until
 from tq_redis import demo_workload as wl
 
 
@@ -28,6 +28,16 @@ def test_a_device_batch_holds_its_worker_for_the_known_time_and_logs_it():
     assert log == [pytest.approx(0.02)]
     assert waited >= 0.02
     assert compute.late_s == pytest.approx(waited - 0.02, abs=2e-3)  # the wake-up came that much later
+
+
+def test_the_wait_sleeps_then_spins_its_tail_and_never_ends_early():
+    deadline = time.perf_counter() + 0.01
+    cpu0 = time.thread_time()
+    _wait_until(deadline)
+    ended, spun = time.perf_counter(), time.thread_time() - cpu0
+    assert ended >= deadline
+    assert spun < 0.01 - SPIN_TAIL_S / 2  # most of it slept: a busy wait would have used ~10 ms of CPU
+    _wait_until(time.perf_counter() - 1)  # a deadline already past returns at once
 
 
 def test_real_work_longer_than_the_device_time_is_what_the_batch_took():
