@@ -116,7 +116,7 @@ local function claim(KEYS, ARGV)
   local function reply(ids, deliveries)
     if #ids == 0 then return nothing(read_schemas(prefix, fields), deadline()) end
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
-    pass_baton(prefix, task) -- there may be more for the other waiters
+    pass_baton(prefix, task, function() return any_unconsumed(prefix, task) end) -- more for the other waiters?
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
     local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
                  deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}

@@ -9,6 +9,7 @@
 
   Offers:
     ready_scanner(prefix, task, fields, on_fill)  a stream of ready ids: next / unread / take
+    any_unconsumed(prefix, task)                  whether some alive sample is not consumed by the task
     compute_ready(prefix, task, fields)           scratch key holding the ready bitmap, or nil
     byte_and(a, b), BYTE_BIT, SCAN_MIN_BYTES, SCAN_MAX_BYTES   their parts
   Touches:
@@ -196,4 +197,10 @@ local function ready_scanner(prefix, task, fields, on_fill)
     return count
   end
   return scanner
+end
+
+-- Whether some alive sample is not consumed by `task`, whatever its fields: what a waiter of the
+-- task could still claim once its fields are produced (a few BITPOS calls).
+local function any_unconsumed(prefix, task)
+  return ready_scanner(prefix, task, {}).next(1) ~= nil
 end

@@ -9,7 +9,7 @@
     wake_one(prefix, task, now_ms)            push a wake token for one waiter of the task
     register_waiter(prefix, task, waiter, timeout_ms)
     wake_waiters(prefix)                      something changed: wake one waiter per task
-    pass_baton(prefix, task)                  after a claim that handed samples out
+    pass_baton(prefix, task, any_left)        after a claim that handed samples out
     pass_unused(prefix, task, any_ready)      after a claim that found too few samples
   Touches:
     <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
@@ -71,9 +71,14 @@ local function wake_waiters(prefix)
   end
 end
 
--- After a claim that handed samples out: wake one more waiter of the task, if it has any.
-local function pass_baton(prefix, task)
-  if redis.call('SISMEMBER', prefix .. 'waittasks', task) == 1 then wake_one(prefix, task, server_ms()) end
+-- After a claim that handed samples out: wake one more waiter of the task, if it has any and
+-- `any_left()` says the task has samples left that a waiter might take. When the claim took the
+-- last of them, the next event wakes a waiter instead; a baton now would only make one claim in
+-- vain and wait again (per sample, in a stream of single-sample puts).
+local function pass_baton(prefix, task, any_left)
+  if redis.call('SISMEMBER', prefix .. 'waittasks', task) == 1 and any_left() then
+    wake_one(prefix, task, server_ms())
+  end
 end
 
 -- After a claim that found too few samples: if some are ready, let another waiter try them.
