@@ -505,14 +505,15 @@ def claim(
     ``with_values``: the reply also holds the batch's inline values of ``fields``
     (:attr:`ClaimReply.values`), read in the same atomic step."""
     waiting = (waiter, wait_ms) if waiter else ()
-    kind, nopts, *options = plan.args()
+    sampler = plan.args()
     if with_values:
-        nopts, options = nopts + 1, [*options, "_values", "1"]
+        kind, nopts, *options = sampler
+        sampler = (kind, nopts + 1, *options, "_values", "1")
     args = (
-        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, kind, nopts, *options,
-        len(fields), *fields, *waiting,
+        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, *sampler, len(fields), *fields, *waiting,
     )  # fmt: skip
-    return Transition(FCall("claim", (pk.meta,), args), partial(_read_claim, fields=list(fields)))
+    read = partial(_read_claim, fields=list(fields)) if with_values else _read_claim
+    return Transition(FCall("claim", (pk.meta,), args), read)
 
 
 def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:
