@@ -232,3 +232,35 @@ def test_the_driver_resends_a_pipeline_its_lane_lost_the_pool_way(real_server):
     finally:
         admin.close()
         driver.close()
+
+
+@pytest.mark.parametrize(
+    "value, sent",
+    [
+        ("plain", b"plain"),
+        ("é ü", "é ü".encode()),
+        (b"\x00\xffbytes", b"\x00\xffbytes"),
+        (memoryview(b"a view"), b"a view"),
+        (bytearray(b"a bytearray"), b"a bytearray"),  # hiredis refuses it: redis-py's packer sends it
+        (12345678901234, b"12345678901234"),
+        (-7, b"-7"),
+        (2.5, b"2.5"),
+    ],
+)
+def test_every_argument_type_arrives_byte_for_byte(lane_client, value, sent):
+    """The lane packs commands with hiredis directly; what the server receives is what redis-py's
+    own packer would have sent."""
+    assert lane_client.execute_command("FCALL", "lane_echo", 0, value) == sent
+    packed = connections._packed(("FCALL", "lane_echo", 0, value))
+    if isinstance(value, bytearray):
+        assert packed is None
+    else:
+        assert packed == _redis_py_packed(lane_client, value)
+
+
+def _redis_py_packed(client, value) -> bytes:
+    conn = client.connection_pool.make_connection()
+    try:
+        return b"".join(bytes(chunk) for chunk in conn.pack_command("FCALL", "lane_echo", 0, value))
+    finally:
+        conn.disconnect()
