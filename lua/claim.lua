@@ -34,7 +34,7 @@
                min_version  only samples with policy_version >= it        default none
                drop_stale   1 = put samples below min_version aside       default 0
                dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
-               _values      1 = also return the batch's inline values (get_batch)
+               _values      1 = also return the batch's inline values (get_meta_and_data)
     then     nfields, then nfields required field names
     then     optional: waiter id, wait_ms  the caller's waiter id; when nothing is handed out and
                                  wait_ms > 0 it is registered as waiting that long (see `wait`),
@@ -43,8 +43,9 @@
     {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered, inline, values}
                                  (inline and values only with ids; values only with _values)
       last_event_id              what to pass to `wait` when ids is empty ('' otherwise)
-    A claim that hands out samples wakes one more waiting consumer of the task, if any (the
-    baton: one wake per event, then one per successful claim, never every waiter at once).
+    A claim that hands out samples wakes one more waiting consumer of the task, if any, while
+    the task has unconsumed samples left (the baton: one wake per event, then one per successful
+    claim that leaves something, never every waiter at once).
       ids                        the batch (empty if not enough is ready); ascending, except
                                  that uid groups are kept adjacent
       schemas                    flat {field, schema JSON, ...} of the required fields

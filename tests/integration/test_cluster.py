@@ -305,6 +305,8 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     small = make_client(cluster.url, namespace, inline_max_bytes=4096)  # values kept in the metadata plane
     try:
         small.get_data(small.put(TensorDict({"s": torch.ones(2, 1)}, batch_size=[2]), partition_id="small"))
+        meta, data = small.get_meta_and_data(["s"], 2, "small", task_name="t")  # the claim returns the values
+        assert list(meta.global_indexes) == [0, 1] and torch.equal(data["s"], torch.ones(2, 1))
     finally:
         small.close()
 
