@@ -21,6 +21,24 @@ def mp_context():
     return _ctx
 
 
+def drain(producers: list, consumers: list, go, producers_done, out, timeout: float = 120) -> list:
+    """Start ``producers`` and ``consumers`` (processes), release them all at once (``go``), wait
+    for the producers to succeed, then tell the consumers (``producers_done``) and return the one
+    result each consumer puts on ``out``, once every consumer exited with 0."""
+    for p in producers + consumers:
+        p.start()
+    go.set()
+    for p in producers:
+        p.join(timeout)
+        assert p.exitcode == 0, f"producer {p.name} exited with {p.exitcode}"
+    producers_done.set()
+    results = [out.get(timeout=timeout) for _ in consumers]
+    for p in consumers:
+        p.join(30)
+        assert p.exitcode == 0, f"consumer {p.name} exited with {p.exitcode}"
+    return results
+
+
 def memfds(pid: int | str) -> set[str]:
     """Names of the storage-node slab memfds (``tq-dram-slab-*``) process ``pid`` holds open."""
     found = set()

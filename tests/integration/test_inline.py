@@ -13,28 +13,13 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.integration.conftest import INLINE_LIMIT
 from tq_redis import ops
 from tq_redis.driver import Cmd, FCall, Offload, Pipe
 from tq_redis.errors import SampleNotFound
 from tq_redis.keys import PartitionKeys
 
-LIMIT = 4096
-
-
-@pytest.fixture
-def inline_client(server, namespace):
-    c = make_client(server.url, namespace, inline_max_bytes=LIMIT)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def counted(real_server, namespace):
-    c = make_client(real_server.url, namespace, inline_max_bytes=LIMIT)
-    c.put(_td(1), partition_id="warm")  # the library is loaded, the store config read,
-    c.get_meta(["x"], 1, "warm", mode="fetch", task_name="warm")  # the default sampler resolved
-    yield c
-    c.close()
+LIMIT = INLINE_LIMIT  # inline_client and counted (tests/integration/conftest.py) keep values up to it inline
 
 
 def _td(n: int, width: int = 4, start: int = 0) -> TensorDict:

@@ -16,26 +16,10 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tests.integration.test_inline import LIMIT, _calls, _td
-from tests.procs import mp_context
+from tests.procs import drain, mp_context
 from tq_redis import AsyncTransferQueueClient, ops, samplers
 from tq_redis.errors import InvalidArgument, LibraryNotLoaded
 from tq_redis.transitions import _read_claim
-
-
-@pytest.fixture
-def inline_client(server, namespace):
-    c = make_client(server.url, namespace, inline_max_bytes=LIMIT)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def counted(real_server, namespace):
-    c = make_client(real_server.url, namespace, inline_max_bytes=LIMIT)
-    c.put(_td(1), partition_id="warm")  # the library is loaded, the store config read,
-    c.get_meta(["x"], 1, "warm", mode="fetch", task_name="warm")  # the default sampler resolved
-    yield c
-    c.close()
 
 
 def _big(n: int, start: int = 0) -> TensorDict:
@@ -226,17 +210,7 @@ def test_consumers_mixing_both_paths_share_a_task_without_duplicates_or_losses(r
         ctx.Process(target=_consumer, args=(real_server.url, namespace, combined, go, producers_done, out))
         for combined in (True, True, True, False)
     ]
-    for p in producers + consumers:
-        p.start()
-    go.set()
-    for p in producers:
-        p.join(120)
-        assert p.exitcode == 0
-    producers_done.set()
-    results = [out.get(timeout=120) for _ in consumers]
-    for p in consumers:
-        p.join(30)
-        assert p.exitcode == 0
+    results = drain(producers, consumers, go, producers_done, out)
     counts = Counter(i for _, seen, _ in results for i in seen)
     assert [i for i, c in counts.items() if c > 1] == [], "samples handed out twice"
     assert sorted(counts) == list(range(TOTAL)), "samples lost"

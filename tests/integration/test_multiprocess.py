@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
-from tests.procs import mp_context
+from tests.procs import drain, mp_context
 
 PRODUCERS = 8
 BATCHES_PER_PRODUCER = 6
@@ -64,17 +64,7 @@ def test_many_producers_and_consumers_each_sample_once_per_task(real_server, nam
         for task in TASKS
         for _ in range(CONSUMERS_PER_TASK)
     ]
-    for p in producers + consumers:
-        p.start()
-    go.set()
-    for p in producers:
-        p.join(120)
-        assert p.exitcode == 0
-    producers_done.set()
-    results = [out.get(timeout=120) for _ in consumers]
-    for p in consumers:
-        p.join(30)
-        assert p.exitcode == 0
+    results = drain(producers, consumers, go, producers_done, out)
 
     for task in TASKS:
         ids = [i for t, seen, _ in results if t == task for i in seen]

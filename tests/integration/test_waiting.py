@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -84,64 +85,58 @@ def test_waiter_wakes_when_lease_lapses(real_client):
     assert time.monotonic() - t0 < 2.0
 
 
-
 def _fcalls(client) -> int:
     return int(client.redis.info("commandstats").get("cmdstat_fcall", {}).get("calls", 0))
+
+
+@contextlib.contextmanager
+def _waiting_consumers(server, namespace: str, n: int):
+    """A producer client and ``got``: ``n`` consumer threads each blocked in ``get_meta`` for one
+    sample of task ``t`` in partition ``p`` (``got[i]``: the ids consumer ``i`` got, None before)."""
+    producer = make_client(server.url, namespace)
+    consumers = [make_client(server.url, namespace) for _ in range(n)]
+    got: list = [None] * n
+
+    def consume(i: int) -> None:
+        got[i] = consumers[i].get_meta(["x"], 1, "p", task_name="t", timeout=30).global_indexes
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        assert _wait_until(lambda: _blocked(producer) == n, 10), "the consumers never all waited"
+        yield producer, got
+        for t in threads:
+            t.join(10)
+        assert sorted(i for g in got for i in g) == list(range(n))  # each sample to exactly one consumer
+    finally:
+        for c in [producer, *consumers]:
+            c.close()
 
 
 def test_each_put_wakes_one_waiting_consumer_not_all(real_server, namespace):
     """16 consumers wait on one task; 16 single-sample puts hand each exactly one sample, and the
     server runs O(puts) scripts (waking every waiter on every put is O(puts x waiters) claims)."""
     n = 16
-    producer = make_client(real_server.url, namespace)
-    consumers = [make_client(real_server.url, namespace) for _ in range(n)]
-    got: list = [None] * n
-
-    def consume(i: int) -> None:
-        got[i] = consumers[i].get_meta(["x"], 1, "p", task_name="t", timeout=30).global_indexes
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    assert _wait_until(lambda: _blocked(producer) == n, 10), "the consumers never all waited"
-    before = _fcalls(producer)
-    for k in range(n):
-        producer.put(TensorDict({"x": torch.tensor([k])}, batch_size=[1]), partition_id="p")
-        assert _wait_until(lambda k=k: sum(g is not None for g in got) == k + 1, 10), f"put {k} woke no one"
-    for t in threads:
-        t.join(10)
-    assert sorted(i for g in got for i in g) == list(range(n))  # each sample to exactly one consumer
-    calls = _fcalls(producer) - before
+    with _waiting_consumers(real_server, namespace, n) as (producer, got):
+        before = _fcalls(producer)
+        for k in range(n):
+            producer.put(TensorDict({"x": torch.tensor([k])}, batch_size=[1]), partition_id="p")
+            assert _wait_until(lambda k=k: sum(g is not None for g in got) == k + 1, 10), f"put {k} woke no one"
+        calls = _fcalls(producer) - before
     # per put: reserve + insert and the woken consumer's claim, 3 (measured: 48 for 16 puts). The
     # claim takes the task's last sample, so it passes no baton: one did (64 for 16 puts, a
     # claim in vain per put), and waking every waiter on every put took 103 for just 12.
     assert calls <= 3 * n + n // 4, f"{calls} script calls for {n} puts: consumers are woken in vain or in a herd"
-    for c in [producer, *consumers]:
-        c.close()
 
 
 def test_one_put_of_several_samples_reaches_every_waiter_through_the_baton(real_server, namespace):
     """The put wakes one waiter; each claim that leaves samples behind wakes the next, so all four
     waiters get one sample each from a single put, well before their timeout."""
     n = 4
-    producer = make_client(real_server.url, namespace)
-    consumers = [make_client(real_server.url, namespace) for _ in range(n)]
-    got: list = [None] * n
-
-    def consume(i: int) -> None:
-        got[i] = consumers[i].get_meta(["x"], 1, "p", task_name="t", timeout=30).global_indexes
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    assert _wait_until(lambda: _blocked(producer) == n, 10), "the consumers never all waited"
-    producer.put(TensorDict({"x": torch.arange(n)}, batch_size=[n]), partition_id="p")
-    assert _wait_until(lambda: all(g is not None for g in got), 10), f"waiters left without a sample: {got}"
-    for t in threads:
-        t.join(10)
-    assert sorted(i for g in got for i in g) == list(range(n))
-    for c in [producer, *consumers]:
-        c.close()
+    with _waiting_consumers(real_server, namespace, n) as (producer, got):
+        producer.put(TensorDict({"x": torch.arange(n)}, batch_size=[n]), partition_id="p")
+        assert _wait_until(lambda: all(g is not None for g in got), 10), f"waiters left without a sample: {got}"
 
 
 def test_samples_too_few_for_the_first_waiter_go_to_one_that_wants_fewer(real_server, namespace):
