@@ -75,20 +75,22 @@ def next_batch(
     """
     timeout = arguments.seconds(timeout, "timeout", allow_none=True)
     deadline = None if timeout is None else time.monotonic() + timeout
-    fields = list(data_fields)
+    fields = check_fields(data_fields)
+    batch_size = arguments.count(batch_size, "batch_size")
+    pk = ctx.keys(partition_id)
     previous: Progress | None = None
     while True:
         # Progress first: any change after it emits an event after last_event_id, so the wait
         # below cannot miss what the claim did not see.
         state = yield from progress(ctx, partition_id, task_name, fields)
-        meta = yield from _claim(ctx, fields, batch_size, partition_id, task_name, sampling_config, values)
+        meta: BatchMeta = yield from fetch(ctx, fields, batch_size, pk, task_name, sampling_config, values=values)
         if meta.size:
             return meta
         if state.drained or (end_when_consumed and state.alive and state.pending == 0):
             return None
         if state.settled:
             if not drop_last and 0 < state.ready < batch_size:
-                meta = yield from _claim(ctx, fields, state.ready, partition_id, task_name, sampling_config, values)
+                meta = yield from fetch(ctx, fields, state.ready, pk, task_name, sampling_config, values=values)
                 if meta.size:
                     return meta
             if previous == state:
@@ -104,19 +106,3 @@ def next_batch(
             )
         yield from wait_for_event(ctx, partition_id, state.last_event_id, min(remaining, WAIT_SLICE_S))
 
-
-def _claim(
-    ctx: ops.Context,
-    fields: list[str],
-    batch_size: int,
-    partition_id: str,
-    task_name: str,
-    sampling_config: dict[str, Any] | None,
-    values: dict[str, list[bytes | None]] | None = None,
-) -> Op:
-    fields = check_fields(fields)
-    batch_size = arguments.count(batch_size, "batch_size")
-    meta: BatchMeta = yield from fetch(
-        ctx, fields, batch_size, ctx.keys(partition_id), task_name, sampling_config, values=values
-    )
-    return meta
