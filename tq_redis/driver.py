@@ -89,6 +89,22 @@ class WaitToken:
     timeout_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class WaitThenCall:
+    """``wait`` (a :class:`WaitToken`), then ``call`` the moment it ends, whether it took a token
+    or timed out. Returns ``(took_token, call_reply)``.
+
+    A blocking client's lane sends both in one write: the server queues the call behind the
+    blocked ``BLPOP`` on that connection and runs it as soon as the wait ends, so the woken
+    consumer's claim costs no round trip of its own (and no wake-up of the client in between).
+    Other clients run the two one after the other. The call is built before the wait: its
+    arguments must still hold after it (a claim's clock argument is then as old as the wait).
+    """
+
+    wait: WaitToken
+    call: FCall
+
+
 Operation = Generator[Any, Any, Any]
 
 # Redis could not be reached (a cluster that lost slots or kept moving counts too); store I/O
@@ -166,6 +182,10 @@ def _wait_ms(wait: Wait) -> int:
 def _blpop_timeout(wait: WaitToken) -> float:
     # BLPOP takes seconds with decimals (Redis >= 6); 0 would mean "forever"
     return max(0.001, round(wait.timeout_s, 3))
+
+
+def _blpop_args(wait: WaitToken) -> tuple:
+    return ("BLPOP", wait.key, _blpop_timeout(wait))
 
 
 def _missing_library(calls: tuple, results: list) -> list[int]:
@@ -391,7 +411,27 @@ class SyncDriver(_Driver):
         if isinstance(effect, WaitToken):
             with metrics.WAIT_SECONDS.time():
                 return self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
+        if isinstance(effect, WaitThenCall):
+            return self._wait_then_call(effect)
         raise TypeError(f"unknown effect {effect!r}")
+
+    def _wait_then_call(self, effect: WaitThenCall) -> tuple[bool, Any]:
+        call = effect.call
+        replies = None
+        if isinstance(self.redis, connections.SingleClient) and not self.durable.waits_after(call.name):
+            self.ensure_loaded(nodes=self._library.unchecked((call,)))
+            with metrics.WAIT_SECONDS.time():
+                replies = self.redis.pipeline_on_lane([_blpop_args(effect.wait), _fcall_args(call)])
+        if replies is None:  # the lane is busy or failed, or another kind of client: one after the other
+            return self._execute(effect.wait), self._execute(call)
+        popped, reply = replies
+        if isinstance(popped, Exception):
+            raise popped
+        if isinstance(reply, redis.ResponseError) and scripts.is_missing_function(reply):
+            reply = self._fcall(call)  # the server lost the library meanwhile: load it, call again
+        elif isinstance(reply, Exception):
+            raise reply
+        return popped is not None, reply
 
     def ensure_loaded(self, force: bool = False, nodes: list[Any] | None = None) -> None:
         """Check each of ``nodes`` (every primary by default) as :func:`tq_redis.server_policy.node_checks`
@@ -504,6 +544,10 @@ class AsyncDriver(_Driver):
         if isinstance(effect, WaitToken):
             with metrics.WAIT_SECONDS.time():
                 return await self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
+        if isinstance(effect, WaitThenCall):
+            # one after the other; named, not dispatched, so a subclass's _execute (which may
+            # hold a connection slot for this effect) is not entered twice
+            return await AsyncDriver._execute(self, effect.wait), await AsyncDriver._execute(self, effect.call)
         raise TypeError(f"unknown effect {effect!r}")
 
     async def _unchecked(self, calls: list | tuple) -> list[Any]:

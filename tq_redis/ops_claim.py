@@ -124,12 +124,17 @@ def fetch(
     deadline = time.monotonic() + timeout
     waiter = uuid.uuid4().hex if timeout > 0 else None
     user_registered = False  # whether the user-sampler path registered the waiter
+    wake: WaitToken | None = None  # the wait the next attempt runs first
     while True:
         wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
-        meta, last_id, next_deadline, registered = yield from attempt(waiter, max(wait_ms, 0))
+        meta, last_id, next_deadline, registered = yield from attempt(waiter, max(wait_ms, 0), wake)
+        wake = None
         remaining = deadline - time.monotonic()
         if meta is not None or remaining <= 0:
-            if user_registered:  # stop counting as a waiter, so no token is spent on us
+            # Stop counting as a waiter, so no token is spent on us: the user-sampler path
+            # registered itself; a claim sent behind a wait registered us for the time left
+            # before that wait.
+            if user_registered or registered:
                 yield Cmd(("ZREM", pk.waiters(task_name), waiter))
             if meta is None:
                 return BatchMeta.empty()
@@ -142,7 +147,12 @@ def fetch(
         if next_deadline >= 0:  # a lease of this task lapses sooner: re-check then
             remaining = min(remaining, max(0.001, (next_deadline - transitions.clock_ms()) / 1000))
         if registered:
-            yield WaitToken(pk.wake(task_name), remaining)
+            wake = WaitToken(pk.wake(task_name), remaining)
+            if lease_ms or next_deadline >= 0:
+                # A claim's clock argument is taken before it is sent; behind a wait it would be
+                # as old as the wait, shortening a lease taken now or delaying a lapsed one.
+                yield wake
+                wake = None
 
 
 def _default_sampler(ctx: Context) -> Op:
@@ -167,16 +177,18 @@ def _builtin_claim(
     pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str],
     inline_hints: dict[str, bool], values: dict[str, list[bytes | None]] | None = None,
 ):  # fmt: skip
-    """One claim with a built-in sampler: an attempt ``(waiter, wait_ms)`` yielding ``(meta|None,
-    last_id, deadline, registered)``; with nothing to claim the script registers the waiter itself.
+    """One claim with a built-in sampler: an attempt ``(waiter, wait_ms, wake=None)`` yielding
+    ``(meta|None, last_id, deadline, registered)``; with nothing to claim the script registers the
+    waiter itself. With ``wake`` the claim goes out behind that wait, in its round trip.
     A claim also says whether the partition keeps values inline (``inline_hints``, for get_data);
     with ``values`` it also returns the batch's inline values, which go there."""
 
-    def attempt(waiter: str | None, wait_ms: int) -> Op:
-        got = yield from transitions.claim(
+    def attempt(waiter: str | None, wait_ms: int, wake: WaitToken | None = None) -> Op:
+        claim = transitions.claim(
             pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms,
             with_values=values is not None,
-        ).call()
+        )
+        got = yield from (claim.call() if wake is None else claim.call_after(wake))
         if got.inline is not None:
             inline_hints[pk.partition] = got.inline
         if values is not None and got.values is not None:
@@ -292,7 +304,10 @@ def _user_claim(
         consumed = _checked_choice("consumed", consumed, ready_set, sampler)
         return sampled, consumed
 
-    def attempt(waiter: str | None, wait_ms: int) -> Op:  # waiting is registered by get_meta (`wait`)
+    def attempt(waiter: str | None, wait_ms: int, wake: WaitToken | None = None) -> Op:
+        # waiting is registered by get_meta (`wait`); its wait runs here, before the ready set is read
+        if wake is not None:
+            yield wake
         got = yield from claim_choice(
             pk, task, fields, batch_size, choose, lease_ms=lease_ms, max_deliveries=max_deliveries
         )

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tq_redis import bitmaps
-from tq_redis.driver import Cmd, FCall, Pipe
+from tq_redis.driver import Cmd, FCall, Pipe, WaitThenCall, WaitToken
 from tq_redis.errors import (
     InvalidArgument,
     LibraryNotLoaded,
@@ -78,6 +78,12 @@ class Transition(Generic[R]):
     def call(self) -> Generator[FCall, Any, R]:
         """Run it alone: ``result = yield from t.call()``."""
         return self.read((yield self.effect))
+
+    def call_after(self, wait: WaitToken) -> Generator[WaitThenCall, Any, R]:
+        """Run it the moment ``wait`` ends, in the wait's round trip where the driver can
+        (:class:`~tq_redis.driver.WaitThenCall`): ``result = yield from t.call_after(wait)``."""
+        _, reply = yield WaitThenCall(wait, self.effect)
+        return self.read(reply)
 
 
 def pipeline(*calls: Transition[Any] | Cmd) -> Generator[Pipe, Any, list[Any]]:

@@ -176,3 +176,110 @@ def test_a_wait_longer_than_redis_pys_socket_timeout_returns_empty_in_time(real_
         assert meta.size == 0 and 5.9 <= waited < 9, waited
     finally:
         client.close()
+
+
+def _blocked_in_get_meta(consumer, target, producer) -> threading.Thread:
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert _wait_until(lambda: _blocked(producer) > 0, 10), "consumer never blocked waiting"
+    return thread
+
+
+def test_a_woken_consumer_claims_in_the_round_trip_of_its_wait(real_server, namespace):
+    """After the first claim finds nothing, the wait's BLPOP and the next claim go out in one
+    write on the lane (the server runs the claim as the wait ends): no BLPOP of its own."""
+    producer = make_client(real_server.url, namespace)
+    consumer = make_client(real_server.url, namespace)
+    lane = consumer.redis
+    sent: list[list[str]] = []
+    real_pipeline = lane.pipeline_on_lane
+
+    def recording(commands):
+        sent.append([str(c[0]) if c[0] != "FCALL" else f"FCALL {c[1]}" for c in commands])
+        return real_pipeline(commands)
+
+    def no_blpop(*args, **kwargs):
+        raise AssertionError("the wait went out on its own, not with the claim behind it")
+
+    lane.pipeline_on_lane = recording
+    lane.blpop = no_blpop
+    got: dict = {}
+    try:
+        thread = _blocked_in_get_meta(
+            consumer, lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "p", task_name="t", timeout=20)),
+            producer,
+        )
+        producer.put(TensorDict({"x": torch.tensor([7])}, batch_size=[1]), partition_id="p")
+        thread.join(20)
+        assert got["meta"].global_indexes == [0]
+        assert sent == [["BLPOP", "FCALL tq_claim"]]
+        assert consumer.get_data(got["meta"])["x"].tolist() == [7]
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_wait_that_times_out_leaves_no_waiter_registered(real_client):
+    """The claim sent behind the last wait registers the consumer again (for the time left before
+    that wait); get_meta takes it back when it returns empty, so no wake token goes to no one."""
+    from tq_redis.keys import PartitionKeys
+
+    meta = real_client.get_meta(["x"], 1, "idle", task_name="t", timeout=0.3)
+    assert meta.size == 0
+    waiters = PartitionKeys(real_client.namespace, "idle").waiters("t")
+    assert real_client.redis.zcard(waiters) == 0
+
+
+def test_a_lease_taken_after_a_wait_runs_from_the_claim_not_from_before_the_wait(real_server, namespace):
+    """A claim's clock argument is taken when it is built: a leasing claim is not sent behind the
+    wait, so a lease granted after a wait still lasts its full length."""
+    from tq_redis.keys import PartitionKeys
+
+    producer = make_client(real_server.url, namespace)
+    consumer = make_client(real_server.url, namespace)
+    got: dict = {}
+    try:
+        thread = _blocked_in_get_meta(
+            consumer,
+            lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "p", task_name="t", timeout=20, lease_s=5)),
+            producer,
+        )
+        blocked_at = time.time()
+        while time.time() < blocked_at + 0.5:  # age the clock the consumer had before its wait
+            time.sleep(0.05)
+        put_ms = time.time() * 1000
+        producer.put(TensorDict({"x": torch.tensor([1])}, batch_size=[1]), partition_id="p")
+        thread.join(20)
+        assert got["meta"].global_indexes == [0]
+        deadline = producer.redis.zscore(PartitionKeys(namespace, "p").lease("t"), 0)
+        assert deadline is not None and deadline >= put_ms + 5000 - 50, (deadline, put_ms)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_claim_behind_a_wait_reloads_a_library_the_server_lost(real_server, namespace):
+    """FUNCTION FLUSH while a consumer waits: the claim that follows its wake finds no library,
+    loads it and claims again, and the consumer carries on waiting instead of failing."""
+    import redis
+
+    from tq_redis.keys import PartitionKeys
+
+    consumer = make_client(real_server.url, namespace)
+    admin = redis.Redis.from_url(real_server.url)
+    got: dict = {}
+    try:
+        thread = _blocked_in_get_meta(
+            consumer,
+            lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "lost", task_name="t", timeout=1.5)),
+            consumer,
+        )
+        admin.function_flush()
+        admin.rpush(PartitionKeys(namespace, "lost").wake("t"), "1")  # wake it with nothing to claim
+        thread.join(20)
+        assert got["meta"].size == 0
+        libraries = [entry[entry.index(b"library_name") + 1] for entry in admin.function_list()]
+        assert libraries == [b"tq_redis"]
+    finally:
+        admin.close()
+        consumer.close()
