@@ -319,6 +319,12 @@ def _packed(args: tuple[Any, ...]) -> bytes | None:
         return None
 
 
+def _packed_all(commands: list[tuple[Any, ...]]) -> bytes | None:
+    """``commands`` as one write (see :func:`_packed`), or None if one of them needs redis-py's packer."""
+    parts = [_packed(args) for args in commands]
+    return None if None in parts else b"".join(parts)  # type: ignore[arg-type]
+
+
 class SingleClient(redis.Redis):
     """``redis.Redis`` that reports a ``MOVED``/``ASK`` reply as :class:`ConfigError`
     (see :func:`not_a_single_server`). Behind Sentinel it follows the primary (:mod:`tq_redis.sentinel`).
@@ -389,7 +395,8 @@ class SingleClient(redis.Redis):
         try:
             conn = self._lane_connection()
             try:
-                conn.send_packed_command(conn.pack_commands(commands))
+                packed = _packed_all(commands)
+                conn.send_packed_command([packed] if packed is not None else conn.pack_commands(commands))
                 replies: list[Any] = []
                 for _ in commands:
                     try:
@@ -409,6 +416,8 @@ class SingleClient(redis.Redis):
     def _parsed(self, command: Any, reply: Any) -> Any:
         """``reply`` as redis-py's pipeline returns it: through the command's response callback
         (``SMEMBERS`` gives a set, ``SET`` a bool); error replies as they are."""
+        if command in LANE_COMMANDS:  # our scripts' replies have no callback
+            return reply
         callback = self.response_callbacks.get(command)
         return reply if callback is None or isinstance(reply, Exception) else callback(reply)
 

@@ -251,6 +251,9 @@ def test_every_argument_type_arrives_byte_for_byte(lane_client, value, sent):
     """The lane packs commands with hiredis directly; what the server receives is what redis-py's
     own packer would have sent."""
     assert lane_client.execute_command("FCALL", "lane_echo", 0, value) == sent
+    # a pipeline too, with a command whose reply redis-py's callback turns into a bool
+    echo = ("FCALL", "lane_echo", 0, value)
+    assert lane_client.pipeline_on_lane([echo, ("PING",), echo]) == [sent, True, sent]
     packed = connections._packed(("FCALL", "lane_echo", 0, value))
     if isinstance(value, bytearray):
         assert packed is None
