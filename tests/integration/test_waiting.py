@@ -178,10 +178,11 @@ def test_a_wait_longer_than_redis_pys_socket_timeout_returns_empty_in_time(real_
         client.close()
 
 
-def _blocked_in_get_meta(consumer, target, producer) -> threading.Thread:
+def _blocked_in_get_meta(target, observer) -> threading.Thread:
+    """``target`` (a consumer's get_meta) started in a thread, once ``observer``'s server shows it blocked."""
     thread = threading.Thread(target=target)
     thread.start()
-    assert _wait_until(lambda: _blocked(producer) > 0, 10), "consumer never blocked waiting"
+    assert _wait_until(lambda: _blocked(observer) > 0, 10), "consumer never blocked waiting"
     return thread
 
 
@@ -206,8 +207,7 @@ def test_a_woken_consumer_claims_in_the_round_trip_of_its_wait(real_server, name
     got: dict = {}
     try:
         thread = _blocked_in_get_meta(
-            consumer, lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "p", task_name="t", timeout=20)),
-            producer,
+            lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "p", task_name="t", timeout=20)), producer
         )
         producer.put(TensorDict({"x": torch.tensor([7])}, batch_size=[1]), partition_id="p")
         thread.join(20)
@@ -240,7 +240,6 @@ def test_a_lease_taken_after_a_wait_runs_from_the_claim_not_from_before_the_wait
     got: dict = {}
     try:
         thread = _blocked_in_get_meta(
-            consumer,
             lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "p", task_name="t", timeout=20, lease_s=5)),
             producer,
         )
@@ -265,14 +264,12 @@ def test_a_claim_behind_a_wait_reloads_a_library_the_server_lost(real_server, na
 
     from tq_redis.keys import PartitionKeys
 
-    consumer = make_client(real_server.url, namespace)
+    consumer, observer = make_client(real_server.url, namespace), make_client(real_server.url, namespace)
     admin = redis.Redis.from_url(real_server.url)
     got: dict = {}
     try:
         thread = _blocked_in_get_meta(
-            consumer,
-            lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "lost", task_name="t", timeout=1.5)),
-            consumer,
+            lambda: got.setdefault("meta", consumer.get_meta(["x"], 1, "lost", task_name="t", timeout=1.5)), observer
         )
         admin.function_flush()
         admin.rpush(PartitionKeys(namespace, "lost").wake("t"), "1")  # wake it with nothing to claim
@@ -283,3 +280,4 @@ def test_a_claim_behind_a_wait_reloads_a_library_the_server_lost(real_server, na
     finally:
         admin.close()
         consumer.close()
+        observer.close()
