@@ -296,10 +296,9 @@ def _stage_feeder(st: _Stage) -> dict[str, Any]:
     n = cfg["n_samples"]
     fed: dict[int, list[int]] = {}
     for step in range(cfg["steps"]):
-        with sh["cond"]:
-            while sh["trained"].value < step - cfg["max_lag"]:
+        if step > cfg["max_lag"]:  # one step trained per step fed beyond the lag
+            while not sh["step_trained"].acquire(timeout=0.5):
                 st.check()
-                sh["cond"].wait(0.5)
         fed[step] = []
         for first in range(0, cfg["batch"], wl.PROMPTS_PER_PUT):
             st.check()
@@ -420,9 +419,8 @@ def _stage_trainer(st: _Stage) -> dict[str, Any]:
         st.client.clear_partition(_partition(step))
         trained[step] = seen
         step_done_at.append(time.time())
-        with sh["cond"]:
-            sh["trained"].value = step + 1
-            sh["cond"].notify_all()
+        sh["trained"].value = step + 1
+        sh["step_trained"].release()
     return {"trained": trained, "step_done_at": step_done_at, "bad": bad}
 
 
@@ -497,8 +495,10 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         shared = {
             "barrier": ctx.Barrier(len(roles) + 1),
             "stop": ctx.Event(),
-            "trained": ctx.Value("i", 0, lock=False),  # written by the trainer only, under "cond"
-            "cond": ctx.Condition(),
+            "trained": ctx.Value("i", 0, lock=False),  # steps trained: written by the trainer only
+            # released once per step trained: the trainer never waits for the feeder to be scheduled
+            # (a Condition's notify blocks until every waiter has woken up)
+            "step_trained": ctx.Semaphore(0),
             "rolled": ctx.Array("i", cfg["steps"]),
             "results": ctx.Queue(),
         }

@@ -63,7 +63,7 @@
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include balance
 -- @include chunks
@@ -91,12 +91,23 @@ local function claim(KEYS, ARGV)
   local fields = {unpack(ARGV, at + 1, at + nfields)}
   local waiter, wait_ms = ARGV[at + nfields + 1], tonumber(ARGV[at + nfields + 2] or '0')
 
+  -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua): known
+  -- only where the claim never hands out fewer than `want` ready samples -- not with a token
+  -- budget, a rank's or a balanced choice an earlier rank stored, or leases that may lapse.
+  local function wait_need(next_deadline)
+    if (sampler ~= 'sequential' and sampler ~= 'grpo') or tonumber(opts.max_tokens or '0') > 0
+        or next_deadline >= 0 then
+      return nil
+    end
+    return need_of(want, fields)
+  end
+
   -- Nothing to hand out: with a waiter id and wait_ms > 0 the caller now waits for a wake token
   -- (registered in this same atomic step, so no event can slip in between); else it stops waiting.
   local function nothing(schemas, next_deadline)
     local registered = 0
     if waiter and wait_ms > 0 then
-      register_waiter(prefix, task, waiter, wait_ms)
+      register_waiter(prefix, task, waiter, wait_ms, wait_need(next_deadline))
       registered = 1
       pass_unused(prefix, task, function() return ready_scanner(prefix, task, fields).next() ~= nil end)
     elseif waiter then

@@ -23,7 +23,7 @@
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
     <p>:tagnames  <p>:tag:<name>
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
 ]]
 -- @include bits
 -- @include events

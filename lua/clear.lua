@@ -15,7 +15,7 @@
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>
     <p>:trash  <p>:trashfields  <p>:inline
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]

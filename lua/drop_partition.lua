@@ -19,7 +19,7 @@
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx
     <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
@@ -52,6 +52,7 @@ local function drop_partition(KEYS, ARGV)
   local waiting = redis.call('SMEMBERS', prefix .. 'waittasks')
   for i = 1, #waiting do
     doomed[#doomed + 1] = prefix .. 'waiters:' .. waiting[i]
+    doomed[#doomed + 1] = prefix .. 'waitneed:' .. waiting[i]
     doomed[#doomed + 1] = prefix .. 'wake:' .. waiting[i]
     doomed[#doomed + 1] = prefix .. 'wakebudget:' .. waiting[i]
   end

@@ -23,7 +23,8 @@
   Touches:
     <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
     <p>:groups
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:cons:<task> (reading, to check a waiter's need)
 ]]
 -- @include bits
 -- @include events

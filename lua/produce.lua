@@ -20,7 +20,8 @@
     {0, field, registered}       a field's schema conflicts; nothing written
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:cons:<task> (reading, to check a waiter's need)
 ]]
 -- @include alive
 -- @include bits

@@ -9,7 +9,8 @@
   Touches:
     <p>:meta  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:alive  <p>:prod:<field> (reading, to check a waiter's need)
 ]]
 -- @include events
 -- @include prefix

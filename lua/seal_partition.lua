@@ -10,7 +10,8 @@
     1 if this call sealed it, 0 if it was sealed already
   Touches:
     <p>:meta
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:alive  <p>:prod:<field>  <p>:cons:<task> (reading, to check a waiter's need)
 ]]
 -- @include events
 -- @include prefix

@@ -18,7 +18,8 @@
                                  (already acked, lapsed and re-leased, or never leased)
   Touches:
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
-    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:alive  <p>:prod:<field> (reading, to check a waiter's need)
 ]]
 -- @include bits
 -- @include chunks

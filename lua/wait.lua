@@ -13,7 +13,7 @@
     1                            registered: BLPOP <prefix>wake:<task> next
     0                            an event arrived since the claim: claim again at once
   Touches:
-    <p>:events  <p>:waittasks  <p>:waiters:<task>
+    <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>
 ]]
 -- @include events
 -- @include prefix

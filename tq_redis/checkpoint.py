@@ -74,7 +74,7 @@ def _partition_keys(r: Any, pk: PartitionKeys, with_data: bool) -> list[str]:
     for task in sorted(map(_text, tasks)):
         keys += [pk.cons(task), pk.lease(task), pk.deliveries(task), pk.poison(task)]
     for task in sorted(map(_text, waiting)):
-        keys += [pk.waiters(task), pk.wake(task), pk.wakebudget(task)]
+        keys += [pk.waiters(task), pk.waitneed(task), pk.wake(task), pk.wakebudget(task)]
     keys += [pk.tag(t) for t in sorted(map(_text, tagnames))]
     if with_data:
         ids = sorted(set(bitmaps.set_ids(alive)) | set(bitmaps.set_ids(trash)))

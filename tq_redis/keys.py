@@ -38,6 +38,8 @@ key                                type    holds
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
 ``ns:{p}:waittasks``               SET     tasks with consumers waiting in ``get_meta`` (expires)
 ``ns:{p}:waiters:<task>``          ZSET    waiting consumer id -> deadline (ms); expires
+``ns:{p}:waitneed:<task>``         STRING  what the waiters need before new data wakes one:
+                                           ``<batch>\t<field>...``, or ``*`` (any event); expires
 ``ns:{p}:wake:<task>``             LIST    wake tokens: one waiter BLPOPs each (expires)
 ``ns:{p}:wakebudget:<task>``       STRING  wakes left for waiters passing on unused samples (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
@@ -187,6 +189,7 @@ class PartitionKeys(_Tagged):
     events = _Key("events")
     waittasks = _Key("waittasks")
     waiters = _KeyOf("waiters:")
+    waitneed = _KeyOf("waitneed:")
     wake = _KeyOf("wake:")
     wakebudget = _KeyOf("wakebudget:")
     trash = _Key("trash", "Bitmap of samples whose bytes are still to be deleted from the stores.")

@@ -13,7 +13,7 @@
   Touches:
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     and through emit (a `released` event): <p>:events  <p>:waittasks  <p>:waiters:<task>
-    <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>  <p>:alive  <p>:prod:<field>
 ]]
 -- @include bits
 -- @include chunks

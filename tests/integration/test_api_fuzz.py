@@ -457,7 +457,10 @@ _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",
     "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics",
 }  # fmt: skip
-_FAMILIES = ("prod:", "cons:", "lease:", "dlv:", "poison:", "tag:", "waiters:", "wake:", "wakebudget:", "rank:", "bal:")
+_FAMILIES = (
+    "prod:", "cons:", "lease:", "dlv:", "poison:", "tag:",
+    "waiters:", "waitneed:", "wake:", "wakebudget:", "rank:", "bal:",
+)  # fmt: skip
 _PARTITION_KEY = re.compile(r"\{([^{}]+)\}:(.*)", re.S)
 _DATA_KEY = re.compile(r"d:(\d+):(.+)", re.S)
 

@@ -109,7 +109,7 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace)}
     allowed |= {f"{namespace}:{{{namespace}/{p}}}:seq" for p in partitions}
     prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
-    expiring = ("events", "waittasks", "waiters:", "wake:", "wakebudget:")
+    expiring = ("events", "waittasks", "waiters:", "waitneed:", "wake:", "wakebudget:")
 
     def may_expire(key: str) -> bool:
         return key.startswith(prefixes) and key.split("}:", 1)[1].startswith(expiring)
