@@ -93,10 +93,10 @@ local function claim(KEYS, ARGV)
 
   -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua): known
   -- only where the claim never hands out fewer than `want` ready samples -- not with a token
-  -- budget, a rank's or a balanced choice an earlier rank stored, or leases that may lapse.
-  local function wait_need(next_deadline)
-    if (sampler ~= 'sequential' and sampler ~= 'grpo') or tonumber(opts.max_tokens or '0') > 0
-        or next_deadline >= 0 then
+  -- budget, or a rank's or a balanced choice an earlier rank stored. (Lapsed leases handed back
+  -- are need_met's business: leases may be taken after this waiter registered.)
+  local function wait_need()
+    if (sampler ~= 'sequential' and sampler ~= 'grpo') or tonumber(opts.max_tokens or '0') > 0 then
       return nil
     end
     return need_of(want, fields)
@@ -107,7 +107,7 @@ local function claim(KEYS, ARGV)
   local function nothing(schemas, next_deadline)
     local registered = 0
     if waiter and wait_ms > 0 then
-      register_waiter(prefix, task, waiter, wait_ms, wait_need(next_deadline))
+      register_waiter(prefix, task, waiter, wait_ms, wait_need())
       registered = 1
       pass_unused(prefix, task, function() return ready_scanner(prefix, task, fields).next() ~= nil end)
     elseif waiter then

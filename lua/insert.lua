@@ -24,7 +24,7 @@
     <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
     <p>:groups
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    <p>:cons:<task> (reading, to check a waiter's need)
+    <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
 -- @include bits
 -- @include events

@@ -21,7 +21,7 @@
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    <p>:cons:<task> (reading, to check a waiter's need)
+    <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
 -- @include alive
 -- @include bits

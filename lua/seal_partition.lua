@@ -11,7 +11,7 @@
   Touches:
     <p>:meta
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    <p>:alive  <p>:prod:<field>  <p>:cons:<task> (reading, to check a waiter's need)
+    <p>:alive  <p>:prod:<field>  <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
 -- @include events
 -- @include prefix

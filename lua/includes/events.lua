@@ -9,7 +9,8 @@
     DATA_EVENTS                  the kinds that only add data (a waiter's need decides whether they wake it)
   Touches:
     <p>:events, and through wake_waiters: <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
-    <p>:wakebudget:<task>, and reading to check a waiter's need: <p>:alive  <p>:prod:<field>  <p>:cons:<task>
+    <p>:wakebudget:<task>, and reading to check a waiter's need: <p>:alive  <p>:prod:<field>
+    <p>:cons:<task>  <p>:lease:<task>
 ]]
 -- @include waiters
 

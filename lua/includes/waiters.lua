@@ -23,7 +23,8 @@
     pass_unused(prefix, task, any_ready)      after a claim that found too few samples
   Touches:
     <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    and, to check a need, what ready_scanner reads: <p>:alive  <p>:prod:<field>  <p>:cons:<task>
+    and, to check a need, <p>:lease:<task> and what ready_scanner reads: <p>:alive  <p>:prod:<field>
+    <p>:cons:<task>
 ]]
 -- @include ready
 
@@ -49,10 +50,12 @@ end
 
 -- Whether the task's waiters may be able to claim: true unless their common need is known and
 -- fewer than its `want` samples are ready (a scan of at most `want` ready ids, the work the
--- woken claim would do).
+-- woken claim would do). While the task has leases in flight, a claim may also hand back lapsed
+-- ones, which no event announces and the scan cannot see: then it is always true.
 local function need_met(prefix, task)
   local need = redis.call('GET', prefix .. 'waitneed:' .. task)
   if not need or need == '*' then return true end
+  if redis.call('ZCARD', prefix .. 'lease:' .. task) > 0 then return true end
   local parts = {}
   for part in string.gmatch(need, '[^\t]+') do parts[#parts + 1] = part end
   local want = tonumber(parts[1])

@@ -127,10 +127,20 @@ def test_a_user_samplers_wait_records_no_need(client):
 
 def test_leases_in_flight_make_every_event_wake_a_waiter(client):
     """A lapsed lease hands its samples back inside the next claim, which the ready count cannot
-    see: while a task has leases in flight, its waiters record no need."""
+    see: while a task has leases in flight, new data wakes its waiters whatever their need."""
     _put(client, "p", 2)
     assert client.get_meta(["x"], 2, "p", task_name="train", lease_s=60).size == 2
     _register(client, "p", "train", 4, ["x"], "w1")
+    _put(client, "p", 1)
+    assert _tokens(client, "p", "train") == 1
+
+
+def test_a_lease_taken_after_the_waiter_registered_makes_new_data_wake_it(client):
+    """The waiter registered its need with no lease in flight; another consumer then leases
+    samples (and may die): new data wakes the waiter, whose claim would hand back a lapsed lease."""
+    _put(client, "p", 2)
+    _register(client, "p", "train", 4, ["x"], "w1")
+    assert client.get_meta(["x"], 2, "p", task_name="train", lease_s=60).size == 2
     _put(client, "p", 1)
     assert _tokens(client, "p", "train") == 1
 
