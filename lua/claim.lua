@@ -38,7 +38,9 @@
     then     nfields, then nfields required field names
     then     optional: waiter id, wait_ms  the caller's waiter id; when nothing is handed out and
                                  wait_ms > 0 it is registered as waiting that long (see `wait`),
-                                 otherwise it is removed from the task's waiters
+                                 with what it needs before new data wakes it (its batch size and
+                                 fields; see includes/waiters.lua), otherwise it is removed from
+                                 the task's waiters
   Output:
     {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered, inline, values}
                                  (inline and values only with ids; values only with _values)

@@ -7,8 +7,9 @@
   only once that many samples are ready for the task, so a trainer waiting for a large batch is
   not woken by every small put (each wake costs it a round trip and a claim that finds too
   little). The need is the task's, not the waiter's: while waiters of a task ask for different
-  things, or one cannot say (a user sampler, a token budget, leases in flight), it is '*' and
-  every event wakes one of them, as it always did.
+  things, or one cannot say (a user sampler, a token budget, a rank's stored choice), it is '*'
+  and every event wakes one of them, as it always did; so does new data while the task has
+  leases in flight (a claim hands lapsed ones back, and no event says they lapsed).
 
   Offers:
     server_ms()                               server time in ms

@@ -42,9 +42,9 @@ def _tokens(client, partition: str, task: str) -> int:
     return client.redis.llen(PartitionKeys(client.namespace, partition).wake(task))
 
 
-def _put(client, partition: str, n: int, **fields) -> None:
-    values = {name: torch.arange(n) for name in fields or {"x": None}}
-    client.put(TensorDict(values, batch_size=[n]), partition_id=partition)
+def _put(client, partition: str, n: int) -> None:
+    """Insert ``n`` samples with field ``x`` (an ``insert`` event)."""
+    client.put(TensorDict({"x": torch.arange(n)}, batch_size=[n]), partition_id=partition)
 
 
 def test_puts_too_small_for_the_waiting_batch_wake_no_one(client):
