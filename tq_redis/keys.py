@@ -38,8 +38,9 @@ key                                type    holds
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
 ``ns:{p}:waittasks``               SET     tasks with consumers waiting in ``get_meta`` (expires)
 ``ns:{p}:waiters:<task>``          ZSET    waiting consumer id -> deadline (ms); expires
-``ns:{p}:waitneed:<task>``         STRING  what the waiters need before new data wakes one:
-                                           ``<batch>\t<field>...``, or ``*`` (any event); expires
+``ns:{p}:waitneed:<task>``         STRING  what the waiters need before new data wakes one: the
+                                           batch size and fields, tab-separated, or ``*`` (any
+                                           event); expires
 ``ns:{p}:wake:<task>``             LIST    wake tokens: one waiter BLPOPs each (expires)
 ``ns:{p}:wakebudget:<task>``       STRING  wakes left for waiters passing on unused samples (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
