@@ -26,15 +26,17 @@ from tq_redis.samplers import SamplerPlan
 WAIT_MS = 30_000
 
 
+def _claim(client, partition: str, task: str, batch: int, fields: list[str], waiter: str,
+           sampler: str = "sequential", options: dict | None = None):  # fmt: skip
+    """One claim of ``task`` by waiter ``waiter``, as a waiting consumer sends it (its reply)."""
+    plan = SamplerPlan(sampler, batch, tuple((name, str(value)) for name, value in (options or {}).items()))
+    claim = transitions.claim(client.context.keys(partition), task, plan, fields, waiter=waiter, wait_ms=WAIT_MS)
+    return client.run(claim.call())
+
+
 def _register(client, partition: str, task: str, batch: int, fields: list[str], waiter: str, **plan) -> None:
     """Run the claim a consumer of ``task`` runs before it waits: it finds too little and registers."""
-    pk = client.context.keys(partition)
-    options = tuple((name, str(value)) for name, value in plan.get("options", {}).items())
-    sampler = SamplerPlan(plan.get("sampler", "sequential"), batch, options)
-    got = client.run(
-        transitions.claim(pk, task, sampler, fields, waiter=waiter, wait_ms=WAIT_MS, lease_ms=plan.get("lease_ms", 0))
-        .call()
-    )
+    got = _claim(client, partition, task, batch, fields, waiter, **plan)
     assert got.ids == [] and got.registered, "the claim should have found too little and registered the waiter"
 
 
@@ -159,11 +161,7 @@ def test_the_baton_goes_on_only_when_the_next_waiter_can_be_served(client):
     _put(client, "p", 6)  # one batch of 4 now, 2 left over
     assert _tokens(client, "p", "train") == 1
     client.redis.delete(PartitionKeys(client.namespace, "p").wake("train"))  # w1 took the token
-    meta = client.run(
-        transitions.claim(client.context.keys("p"), "train", SamplerPlan("sequential", 4, ()), ["x"], waiter="w1",
-                          wait_ms=WAIT_MS).call()  # fmt: skip
-    )
-    assert meta.ids == [0, 1, 2, 3]
+    assert _claim(client, "p", "train", 4, ["x"], "w1").ids == [0, 1, 2, 3]
     assert _tokens(client, "p", "train") == 0  # 2 left: not enough for w2
     _put(client, "p", 2)
     assert _tokens(client, "p", "train") == 1
