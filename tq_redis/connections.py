@@ -179,14 +179,20 @@ def cluster_mode(url: str, cluster: Any = None) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def connection_options(*, asyncio: bool = False, reconnect: bool = True) -> dict[str, Any]:
+def is_unix_url(url: str) -> bool:
+    """Whether ``url`` names a local socket (``unix:///path.sock``) rather than a TCP server."""
+    return urlsplit(url).scheme.lower() == "unix"
+
+
+def connection_options(*, asyncio: bool = False, reconnect: bool = True, unix: bool = False) -> dict[str, Any]:
     """Options every client gets: reconnect with backoff across a Redis restart (~6 s in all) before
     giving up; ``reconnect=False``: fail at once (readiness probes). redis.asyncio needs its own
-    ``Retry`` class: it awaits its retries, a sync ``Retry`` is never applied."""
+    ``Retry`` class: it awaits its retries, a sync ``Retry`` is never applied. ``unix``: the
+    client talks over a local socket, which has no TCP keepalive (redis-py refuses the option)."""
     retry_class = AsyncRetry if asyncio else Retry
     if not reconnect:
         return {"retry": retry_class(NoBackoff(), 0)}
-    return {
+    options: dict[str, Any] = {
         "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": 30,
@@ -194,8 +200,10 @@ def connection_options(*, asyncio: bool = False, reconnect: bool = True) -> dict
         # (get_meta's BLPOP, the streams' XREAD BLOCK) and retries it into a ConnectionFailed;
         # waits are bounded by their own BLOCK/timeout arguments instead, as before redis-py 8.
         "socket_timeout": None,
-        "socket_keepalive": True,
     }
+    if not unix:
+        options["socket_keepalive"] = True
+    return options
 
 
 @lru_cache(maxsize=1)
@@ -465,7 +473,7 @@ def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **opti
     override :func:`connection_options`. Raises :class:`ConfigError` for a URL redis-py cannot use.
     """
     check_url(url)
-    base = connection_options(reconnect=reconnect)
+    base = connection_options(reconnect=reconnect, unix=is_unix_url(url))
     if cluster_mode(url, cluster):
         retry = options.pop("retry", base["retry"])
         options.setdefault("socket_timeout", None)  # see connection_options
@@ -495,7 +503,7 @@ def async_client(
     fails fast: callers that need a bound there hold a semaphore). The client connects on first use.
     """
     check_url(url)
-    base = connection_options(asyncio=True, reconnect=reconnect)
+    base = connection_options(asyncio=True, reconnect=reconnect, unix=is_unix_url(url))
     if cluster_mode(url, cluster):
         merged = {**base, **options}
         if max_connections is not None:

@@ -70,6 +70,8 @@ class EmbeddedServer:
         binary: server binary; the bundled Valkey by default (tests also pass ``redis-server``).
         die_with_parent: stop the server if this process dies (off for ``tq-redis up --detach``).
         extra_args: more ``--option value`` arguments for the server (cluster mode uses them).
+        unix_socket: also listen on this socket file (owner-only), for local clients at
+            :attr:`socket_url`; a path must fit in 107 bytes.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class EmbeddedServer:
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
         extra_args: Sequence[str] = (),
+        unix_socket: str | Path | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -93,11 +96,19 @@ class EmbeddedServer:
         self.binary = binary or valkey_binary()
         self.die_with_parent = die_with_parent
         self.extra_args = tuple(extra_args)
+        self.unix_socket = str(unix_socket) if unix_socket else None
+        if self.unix_socket and len(os.fsencode(self.unix_socket)) > 107:
+            raise ConfigError(f"socket path {self.unix_socket!r} is longer than the 107 bytes a socket path may have")
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def socket_url(self) -> str | None:
+        """``unix://`` URL of the server's socket file, None when it listens on TCP only."""
+        return f"unix://{self.unix_socket}" if self.unix_socket else None
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         """Start the server and wait until it answers PING."""
@@ -110,6 +121,7 @@ class EmbeddedServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
             "--protected-mode", "no",
+            *(("--unixsocket", self.unix_socket, "--unixsocketperm", "700") if self.unix_socket else ()),
             *self.extra_args,
         ]
         self.process = subprocess.Popen(

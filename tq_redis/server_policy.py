@@ -125,6 +125,8 @@ def redact(url: str) -> str:
         parts = urlsplit(url)
     except (TypeError, ValueError):
         return "<unreadable URL>"
+    if not parts.password and "password" not in parts.query:
+        return url  # as given: urlunsplit would write unix:///path as unix:/path
     if parts.query and "password" in parts.query:  # a Sentinel's own login: ?sentinel_password=...
         query = "&".join(
             f"{k}=***" if k.endswith("password") else f"{k}={v}" if sep else k

@@ -103,6 +103,8 @@ def test_refusals_map_to_typed_errors_without_the_password():
     assert server_policy.typed_error(url, redis.ResponseError("WRONGTYPE")) is None
     assert server_policy.redact(url) == "redis://user:***@host:6379/0"
     assert server_policy.redact("redis://h:1/0") == "redis://h:1/0"
+    assert server_policy.redact("unix:///run/redis.sock") == "unix:///run/redis.sock"
+    assert server_policy.redact("unix://:secret@/run/redis.sock?db=0") == "unix://:***@/run/redis.sock?db=0"
 
 
 @pytest.mark.parametrize("policy, outcome", [
