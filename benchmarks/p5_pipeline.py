@@ -156,20 +156,21 @@ def _response_lengths(cfg: dict[str, Any]) -> dict[int, int]:
 def _rows(value: Any) -> list[Any]:
     """Per-sample 1-D tensors of a jagged (or dense 2-D) field. A jagged tensor (what both systems
     return) is cut at its offsets (:func:`tq_redis.jagged.row_views`): its ``unbind()``, ~0.2 ms a
-    field, would be charged to both systems as overhead."""
-    if value.is_nested and value.layout == torch.jagged:
+    field, would be charged to both systems as overhead. Torch's own jagged class is recognised
+    by its type first: ``.is_nested`` and ``.layout`` go through its ``__torch_function__``."""
+    if jagged_parts(value) is not None or (value.is_nested and value.layout == torch.jagged):
         return row_views(value)
     return list(value.unbind())
 
 
 def _flat(value: Any) -> Any:
     """A per-sample ``[B, 1]`` field as a ``[B]`` tensor (both systems return it nested)."""
+    parts = jagged_parts(value)
+    if parts is not None and parts.lengths is None:
+        return parts.values[int(parts.offsets[0]) : int(parts.offsets[-1])]
     if not value.is_nested:
         return value.reshape(-1)
-    parts = jagged_parts(value)
-    if parts is None or parts.lengths is not None:
-        return value.values()
-    return parts.values[int(parts.offsets[0]) : int(parts.offsets[-1])]
+    return value.values()
 
 
 def _partition(step: int) -> str:

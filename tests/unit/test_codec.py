@@ -295,6 +295,43 @@ def test_one_d_jagged_rows_decode_like_the_general_path(dtype: torch.dtype) -> N
         assert [tensor_bytes(p) for p in out.unbind()] == [tensor_bytes(p) for p in parts]
 
 
+@pytest.mark.parametrize("dtype", [d for d in COMMON_DTYPES if _creatable(d)], ids=str)
+def test_small_and_large_batches_decode_alike_whether_joined_or_copied(dtype: torch.dtype, monkeypatch) -> None:
+    # a field up to JOIN_MAX_BYTES is joined into one new buffer, a larger one copied natively:
+    # the same bytes, shapes and jagged bounds either way, in memory the output owns
+    parts = [random_tensor(dtype, (n, 2), seed=n) for n in (3, 0, 1, 6)]
+    jagged = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+    dense = random_tensor(dtype, (4, 3), seed=7)
+    stored_values = {}
+    for name, value in (("j", jagged), ("d", dense)):
+        _, per_sample = codec.encode_field(name, value, 4)
+        stored_values[name] = [bytearray(stored(s)) for s in per_sample]
+    decoded = {}
+    for limit in (codec.JOIN_MAX_BYTES, 0):
+        monkeypatch.setattr(codec, "JOIN_MAX_BYTES", limit)
+        decoded[limit] = {name: codec.decode_field(name, values) for name, values in stored_values.items()}
+    for out in decoded.values():
+        assert [tensor_bytes(p) for p in out["j"].unbind()] == [tensor_bytes(p) for p in parts]
+        assert torch.equal(out["j"].offsets(), torch.tensor([0, 3, 3, 4, 10]))
+        assert out["d"].shape == dense.shape and tensor_bytes(out["d"]) == tensor_bytes(dense)
+    joined = decoded[codec.JOIN_MAX_BYTES]
+    for values in stored_values.values():  # the output is a copy: clobbering the reads leaves it intact
+        for v in values:
+            v[:] = bytes(len(v))
+    assert tensor_bytes(joined["d"]) == tensor_bytes(dense)
+    assert [tensor_bytes(p) for p in joined["j"].unbind()] == [tensor_bytes(p) for p in parts]
+    joined["d"].view(torch.uint8).fill_(0)  # and writable
+    assert not any(tensor_bytes(joined["d"]))
+
+
+def test_a_field_of_empty_rows_decodes_through_the_join() -> None:
+    jagged = torch.nested.as_nested_tensor([torch.zeros(0), torch.zeros(0)], layout=torch.jagged)
+    _, per_sample = codec.encode_field("j", jagged, 2)
+    out = codec.decode_field("j", [stored(s) for s in per_sample])
+    assert out.layout == torch.jagged and out.values().numel() == 0
+    assert torch.equal(out.offsets(), torch.tensor([0, 0, 0]))
+
+
 def test_row_lengths_declines_values_it_cannot_vouch_for() -> None:
     code = dtypes.dtype_code("t", torch.int64)
     rows = [stored(s) for s in codec.encode_field("t", torch.nested.as_nested_tensor(
