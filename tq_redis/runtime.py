@@ -80,7 +80,7 @@ def init(conf: Any = None) -> dict[str, Any]:
                 )
         except BaseException:
             if server is not None:
-                ray_discovery.withdraw(server.url)
+                ray_discovery.withdraw(_served_url(server))
             _stop(nodes, server)
             if cfg["redis"]["url"] is not None:
                 connections.declare_cluster(cfg["redis"]["url"], None)
@@ -140,11 +140,17 @@ def _gives_sampler(conf: Any) -> bool:
     return plain.get("sampler") is not None or (plain.get("controller") or {}).get("sampler") is not None
 
 
+def _served_url(server: EmbeddedServer) -> str:
+    """The URL clients of an embedded server get: its socket's (every client is on its host, and
+    a socket skips the TCP stack), its loopback port's where the socket path was too long."""
+    return server.socket_url or server.url
+
+
 def _start_embedded(cfg: dict[str, Any]) -> tuple[EmbeddedServer, Any]:
     """An embedded Valkey and, for the dram store, this process's local storage nodes."""
     storage = cfg["storage"]
-    server = EmbeddedServer().start()
-    cfg["redis"]["url"] = server.url
+    server = EmbeddedServer(unix_socket=True).start()
+    cfg["redis"]["url"] = _served_url(server)
     nodes = None
     try:
         if storage["backend"] == "dram":
@@ -192,6 +198,6 @@ def close() -> None:
         server_policy.forget(cfg["redis"]["url"])
         durability.declare(cfg["redis"]["url"], None)
         if _state.get("server") is not None:
-            ray_discovery.withdraw(_state["server"].url)
+            ray_discovery.withdraw(_served_url(_state["server"]))
         _stop(_state.get("nodes"), _state.get("server"))
         _state.clear()
