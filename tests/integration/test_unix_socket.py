@@ -105,3 +105,14 @@ def test_a_missing_socket_is_a_connection_error_that_names_it(tmp_path, namespac
             client.get_partition_list()
         finally:
             client.close()
+
+
+def test_a_socket_path_too_long_for_linux_falls_back_or_is_refused(tmp_path):
+    deep = tmp_path / ("d" * 120)
+    server = EmbeddedServer(data_dir=deep, unix_socket=True)  # init()'s choice: TCP only, no error
+    assert server.socket_url is None and server.url.startswith("redis://127.0.0.1:")
+    with pytest.raises(errors.ConfigError, match="longer than the 107 bytes"):
+        EmbeddedServer(data_dir=tmp_path, unix_socket=deep / "redis.sock")
+    short = EmbeddedServer(data_dir=tmp_path, unix_socket=True)
+    expected = tmp_path / "valkey.sock"
+    assert short.socket_url == (f"unix://{expected}" if len(str(expected)) <= 107 else None)
