@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from itertools import accumulate, repeat
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from tq_redis import buffers, fastcopy
 from tq_redis.backends.batches import RowBlock, ValueTable
 from tq_redis.dtypes import NO_DTYPE, dtype_code, dtype_from_code
 from tq_redis.errors import EmptyBatch, StorageError, UnsupportedValue
-from tq_redis.jagged import JAGGED_CLASS, jagged_tensor, parts_of
+from tq_redis.jagged import JAGGED_CLASS, jagged_tensor, parts_of, row_offsets
 from tq_redis.objects import decode_object, encode_samples
 from tq_redis.schemas import (
     KIND_JAGGED,
@@ -206,7 +206,7 @@ def _jagged_from_parts(
             f"says {lengths[i] * row}; the value is truncated or corrupt"
         )
     n = len(payloads)
-    bounds = np.fromiter(accumulate(lengths, initial=0), np.int64, n + 1)
+    bounds = row_offsets(lengths)
     total = int(bounds[-1])
     if total * row <= JOIN_MAX_BYTES:
         values = _joined(payloads, dtype, (total, *rest))

@@ -86,6 +86,12 @@ def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor, min_seqlen: int, 
     return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
 
 
+def row_offsets(lengths: Sequence[int]) -> np.ndarray:
+    """The ``len(lengths) + 1`` start offsets of rows of ``lengths`` (int64; from numpy, because
+    ``torch.tensor`` of a Python list costs ~3x as much for a few rows)."""
+    return np.fromiter(accumulate(lengths, initial=0), np.int64, len(lengths) + 1)
+
+
 def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """The jagged nested tensor of ``rows`` (one tensor per sample, ragged in their first
     dimension, alike in the others): what ``torch.nested.as_nested_tensor(rows,
@@ -98,8 +104,7 @@ def jagged_from_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     if not rows:
         raise ValueError("a jagged tensor needs at least one row")
     lengths = [len(r) for r in rows]
-    # from numpy: torch.tensor() of a Python list costs ~3x as much for a few rows
-    offsets = torch.from_numpy(np.fromiter(accumulate(lengths, initial=0), np.int64, len(lengths) + 1))
+    offsets = torch.from_numpy(row_offsets(lengths))
     device = rows[0].device
     if device.type != "cpu":
         offsets = offsets.to(device)

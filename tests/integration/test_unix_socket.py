@@ -8,7 +8,6 @@ and failed at its first command) fails here.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,10 +18,9 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
-from tests.conftest import server_binary
+from tests.conftest import make_client, server_binary
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
 from tq_redis.embedded import EmbeddedServer
-from tq_redis.keys import config_key
 
 
 @pytest.fixture(params=["valkey", "redis7"])
@@ -38,18 +36,8 @@ def socket_url(request) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _redis_store(url: str, namespace: str) -> None:
-    """Keep the namespace's values in Redis (no storage nodes to start for these tests)."""
-    import redis
-
-    r = redis.Redis.from_url(url)
-    r.hset(config_key(namespace), "storage", json.dumps({"backend": "redis", "options": {}}))
-    r.close()
-
-
 def test_sync_client_puts_waits_claims_and_reads_over_a_socket(socket_url, namespace):
-    _redis_store(socket_url, namespace)
-    client = TransferQueueClient(socket_url, namespace, nested_output=False)
+    client = make_client(socket_url, namespace)  # values in the redis store, dense fields
     try:
         assert "U" in client.redis.client_info()["flags"]  # the server sees a unix-socket client
         client.put(TensorDict({"x": torch.arange(4)}, batch_size=[4]), partition_id="p")
@@ -66,7 +54,7 @@ def test_sync_client_puts_waits_claims_and_reads_over_a_socket(socket_url, names
 
 
 def test_async_client_round_trips_over_a_socket(socket_url, namespace):
-    _redis_store(socket_url, namespace)
+    make_client(socket_url, namespace).close()  # records the redis store for the namespace
 
     async def main():
         aclient = AsyncTransferQueueClient(socket_url, namespace, nested_output=False)
