@@ -12,10 +12,11 @@ COPY tq_redis ./tq_redis
 COPY lua ./lua
 COPY backends ./backends
 COPY examples ./examples
-# gcc only for the build: it compiles tq_redis._copy, the native batch copies of the data plane
+# gcc only for the build: it compiles tq_redis._copy and tq_redis._scan, the data plane's native modules
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install . \
     && python -c "import tq_redis.fastcopy as f; assert f.NATIVE, 'tq_redis._copy did not build'" \
+    && python -c "import tq_redis.batchscan as b; assert b.NATIVE, 'tq_redis._scan did not build'" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 ENTRYPOINT []

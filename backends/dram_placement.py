@@ -9,11 +9,12 @@ same in every process (``zlib.crc32`` and ``blake2b``, never Python's salted ``h
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
+
+from tq_redis.batchscan import crc32_keys
 
 __all__ = ["Ring", "group_by_node", "key_hashes"]
 
@@ -47,8 +48,7 @@ def _seed(node_id: str) -> int:
 
 def key_hashes(keys: Sequence[str]) -> np.ndarray:
     """Stable 64-bit hashes of keys (identical in every process, unlike ``hash``)."""
-    raw = np.fromiter(map(zlib.crc32, map(str.encode, keys)), np.uint64, len(keys))
-    return _mix64(raw)
+    return _mix64(crc32_keys(keys))
 
 
 class Ring(Generic[M]):

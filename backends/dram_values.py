@@ -19,7 +19,7 @@ import numpy as np
 from tq_redis.backends.base import Buffer, Segments
 from tq_redis.backends.batches import RowBlock, ValueChain, ValueTable
 
-from tq_redis import buffers, fastcopy
+from tq_redis import batchscan, buffers, fastcopy
 from tq_redis.errors import InvalidArgument
 
 __all__ = ["Gathered", "PutValues", "private_copy"]
@@ -42,29 +42,6 @@ def _as_bytes_view(seg: Any) -> Buffer:
 
 _NBYTES = operator.attrgetter("nbytes")
 _CONTIGUOUS = operator.attrgetter("c_contiguous")
-_FORMAT = operator.attrgetter("format")
-_NDIM = operator.attrgetter("ndim")
-
-
-def _plain_sizes(segments: list) -> np.ndarray | None:
-    """Sizes of segments that are all ``bytes`` or contiguous one-dimensional byte memoryviews.
-
-    That is what the codec produces; anything else returns None (normalise it first).
-    """
-    kinds = set(map(type, segments))
-    if not kinds <= {bytes, memoryview}:
-        return None
-    if kinds == {memoryview}:
-        views = segments
-    elif set(map(type, segments[1::2])) == {memoryview} and set(map(type, segments[::2])) == {bytes}:
-        views = segments[1::2]  # the codec's usual [header, payload] pairs
-    else:
-        views = [x for x in segments if type(x) is memoryview]
-    if views and (
-        set(map(_FORMAT, views)) != {"B"} or set(map(_NDIM, views)) != {1} or not all(map(_CONTIGUOUS, views))
-    ):
-        return None
-    return np.fromiter(map(len, segments), np.int64, len(segments))
 
 
 class PutValues:
@@ -112,18 +89,17 @@ class PutValues:
         )
 
     def _listed(self, values: Sequence[Segments]) -> tuple[np.ndarray, ...]:
-        # per-segment work stays in C (map/fromiter/set): this runs for every segment of every put
-        if set(map(type, values)) <= {list, tuple}:
-            vals = values
-        else:
+        # per-segment work stays in C (batchscan, or map/fromiter/set): it runs for every segment of every put
+        scanned = batchscan.plain_segments(values)
+        if scanned is None:
             vals = [(v,) if isinstance(v, (bytes, bytearray, memoryview)) else v for v in values]
-        flat = list(itertools.chain.from_iterable(vals))
-        nbytes = _plain_sizes(flat)
-        if nbytes is None:
-            flat, nbytes = self._normalised(flat)
+            scanned = batchscan.plain_segments(vals)
+            if scanned is None:
+                flat = list(itertools.chain.from_iterable(vals))
+                scanned = (*self._normalised(flat), np.fromiter(map(len, vals), np.int64, len(vals)))
+        flat, nbytes, nseg = scanned
         k = len(self.bufs)
         self.bufs += flat
-        nseg = np.fromiter(map(len, vals), np.int64, len(vals))
         whole = np.ones(len(flat), bool)  # every segment is a buffer of its own
         return np.arange(k, k + len(flat), dtype=np.int64), np.zeros(len(flat), np.int64), nbytes, nseg, whole
 

@@ -63,12 +63,12 @@ else
 fi
 
 # An editable install records the source path; reinstall if it points elsewhere or if
-# pyproject.toml changed since the last install (new dependencies).
+# pyproject.toml, setup.py or a native module's source changed since the last install.
 STAMP="$VENV/.tq-redis-pyproject.sha256"
-want_stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/tq_redis/*.c | sha256sum | cut -d' ' -f1)"
 if { "$VENV/bin/python" -m pip show tq-redis 2>/dev/null || true; } | grep -q "Editable project location: $ROOT\$" \
     && [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
-    say "tq-redis already installed editable from $ROOT (pyproject.toml unchanged)"
+    say "tq-redis already installed editable from $ROOT (pyproject.toml, setup.py and native sources unchanged)"
 else
     say "installing tq-redis (this repo) editable from $ROOT"
     "${PIP[@]}" install -e "$ROOT" "torch==${TORCH_VERSION}" "transferqueue==${TQ_REF_VERSION}" "${BENCH_PINS[@]}"

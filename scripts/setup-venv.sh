@@ -13,22 +13,24 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
   .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
-# tq_redis._copy (the data plane's batched copies) is compiled at install: it needs a C compiler
-# and Python's headers. Without them the install still works, with slower Python copies.
+# tq_redis._copy (the data plane's batched copies) and tq_redis._scan (a batch's sizes and key
+# hashes) are compiled at install: they need a C compiler and Python's headers. Without them the
+# install still works, with the same work done, more slowly, in Python.
 headers=$(.venv/bin/python -c "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))")
 build_deps=()
 command -v cc >/dev/null 2>&1 || build_deps+=(gcc libc6-dev)
 [ "$headers" = True ] || build_deps+=(python3-dev)
 if [ ${#build_deps[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing build tools for the native copy module: ${build_deps[*]}"
+    echo "[setup] installing build tools for the native modules: ${build_deps[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${build_deps[@]}" >/dev/null
   else
-    echo "[setup] note: ${build_deps[*]} missing; tq_redis._copy will not build and copies run in Python"
+    echo "[setup] note: ${build_deps[*]} missing; tq_redis._copy and tq_redis._scan will not build and their work runs in Python"
   fi
 fi
 stamp=.venv/.tq-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ tq_redis/_copy.c -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+    || [ -n "$(find tq_redis -name '*.c' -newer "$stamp")" ]; then
   echo "[setup] installing tq-redis (editable) with test extras"
   .venv/bin/pip install -q -e ".[test]"
   touch "$stamp"
