@@ -202,6 +202,8 @@ class _Stage:
         self.get_meta_calls = 0
         self.empty = 0
         self.claim_s = 0.0
+        self.claim_cpu_s = 0.0  # CPU seconds of this thread in the claims and reads (fetch)
+        self.put_cpu_s = 0.0  # CPU seconds of this thread in the puts of its outputs (store)
         self.cpu0 = time.process_time()
         self.batch_log: list[tuple[int, float, float]] = []  # (step, wall clock at start, compute s)
         self.compute = Compute(cfg["compute"], cfg["device_us_per_token"])
@@ -215,6 +217,13 @@ class _Stage:
         the claim returned; ``None`` when nothing was ready (after waiting). tq-redis claims and
         reads in one call (``get_meta_and_data``), the reference with ``get_meta`` then ``get_data``."""
         self.check()
+        cpu0 = time.thread_time()
+        try:
+            return self._fetch(fields, batch_size, step, task)
+        finally:
+            self.claim_cpu_s += time.thread_time() - cpu0
+
+    def _fetch(self, fields: list[str], batch_size: int, step: int, task: str) -> tuple[Any, Any, float] | None:
         t0 = time.perf_counter()
         data = None
         if self.system == "tq_redis":
@@ -251,7 +260,9 @@ class _Stage:
 
     def store(self, meta: Any, t0: float, tokens: int, **outputs: Any) -> None:
         """Put ``outputs`` (one row per sample of ``meta``) and count the micro-batch as done."""
+        cpu0 = time.thread_time()
         self.client.put(TensorDict(outputs, batch_size=[meta.size]), metadata=meta)
+        self.put_cpu_s += time.thread_time() - cpu0
         self.done(t0, meta.size, tokens)
 
     @contextlib.contextmanager
@@ -287,6 +298,8 @@ class _Stage:
             "get_meta_calls": self.get_meta_calls,
             "empty_polls": self.empty,
             "claim_s": self.claim_s,
+            "claim_cpu_s": self.claim_cpu_s,
+            "put_cpu_s": self.put_cpu_s,
             "cpu_s": time.process_time() - self.cpu0,  # the process's CPU over the stage, every thread
             "batch_log": self.batch_log,
         }
@@ -569,7 +582,7 @@ def _summarize(
     for stage, rs in by_stage.items():
         keys = (
             "busy_s", "compute_s", "compute_cpu_s", "cpu_s", "batches", "samples", "tokens", "get_meta_calls",
-            "empty_polls", "claim_s", "device_late_s",
+            "empty_polls", "claim_s", "device_late_s", "claim_cpu_s", "put_cpu_s",
         )  # fmt: skip
         stages[stage] = {"workers": len(rs), **{k: sum(r.get(k, 0) for r in rs) for k in keys}}
     tokens = stages["rollout"]["tokens"]
@@ -631,8 +644,8 @@ def _summarize(
     for stage, s in stages.items():
         print(
             f"[{name}]   {stage:8s} busy {s['busy_s']:6.2f} s "
-            f"(compute {s['compute_s']:6.2f} s, CPU {s['cpu_s']:6.2f} s), "
-            f"{s['batches']:4d} batches, "
+            f"(compute {s['compute_s']:6.2f} s, CPU {s['cpu_s']:6.2f} s: claims {s['claim_cpu_s']:5.3f}, "
+            f"puts {s['put_cpu_s']:5.3f}), {s['batches']:4d} batches, "
             f"{s['get_meta_calls']:5d} get_meta ({s['empty_polls']} empty)",
             flush=True,
         )
