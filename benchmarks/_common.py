@@ -168,6 +168,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "tq_redis_copies": _copy_mode(),
+        "tq_redis_scans": _scan_mode(),
     }
 
 
@@ -179,6 +180,15 @@ def _copy_mode() -> str:
         return "n/a"
     settings = fastcopy.configure()
     return f"native, up to {settings['threads']} threads" if settings else "Python loops (native module not built)"
+
+
+def _scan_mode() -> str:
+    """How tq-redis reads a put batch's sizes and key hashes here (the native module, or Python)."""
+    try:
+        from tq_redis import batchscan
+    except ImportError:
+        return "n/a"
+    return "native" if batchscan.NATIVE else "Python (native module not built)"
 
 
 def _cpu_model() -> str:

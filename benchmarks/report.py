@@ -354,7 +354,8 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         f"* **commit** `{commit[:12]}`" if commit else "* **commit** n/a (no git commit)",
         f"* **versions** torch {versions.get('torch')}, tensordict {versions.get('tensordict')}, "
         f"numpy {versions.get('numpy')}, ray {versions.get('ray')}",
-        f"* **tq-redis batch copies** {machine.get('tq_redis_copies', 'n/a')} (see Bulk copies under Backends)",
+        f"* **tq-redis batch copies** {machine.get('tq_redis_copies', 'n/a')}, batch scans "
+        f"{machine.get('tq_redis_scans', 'n/a')} (see Bulk copies under Backends)",
         "",
         "| # | measure | tq-redis | reference | tq-redis vs reference | target | met |",
         "|---|---|---|---|---|---|---|",

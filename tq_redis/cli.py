@@ -179,7 +179,7 @@ def _version_line() -> str:
     """The package version, and whether this install copies batches with the native module."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from tq_redis import fastcopy
+    from tq_redis import batchscan, fastcopy
 
     try:
         ver = version("tq-redis")
@@ -191,7 +191,12 @@ def _version_line() -> str:
         if settings
         else "native batch copies off (Python loops; see TQ_NATIVE_COPY, or install a C compiler and reinstall)"
     )
-    return f"tq-redis {ver}: {copies}"
+    scans = (
+        "native batch scans on"
+        if batchscan.NATIVE
+        else "native batch scans off (Python; see TQ_NATIVE_SCAN, or install a C compiler and reinstall)"
+    )
+    return f"tq-redis {ver}: {copies}; {scans}"
 
 
 def build_parser() -> argparse.ArgumentParser:

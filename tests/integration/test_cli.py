@@ -46,12 +46,18 @@ def test_status_needs_a_url():
     assert out.returncode == 2 and "TQ_REDIS_URL" in out.stderr
 
 
-def test_version_says_whether_batches_are_copied_natively():
-    on = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60, check=True)
+def test_version_says_whether_batches_are_copied_and_scanned_natively():
+    wide = {**os.environ, "COLUMNS": "200"}  # argparse wraps the version line to the terminal
+    on = subprocess.run(CLI + ["--version"], capture_output=True, text=True, env=wide, timeout=60, check=True)
     assert on.stdout.startswith("tq-redis ") and "native batch copies on" in on.stdout
+    assert "native batch scans on" in on.stdout
     env = {**os.environ, "TQ_NATIVE_COPY": "0", "COLUMNS": "200"}
     off = subprocess.run(CLI + ["--version"], capture_output=True, text=True, env=env, timeout=60, check=True)
     assert "native batch copies off" in off.stdout and "TQ_NATIVE_COPY" in off.stdout
+    assert "native batch scans on" in off.stdout  # each module is switched off on its own
+    env = {**os.environ, "TQ_NATIVE_SCAN": "0", "COLUMNS": "200"}
+    off = subprocess.run(CLI + ["--version"], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert "native batch scans off" in off.stdout and "TQ_NATIVE_SCAN" in off.stdout
 
 
 def test_up_serves_until_interrupted():
