@@ -202,8 +202,10 @@ class _Stage:
         self.get_meta_calls = 0
         self.empty = 0
         self.claim_s = 0.0
-        self.claim_cpu_s = 0.0  # CPU seconds of this thread in the claims and reads (fetch)
-        self.put_cpu_s = 0.0  # CPU seconds of this thread in the puts of its outputs (store)
+        # CPU seconds of the process (every thread: a client may work in its own threads) in the
+        # claims and reads (fetch), and in the puts of the stage's outputs (store)
+        self.claim_cpu_s = 0.0
+        self.put_cpu_s = 0.0
         self.cpu0 = time.process_time()
         self.batch_log: list[tuple[int, float, float]] = []  # (step, wall clock at start, compute s)
         self.compute = Compute(cfg["compute"], cfg["device_us_per_token"])
@@ -217,11 +219,11 @@ class _Stage:
         the claim returned; ``None`` when nothing was ready (after waiting). tq-redis claims and
         reads in one call (``get_meta_and_data``), the reference with ``get_meta`` then ``get_data``."""
         self.check()
-        cpu0 = time.thread_time()
+        cpu0 = time.process_time()
         try:
             return self._fetch(fields, batch_size, step, task)
         finally:
-            self.claim_cpu_s += time.thread_time() - cpu0
+            self.claim_cpu_s += time.process_time() - cpu0
 
     def _fetch(self, fields: list[str], batch_size: int, step: int, task: str) -> tuple[Any, Any, float] | None:
         t0 = time.perf_counter()
@@ -260,9 +262,9 @@ class _Stage:
 
     def store(self, meta: Any, t0: float, tokens: int, **outputs: Any) -> None:
         """Put ``outputs`` (one row per sample of ``meta``) and count the micro-batch as done."""
-        cpu0 = time.thread_time()
+        cpu0 = time.process_time()
         self.client.put(TensorDict(outputs, batch_size=[meta.size]), metadata=meta)
-        self.put_cpu_s += time.thread_time() - cpu0
+        self.put_cpu_s += time.process_time() - cpu0
         self.done(t0, meta.size, tokens)
 
     @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""One pass over the Python objects of a big batch: its values' segment sizes and its keys' hashes.
+"""One pass over the Python objects of a batch: its values' sizes, its keys' hashes, its rows joined.
 
-A store's put is handed thousands of values (each a list of buffer segments) under string keys.
-Reading the segments' sizes and hashing the keys costs a few hundred nanoseconds per object from
-Python; the optional native module :mod:`tq_redis._scan` visits each object once in C. Without it
-(no C compiler at install time, or ``TQ_NATIVE_SCAN=0``) the same functions run in Python, with
-identical results and the same error types.
+A store's put is handed thousands of values (each a list of buffer segments) under string keys,
+and decoding a claimed field means checking each value's header and joining the payloads.
+From Python each of those steps costs a few hundred nanoseconds per object; the optional native
+module :mod:`tq_redis._scan` visits each object once in C. Without it (no C compiler at install
+time, or ``TQ_NATIVE_SCAN=0``) :func:`plain_segments` and :func:`crc32_keys` run in Python with
+identical results and the same error types, and the joins return ``None``: their callers' own
+Python path does that work then.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NATIVE", "crc32_keys", "plain_segments"]
+__all__ = ["NATIVE", "crc32_keys", "join_framed", "join_rows", "plain_segments"]
+
+
+_NATIVE_FUNCTIONS = ("segments", "crc32_keys", "join_framed", "join_rows")
 
 
 def _load_native() -> Any:
@@ -28,7 +33,8 @@ def _load_native() -> Any:
         from tq_redis import _scan
     except ImportError:
         return None
-    return _scan
+    # a build older than this module (an editable checkout not rebuilt) lacks functions: use Python
+    return _scan if all(hasattr(_scan, f) for f in _NATIVE_FUNCTIONS) else None
 
 
 _native = _load_native()
@@ -96,3 +102,24 @@ def crc32_keys(keys: Sequence[str]) -> np.ndarray:
     if _native is not None and type(keys) in (list, tuple):
         return np.frombuffer(_native.crc32_keys(keys), np.uint64)
     return np.fromiter(map(zlib.crc32, map(str.encode, keys)), np.uint64, len(keys))
+
+
+def join_framed(values: Sequence[Any], prefix: bytes, size: int) -> bytearray | None:
+    """The parts after ``prefix`` of every value, one after the other, in a new ``bytearray``,
+    when ``values`` is a list of ``bytes``, ``bytearray`` or memoryviews, each exactly ``size``
+    bytes long and starting with ``prefix``; ``None`` otherwise, or without the native module."""
+    if _native is None or type(values) is not list:
+        return None
+    return _native.join_framed(values, prefix, size)
+
+
+def join_rows(
+    values: Sequence[Any], prefix: bytes, itemsize: int, max_bytes: int
+) -> tuple[bytearray, bytearray, int, int] | None:
+    """``(payloads, offsets, shortest, longest)`` of one-dimensional rows: each value is ``prefix``,
+    its length ``n`` (little-endian int64), then ``n * itemsize`` bytes. ``payloads`` joins them;
+    ``offsets`` holds the ``len(values) + 1`` start offsets in items as native int64. ``None`` when
+    a value is not like that, the payloads exceed ``max_bytes``, or without the native module."""
+    if _native is None or type(values) is not list or not values:
+        return None
+    return _native.join_rows(values, prefix, itemsize, max_bytes)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import buffers, fastcopy
+from tq_redis import batchscan, buffers, fastcopy
 from tq_redis.backends.batches import RowBlock, ValueTable
 from tq_redis.dtypes import NO_DTYPE, dtype_code, dtype_from_code
 from tq_redis.errors import EmptyBatch, StorageError, UnsupportedValue
@@ -65,6 +65,7 @@ from tq_redis.wireformat import (
     plain_tensor,
     prod,
     row_lengths,
+    row_prefix,
     tensor_from_bytes,
 )
 
@@ -219,6 +220,37 @@ def _jagged_from_parts(
     return jagged_tensor(values, torch.from_numpy(bounds), min(lengths), max(lengths))
 
 
+def _decode_joined(name: str, values: list, nested_output: bool) -> Any:
+    """The field decoded by one native join (:mod:`tq_redis.batchscan`) when it is one of the two
+    common shapes within :data:`JOIN_MAX_BYTES`: dense tensor values sharing one header, or 1-D
+    jagged rows (token ids, log-probs). ``None`` for anything else, which the general path of
+    :func:`decode_field` decodes (and names what is wrong with a value that is not well formed)."""
+    first = values[0]
+    plain_view = type(first) is memoryview and first.format == "B" and first.ndim == 1
+    if not (plain_view or type(first) in (bytes, bytearray)):
+        return None
+    h0 = parse_header(first, name, 0)
+    if h0.kind == K_TENSOR:
+        dtype = dtype_from_code(h0.code, name)
+        nb = prod(h0.shape) * dtype.itemsize
+        if len(values) * nb > JOIN_MAX_BYTES:
+            return None
+        buf = batchscan.join_framed(values, bytes(first[: h0.offset]), h0.offset + nb)
+        if buf is None:
+            return None
+        out = _wrapped(buf, dtype, (len(values), *h0.shape))
+        return _dense_to_jagged(out) if nested_output and out.ndim >= 2 else out
+    if h0.kind == K_JAGGED and len(h0.shape) == 1 and not h0.extra:
+        dtype = dtype_from_code(h0.code, name)
+        rows = batchscan.join_rows(values, row_prefix(K_JAGGED, h0.code), dtype.itemsize, JOIN_MAX_BYTES)
+        if rows is None:
+            return None
+        buf, offsets, shortest, longest = rows
+        flat = _wrapped(buf, dtype, (len(buf) // dtype.itemsize,))
+        return jagged_tensor(flat, torch.frombuffer(offsets, dtype=torch.int64), shortest, longest)
+    return None
+
+
 #: Up to this many bytes in all, a field's payloads are joined into one new buffer that the
 #: decoded tensor wraps: one C call, where the native copier's tables cost more for a few small
 #: rows (~25 µs of a 16-row jagged field). Larger batches go to :mod:`tq_redis.fastcopy`.
@@ -227,7 +259,11 @@ JOIN_MAX_BYTES = 64 << 10
 
 def _joined(payloads: list[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The tensor of ``shape`` whose bytes are ``payloads`` one after another (they add up to it)."""
-    buf = bytearray().join(payloads)
+    return _wrapped(bytearray().join(payloads), dtype, shape)
+
+
+def _wrapped(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of ``shape`` whose memory is ``buf`` (no copy; an empty one for no bytes)."""
     if not buf:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(buf, dtype=dtype)
@@ -344,6 +380,10 @@ def decode_field(
     n = len(values)
     if n == 0:
         raise EmptyBatch(f"field {name!r}: no values to decode")
+    if batchscan.NATIVE and type(values) is list:
+        joined = _decode_joined(name, values, nested_output)
+        if joined is not None:
+            return joined
     table = values if isinstance(values, ValueTable) else None
     mvs = [] if table is not None else _bytes_views(values)
     h0 = parse_header(table[0] if table is not None else mvs[0], name, 0)

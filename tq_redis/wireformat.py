@@ -46,6 +46,7 @@ __all__ = [
     "plain_tensor",
     "prod",
     "row_lengths",
+    "row_prefix",
     "tensor_from_bytes",
 ]
 
@@ -138,6 +139,12 @@ ROW_HEADER_SIZE = _FIXED_SIZE + 8
 _ROW_LENGTH = struct.Struct("<q")
 
 
+def row_prefix(kind: int, code: int) -> bytes:
+    """The first bytes of every 1-D value of header kind ``kind`` and dtype code ``code`` without
+    extra header bytes; its length (one little-endian int64) follows."""
+    return _FIXED.pack(_MAGIC, _VERSION, kind, code, 1, 0)
+
+
 def row_lengths(mvs: Sequence[memoryview], kind: int, code: int, itemsize: int) -> list[int] | None:
     """The lengths of ``mvs`` when every value is a 1-D value of header kind ``kind`` and dtype
     code ``code``, without extra header bytes, holding exactly its ``length * itemsize`` payload
@@ -147,7 +154,7 @@ def row_lengths(mvs: Sequence[memoryview], kind: int, code: int, itemsize: int) 
     :class:`Header` per sample. ``None`` sends the caller to :func:`parse_header`, which names
     what is wrong with a value that is not well formed.
     """
-    prefix = _FIXED.pack(_MAGIC, _VERSION, kind, code, 1, 0)
+    prefix = row_prefix(kind, code)
     if min(map(len, mvs), default=0) < ROW_HEADER_SIZE:
         return None
     if not all(mv[:_FIXED_SIZE] == prefix for mv in mvs):

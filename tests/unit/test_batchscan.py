@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import zlib
@@ -116,3 +117,73 @@ def test_placement_does_not_depend_on_the_implementation(monkeypatch) -> None:
 def test_a_key_that_is_not_text_raises_the_same_error_either_way(impl, bad, error) -> None:
     with pytest.raises(error):
         batchscan.crc32_keys(bad)
+
+
+def _row(prefix: bytes, items: bytes, itemsize: int) -> bytes:
+    return prefix + struct.pack("<q", len(items) // itemsize) + items
+
+
+ROW_PREFIX = b"TQ\x01\x02\x07\x01\x00\x00"  # any 8 bytes: join_rows compares, it does not parse
+
+
+@pytest.mark.skipif(not batchscan.NATIVE, reason="the joins exist only in the native module")
+def test_join_rows_joins_payloads_and_counts_offsets_in_items() -> None:
+    rows = [_row(ROW_PREFIX, bytes(range(n * 4)), 4) for n in (3, 0, 1, 5)]
+    mixed = [rows[0], memoryview(rows[1]), bytearray(rows[2]), memoryview(rows[3])]
+    for values in (rows, mixed):
+        joined, offsets, shortest, longest = batchscan.join_rows(values, ROW_PREFIX, 4, 1 << 16)
+        assert bytes(joined) == b"".join(r[16:] for r in rows)
+        assert np.frombuffer(offsets, np.int64).tolist() == [0, 3, 3, 4, 9]
+        assert (shortest, longest) == (0, 5)
+        assert isinstance(joined, bytearray) and isinstance(offsets, bytearray)  # writable, for torch
+
+
+@pytest.mark.skipif(not batchscan.NATIVE, reason="the joins exist only in the native module")
+def test_join_rows_declines_what_the_general_path_must_name() -> None:
+    good = _row(ROW_PREFIX, bytes(8), 4)
+    negative = ROW_PREFIX + struct.pack("<q", -1)
+    huge = ROW_PREFIX + struct.pack("<q", 1 << 62) + bytes(8)
+    for bad in (
+        good[:-1],  # truncated
+        good + b"x",  # longer than its length says
+        good[:12],  # shorter than a header
+        b"XX" + good[2:],  # another prefix (magic, kind or dtype)
+        negative,
+        huge,  # a length whose byte count would overflow
+        bytes(good).replace(ROW_PREFIX, ROW_PREFIX[:7] + b"\x01"),
+    ):
+        assert batchscan.join_rows([good, bad], ROW_PREFIX, 4, 1 << 16) is None
+    assert batchscan.join_rows([good, memoryview(bytes(64))[::2]], ROW_PREFIX, 4, 1 << 16) is None  # strided
+    assert batchscan.join_rows([good, "text"], ROW_PREFIX, 4, 1 << 16) is None
+    assert batchscan.join_rows([good, good], ROW_PREFIX, 4, 15) is None  # 16 payload bytes > max
+    assert batchscan.join_rows([good, good], ROW_PREFIX, 4, 16) is not None
+    assert batchscan.join_rows([], ROW_PREFIX, 4, 16) is None
+
+
+@pytest.mark.skipif(not batchscan.NATIVE, reason="the joins exist only in the native module")
+def test_join_framed_joins_what_follows_one_shared_header() -> None:
+    head = b"HEAD1234"
+    values = [head + bytes([i]) * 6 for i in range(5)]
+    joined = batchscan.join_framed([values[0], memoryview(values[1]), bytearray(values[2]), *values[3:]], head, 14)
+    assert joined == bytearray(b"".join(bytes([i]) * 6 for i in range(5)))
+    assert batchscan.join_framed([values[0], values[1][:-1]], head, 14) is None  # another size
+    assert batchscan.join_framed([values[0], b"HEAD1235" + bytes(6)], head, 14) is None  # another header
+    assert batchscan.join_framed([values[0], 7], head, 14) is None
+    assert batchscan.join_framed(values, head, 4) is None  # a size shorter than the header
+    assert batchscan.join_framed([head, head], head, 8) == bytearray()
+
+
+def test_without_the_native_module_the_joins_leave_the_work_to_the_caller(monkeypatch) -> None:
+    monkeypatch.setattr(batchscan, "_native", None)
+    assert batchscan.join_framed([b"HEADxx"], b"HEAD", 6) is None
+    assert batchscan.join_rows([_row(ROW_PREFIX, bytes(4), 4)], ROW_PREFIX, 4, 64) is None
+
+
+def test_a_stale_native_build_is_not_used(monkeypatch) -> None:
+    # an editable checkout whose C module predates this Python module runs in Python, not half-native
+    code = (
+        "import sys, types; stale = types.ModuleType('tq_redis._scan'); stale.segments = stale.crc32_keys = print; "
+        "sys.modules['tq_redis._scan'] = stale; from tq_redis import batchscan; print(batchscan.NATIVE)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

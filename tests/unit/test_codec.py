@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tests.unit.values import Opaque, Point, assert_same, python_objects, random_tensor, tensor_bytes
-from tq_redis import codec, dtypes, fastcopy, schemas, wireformat
+from tq_redis import batchscan, codec, dtypes, fastcopy, schemas, wireformat
 from tq_redis.errors import (
     BatchSizeMismatch,
     EmptyBatch,
@@ -49,6 +49,15 @@ def roundtrip(name: str, value: Any, n: int, **kw: Any) -> tuple[dict, Any]:
     return schema, codec.decode_field(name, [stored(s) for s in per_sample], **kw)
 
 
+@pytest.fixture(params=["native", "python"])
+def scan(request, monkeypatch):
+    """Decode once through the native joins (tq_redis.batchscan) and once through Python."""
+    if request.param == "python":
+        monkeypatch.setattr(batchscan, "_native", None)
+        monkeypatch.setattr(batchscan, "NATIVE", False)
+    return request.param
+
+
 ALL_DTYPES = sorted(dtypes.DTYPE_TO_CODE, key=str)
 COMMON_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
@@ -71,7 +80,7 @@ def _creatable(dtype: torch.dtype) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [d for d in ALL_DTYPES if _creatable(d)], ids=str)
-def test_dense_roundtrip_every_dtype_bit_exact(dtype: torch.dtype) -> None:
+def test_dense_roundtrip_every_dtype_bit_exact(dtype: torch.dtype, scan) -> None:
     x = random_tensor(dtype, (4, 3, 2), seed=1)
     schema, out = roundtrip("x", x, 4)
     assert schema == {"kind": "tensor", "dtype": str(dtype).removeprefix("torch."), "shape": [3, 2]}
@@ -176,7 +185,7 @@ def test_gpu_tensors_are_moved_to_cpu_once() -> None:
     assert [p.tolist() for p in out.unbind()] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
 
 
-def test_dense_decode_is_writable_and_warning_free_from_readonly_bytes() -> None:
+def test_dense_decode_is_writable_and_warning_free_from_readonly_bytes(scan) -> None:
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     _, per_sample = codec.encode_field("x", x, 3)
     values = [stored(s) for s in per_sample]  # immutable bytes
@@ -188,7 +197,7 @@ def test_dense_decode_is_writable_and_warning_free_from_readonly_bytes() -> None
     assert values == [stored(s) for s in codec.encode_field("x", x, 3)[1]]
 
 
-def test_decode_accepts_bytes_bytearray_memoryview_and_uint8_tensor() -> None:
+def test_decode_accepts_bytes_bytearray_memoryview_and_uint8_tensor(scan) -> None:
     x = torch.arange(6, dtype=torch.int16).reshape(3, 2)
     _, per_sample = codec.encode_field("x", x, 3)
     raw = [stored(s) for s in per_sample]
@@ -221,7 +230,7 @@ def test_rows_with_different_shapes_decode_to_nested() -> None:
     assert torch.equal(parts[2], torch.zeros(5))
 
 
-def test_nested_output_option_returns_jagged_like_reference() -> None:
+def test_nested_output_option_returns_jagged_like_reference(scan) -> None:
     x = torch.arange(12).reshape(3, 4)
     _, per_sample = codec.encode_field("x", x, 3)
     out = codec.decode_field("x", [stored(s) for s in per_sample], nested_output=True)
@@ -280,7 +289,7 @@ def test_jagged_bf16_1d_components_are_zero_copy() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
-def test_one_d_jagged_rows_decode_like_the_general_path(dtype: torch.dtype) -> None:
+def test_one_d_jagged_rows_decode_like_the_general_path(dtype: torch.dtype, scan) -> None:
     # rows read through row_lengths (no header per sample) must equal what per-sample headers give
     parts = [random_tensor(dtype, (n,), seed=n) for n in (5, 0, 1, 9)]
     _, per_sample = codec.encode_field("tokens", torch.nested.as_nested_tensor(parts, layout=torch.jagged), 4)
@@ -296,7 +305,7 @@ def test_one_d_jagged_rows_decode_like_the_general_path(dtype: torch.dtype) -> N
 
 
 @pytest.mark.parametrize("dtype", [d for d in COMMON_DTYPES if _creatable(d)], ids=str)
-def test_small_and_large_batches_decode_alike_whether_joined_or_copied(dtype: torch.dtype, monkeypatch) -> None:
+def test_small_and_large_batches_decode_alike_whether_joined_or_copied(dtype: torch.dtype, monkeypatch, scan) -> None:
     # a field up to JOIN_MAX_BYTES is joined into one new buffer, a larger one copied natively:
     # the same bytes, shapes and jagged bounds either way, in memory the output owns
     parts = [random_tensor(dtype, (n, 2), seed=n) for n in (3, 0, 1, 6)]
@@ -324,12 +333,44 @@ def test_small_and_large_batches_decode_alike_whether_joined_or_copied(dtype: to
     assert not any(tensor_bytes(joined["d"]))
 
 
-def test_a_field_of_empty_rows_decodes_through_the_join() -> None:
+def test_a_field_of_empty_rows_decodes_through_the_join(scan) -> None:
     jagged = torch.nested.as_nested_tensor([torch.zeros(0), torch.zeros(0)], layout=torch.jagged)
     _, per_sample = codec.encode_field("j", jagged, 2)
     out = codec.decode_field("j", [stored(s) for s in per_sample])
     assert out.layout == torch.jagged and out.values().numel() == 0
     assert torch.equal(out.offsets(), torch.tensor([0, 0, 0]))
+
+
+@pytest.mark.parametrize("dtype", [d for d in COMMON_DTYPES if _creatable(d)], ids=str)
+@pytest.mark.parametrize("nested_output", [False, True])
+def test_the_native_joins_decode_exactly_as_python_does(dtype: torch.dtype, nested_output: bool, monkeypatch) -> None:
+    # a claim's small fields take batchscan's joins: same class, dtype, shape, bounds and bytes
+    fields = {
+        "tokens": torch.nested.as_nested_tensor(
+            [random_tensor(dtype, (n,), seed=n) for n in (4, 0, 1, 7)], layout=torch.jagged
+        ),
+        "scalar": random_tensor(dtype, (4,), seed=2),
+        "per_row": random_tensor(dtype, (4, 1), seed=3),
+        "block": random_tensor(dtype, (4, 2, 3), seed=4),
+    }
+    values = {}
+    for name, value in fields.items():
+        per_sample = codec.encode_field(name, value, 4)[1]
+        values[name] = [stored(s) for s in per_sample]
+    native = {name: codec.decode_field(name, v, nested_output=nested_output) for name, v in values.items()}
+    monkeypatch.setattr(batchscan, "_native", None)
+    monkeypatch.setattr(batchscan, "NATIVE", False)
+    python = {name: codec.decode_field(name, v, nested_output=nested_output) for name, v in values.items()}
+    for name in fields:
+        a, b = native[name], python[name]
+        assert type(a) is type(b) and a.dtype == b.dtype and a.is_nested == b.is_nested, name
+        if a.is_nested:
+            assert torch.equal(a.offsets(), b.offsets()) and tensor_bytes(a.values()) == tensor_bytes(b.values())
+            bounds = [{k: t.shape[0] for k, t in x._metadata_cache.items()} for x in (a, b)]
+            assert bounds[0] == bounds[1] and bounds[0].keys() == {"min_seqlen", "max_seqlen"}
+            assert [tensor_bytes(r) for r in a.unbind()] == [tensor_bytes(r) for r in b.unbind()]
+        else:
+            assert a.shape == b.shape and tensor_bytes(a) == tensor_bytes(b)
 
 
 def test_row_lengths_declines_values_it_cannot_vouch_for() -> None:
@@ -350,7 +391,7 @@ def test_row_lengths_declines_values_it_cannot_vouch_for() -> None:
     assert wireformat.row_lengths([mvs[0], memoryview(negative)], wireformat.K_JAGGED, code, 8) is None
 
 
-def test_a_bad_row_among_jagged_rows_is_still_named() -> None:
+def test_a_bad_row_among_jagged_rows_is_still_named(scan) -> None:
     # the fast path declines, so the per-sample check names the sample and what is wrong
     rows = [stored(s) for s in codec.encode_field("t", torch.nested.as_nested_tensor(
         [torch.arange(3), torch.arange(2), torch.arange(4)], layout=torch.jagged), 3)[1]]  # fmt: skip
