@@ -199,6 +199,12 @@ def _rows_p2(merged: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _rounds(rates: list[float | None] | None) -> str:
+    """``"median of 3: a / b / c; "`` for a measure run in several rounds, else nothing."""
+    rates = rates or []
+    return f"median of {len(rates)}: {' / '.join(map(_num, rates))}; " if len(rates) > 1 else ""
+
+
 def _rows_p3(merged: dict[str, Any]) -> list[Row]:
     ours, ref = _both(merged, "p3_concurrency")
     p = _params(merged, "p3_concurrency")
@@ -207,7 +213,8 @@ def _rows_p3(merged: dict[str, Any]) -> list[Row]:
              f"{p.get('samples', '?')} samples: claims/s")  # fmt: skip
     return [
         _run_row("P3", label, (ours, ref), "claims_per_s",
-                 lambda res, rate: f"{_num(rate)}/s ({_num(res.get('wall_s'))} s, {res.get('duplicates')} dup)",
+                 lambda res, rate: f"{_num(rate)}/s ({_rounds(res.get('rounds_claims_per_s'))}"
+                                   f"{_num(res.get('wall_s'))} s, {res.get('duplicates')} dup)",
                  "≥ 5× the reference, 0 duplicates", 5, clean)
     ]  # fmt: skip
 
@@ -227,9 +234,7 @@ def _rows_p5(merged: dict[str, Any]) -> list[Row]:
 
     def describe(res: dict[str, Any], rate: float | None) -> str:
         once = "each sample trained once" if res.get("exactly_once") else "NOT exactly once"
-        rounds = res.get("rounds_steps_per_s") or []
-        spread = f"median of {len(rounds)}: {' / '.join(map(_num, rounds))}; " if len(rounds) > 1 else ""
-        return f"{_num(rate)} ({spread}{_num(res.get('wall_s'))} s, {once})"
+        return f"{_num(rate)} ({_rounds(res.get('rounds_steps_per_s'))}{_num(res.get('wall_s'))} s, {once})"
 
     label = (f"`demo`-shaped pipeline, {p.get('steps', '?')} steps × {p.get('batch', '?')} prompts × "
              f"{p.get('n_samples', '?')} samples: steps/s")  # fmt: skip
