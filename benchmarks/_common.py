@@ -103,6 +103,19 @@ def run_per_system(systems: list[str], measure: Callable[[str], dict[str, Any]])
     return out
 
 
+def median_round(runs: list[dict[str, Any]], rate_key: str) -> dict[str, Any] | None:
+    """Of a measure run in rounds, a copy of the round with the median ``rate_key`` (the lower
+    middle for an even count), with every round's rate under ``rounds_<rate_key>`` and how many
+    rounds failed under ``rounds_failed``; ``None`` when every round failed."""
+    done = sorted((r for r in runs if r.get(rate_key)), key=lambda r: r[rate_key])
+    if not done:
+        return None
+    median = dict(done[(len(done) - 1) // 2])
+    median[f"rounds_{rate_key}"] = [r.get(rate_key) for r in runs]
+    median["rounds_failed"] = len(runs) - len(done)
+    return median
+
+
 def ratio(ours: float | None, ref: float | None) -> float | None:
     """``ours / ref`` when both are positive numbers, else ``None``."""
     if not ours or not ref:

@@ -44,7 +44,7 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks._common import median_round, parse_args, print_run_comparison, run_per_system, write_result
 from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
 
 MEASURE = "p3_concurrency"
@@ -292,18 +292,15 @@ def _cpu_per_sample(reports: list[dict[str, Any]], samples: int) -> float | None
 
 
 def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median claims/s (the lower middle for an even count), with every
-    round's rate; duplicates and missing samples summed over the rounds, complete only if every
-    round was. All rounds failed: the first one's error."""
-    done = sorted((r for r in runs if r.get("claims_per_s")), key=lambda r: r["claims_per_s"])
-    if not done:
+    """The round with the median claims/s (:func:`benchmarks._common.median_round`); duplicates
+    and missing samples summed over the rounds, complete only if every round was. All rounds
+    failed: the first one's error."""
+    median = median_round(runs, "claims_per_s")
+    if median is None:
         return runs[0]
-    median = dict(done[(len(done) - 1) // 2])
-    median["rounds_claims_per_s"] = [r.get("claims_per_s") for r in runs]
-    median["rounds_failed"] = len(runs) - len(done)
-    median["duplicates"] = sum(r.get("duplicates", 0) for r in done)
-    median["missing"] = sum(r.get("missing", 0) for r in done)
-    median["complete"] = len(done) == len(runs) and all(r.get("complete") for r in done)
+    median["duplicates"] = sum(r.get("duplicates", 0) for r in runs)
+    median["missing"] = sum(r.get("missing", 0) for r in runs)
+    median["complete"] = median["rounds_failed"] == 0 and all(r.get("complete") for r in runs)
     return median
 
 

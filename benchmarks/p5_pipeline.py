@@ -72,7 +72,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from benchmarks._common import parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks._common import median_round, parse_args, print_run_comparison, run_per_system, write_result
 from benchmarks.p5_accounting import compute_bound, compute_lanes, cpu_split, machine_cpu_seconds, print_cpu
 from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
@@ -661,15 +661,12 @@ def _measure_in(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median steps/s (the lower middle for an even count), plus every round's
-    steps/s; exactly-once holds only if it held in every round. All failed: the first error."""
-    done = sorted((r for r in runs if r.get("steps_per_s")), key=lambda r: r["steps_per_s"])
-    if not done:
+    """The run with the median steps/s (:func:`benchmarks._common.median_round`); exactly-once
+    holds only if it held in every round. All failed: the first error."""
+    median = median_round(runs, "steps_per_s")
+    if median is None:
         return runs[0]
-    median = dict(done[(len(done) - 1) // 2])
-    median["rounds_steps_per_s"] = [r.get("steps_per_s") for r in runs]
-    median["rounds_failed"] = len(runs) - len(done)
-    median["exactly_once"] = len(done) == len(runs) and all(r.get("exactly_once") for r in runs)
+    median["exactly_once"] = median["rounds_failed"] == 0 and all(r.get("exactly_once") for r in runs)
     return median
 
 

@@ -213,9 +213,10 @@ static int64_t read_le64(const char *p)
 
 PyDoc_STRVAR(join_framed_doc,
 "join_framed(values, prefix, size) -> bytearray or None\n\n"
-"values: a list of bytes, bytearrays or memoryviews, each exactly `size` bytes starting with `prefix` (the\n"
-"header every dense value of a field shares). Returns their parts after the prefix, one after the\n"
-"other, in a new bytearray; None when a value is not like that (or none of those types).");
+"values: a list of bytes, bytearrays or memoryviews, each exactly `size` bytes starting with\n"
+"`prefix` (the header every dense value of a field shares). Returns their parts after the prefix,\n"
+"one after the other, in a new bytearray; None when a value is not like that (or none of those\n"
+"types).");
 
 static PyObject *join_framed(PyObject *self, PyObject *args)
 {
@@ -260,11 +261,12 @@ done:
 
 PyDoc_STRVAR(join_rows_doc,
 "join_rows(values, prefix, itemsize, max_bytes) -> (bytearray, offsets, min, max) or None\n\n"
-"values: a list of bytes, bytearrays or memoryviews, each a one-dimensional row: `prefix`, its length n as a\n"
-"little-endian int64, then exactly n * itemsize bytes. Returns the rows' payloads one after the\n"
-"other in a new bytearray, the len(values) + 1 start offsets (in items) as a bytearray of native\n"
-"int64, and the shortest and longest length. None when a value is not like that, or the payloads\n"
-"add up to more than max_bytes (the caller then takes its general path, which names what is wrong).");
+"values: a list of bytes, bytearrays or memoryviews, each a one-dimensional row: `prefix`, its\n"
+"length n as a little-endian int64, then exactly n * itemsize bytes. Returns the rows' payloads\n"
+"one after the other in a new bytearray, the len(values) + 1 start offsets (in items) as a\n"
+"bytearray of native int64, and the shortest and longest length. None when a value is not like\n"
+"that, or the payloads add up to more than max_bytes (the caller then takes its general path,\n"
+"which names what is wrong).");
 
 static PyObject *join_rows(PyObject *self, PyObject *args)
 {
