@@ -220,41 +220,18 @@ def _jagged_from_parts(
     return jagged_tensor(values, torch.from_numpy(bounds), min(lengths), max(lengths))
 
 
-def _decode_joined(name: str, values: list, nested_output: bool) -> Any:
-    """The field decoded by one native join (:mod:`tq_redis.batchscan`) when it is one of the two
-    common shapes within :data:`JOIN_MAX_BYTES`: dense tensor values sharing one header, or 1-D
-    jagged rows (token ids, log-probs). ``None`` for anything else, which the general path of
-    :func:`decode_field` decodes (and names what is wrong with a value that is not well formed)."""
-    first = values[0]
-    plain_view = type(first) is memoryview and first.format == "B" and first.ndim == 1
-    if not (plain_view or type(first) in (bytes, bytearray)):
-        return None
-    h0 = parse_header(first, name, 0)
-    if h0.kind == K_TENSOR:
-        dtype = dtype_from_code(h0.code, name)
-        nb = prod(h0.shape) * dtype.itemsize
-        if len(values) * nb > JOIN_MAX_BYTES:
-            return None
-        buf = batchscan.join_framed(values, bytes(first[: h0.offset]), h0.offset + nb)
-        if buf is None:
-            return None
-        out = _wrapped(buf, dtype, (len(values), *h0.shape))
-        return _dense_to_jagged(out) if nested_output and out.ndim >= 2 else out
-    if h0.kind == K_JAGGED and len(h0.shape) == 1 and not h0.extra:
-        dtype = dtype_from_code(h0.code, name)
-        rows = batchscan.join_rows(values, row_prefix(K_JAGGED, h0.code), dtype.itemsize, JOIN_MAX_BYTES)
-        if rows is None:
-            return None
-        buf, offsets, shortest, longest = rows
-        flat = _wrapped(buf, dtype, (len(buf) // dtype.itemsize,))
-        return jagged_tensor(flat, torch.frombuffer(offsets, dtype=torch.int64), shortest, longest)
-    return None
-
-
 #: Up to this many bytes in all, a field's payloads are joined into one new buffer that the
 #: decoded tensor wraps: one C call, where the native copier's tables cost more for a few small
 #: rows (~25 µs of a 16-row jagged field). Larger batches go to :mod:`tq_redis.fastcopy`.
 JOIN_MAX_BYTES = 64 << 10
+
+
+def _framed_payloads(mvs: list[memoryview], prefix: bytes, size: int) -> bytearray | None:
+    """The parts after ``prefix`` of every value, joined, when each is ``size`` bytes and starts
+    with ``prefix`` (one native pass, :mod:`tq_redis.batchscan`, where built); else ``None``."""
+    if batchscan.NATIVE:
+        return batchscan.join_framed(mvs, prefix, size)
+    return bytearray().join([mv[len(prefix) :] for mv in mvs]) if _all_framed(mvs, prefix, size) else None
 
 
 def _joined(payloads: list[memoryview], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -380,10 +357,6 @@ def decode_field(
     n = len(values)
     if n == 0:
         raise EmptyBatch(f"field {name!r}: no values to decode")
-    if batchscan.NATIVE and type(values) is list:
-        joined = _decode_joined(name, values, nested_output)
-        if joined is not None:
-            return joined
     table = values if isinstance(values, ValueTable) else None
     mvs = [] if table is not None else _bytes_views(values)
     h0 = parse_header(table[0] if table is not None else mvs[0], name, 0)
@@ -398,10 +371,12 @@ def decode_field(
         else:
             array_dtype = np_dtype(h0.extra, name)
             nb = prod(h0.shape) * array_dtype.itemsize
+        if h0.kind == K_TENSOR and table is None and n * nb <= JOIN_MAX_BYTES:
+            buf = _framed_payloads(mvs, prefix, hlen + nb)
+            if buf is not None:
+                out: Any = _wrapped(buf, dtype, (n, *h0.shape))
+                return _dense_to_jagged(out) if nested_output and out.ndim >= 2 else out
         framed = _table_framed(table, prefix, hlen + nb) if table is not None else _all_framed(mvs, prefix, hlen + nb)
-        if framed and h0.kind == K_TENSOR and table is None and n * nb <= JOIN_MAX_BYTES:
-            out: Any = _joined([mv[hlen:] for mv in mvs], dtype, (n, *h0.shape))
-            return _dense_to_jagged(out) if nested_output and out.ndim >= 2 else out
         if framed:
             if h0.kind == K_TENSOR:
                 out = _empty_batch((n, *h0.shape), dtype)
@@ -422,6 +397,11 @@ def decode_field(
         mvs = list(table)
     if h0.kind == K_JAGGED and len(h0.shape) == 1 and not h0.extra:
         dtype = dtype_from_code(h0.code, name)
+        joined = batchscan.join_rows(mvs, row_prefix(K_JAGGED, h0.code), dtype.itemsize, JOIN_MAX_BYTES)
+        if joined is not None:  # the native module checked, measured and joined the rows in one pass
+            buf, offsets, shortest, longest = joined
+            flat = _wrapped(buf, dtype, (len(buf) // dtype.itemsize,))
+            return jagged_tensor(flat, torch.frombuffer(offsets, dtype=torch.int64), shortest, longest)
         lengths = row_lengths(mvs, K_JAGGED, h0.code, dtype.itemsize)
         if lengths is not None:  # one 1-D row per sample, the usual jagged field: no header objects
             return _jagged_from_parts(name, dtype, lengths, (), [mv[ROW_HEADER_SIZE:] for mv in mvs])
