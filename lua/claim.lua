@@ -68,7 +68,6 @@
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include balance
--- @include chunks
 -- @include events
 -- @include inline
 -- @include leases
@@ -93,55 +92,49 @@ local function claim(KEYS, ARGV)
   local fields = {unpack(ARGV, at + 1, at + nfields)}
   local waiter, wait_ms = ARGV[at + nfields + 1], tonumber(ARGV[at + nfields + 2] or '0')
 
-  -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua): known
-  -- only where the claim never hands out fewer than `want` ready samples -- not with a token
-  -- budget, or a rank's or a balanced choice an earlier rank stored. (Lapsed leases handed back
-  -- are need_met's business: leases may be taken after this waiter registered.)
-  local function wait_need()
-    if (sampler ~= 'sequential' and sampler ~= 'grpo') or tonumber(opts.max_tokens or '0') > 0 then
-      return nil
-    end
-    return need_of(want, fields)
-  end
-
   -- Nothing to hand out: with a waiter id and wait_ms > 0 the caller now waits for a wake token
   -- (registered in this same atomic step, so no event can slip in between); else it stops waiting.
   local function nothing(schemas, next_deadline)
     local registered = 0
     if waiter and wait_ms > 0 then
-      register_waiter(prefix, task, waiter, wait_ms, wait_need())
+      -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua):
+      -- known only where it never hands out fewer than `want` ready samples -- not with a token
+      -- budget, or a rank's or a balanced choice an earlier rank stored. (Lapsed leases handed
+      -- back are need_met's business: leases may be taken after this waiter registered.)
+      local need = nil
+      if (sampler == 'sequential' or sampler == 'grpo') and tonumber(opts.max_tokens or '0') <= 0 then
+        need = need_of(want, fields)
+      end
+      register_waiter(prefix, task, waiter, wait_ms, need)
       registered = 1
-      pass_unused(prefix, task, function() return ready_scanner(prefix, task, fields).next() ~= nil end)
+      pass_unused(prefix, task, function() return take_ready(prefix, task, fields, 1, {}) > 0 end)
     elseif waiter then
       redis.call('ZREM', prefix .. 'waiters:' .. task, waiter)
     end
     return {last_event_id(prefix), {}, schemas, {}, {}, next_deadline, registered}
   end
-  if redis.call('EXISTS', KEYS[1]) == 0 then
-    return nothing({}, -1)
-  end
-  redis.call('SADD', prefix .. 'tasks', task)
+  -- A partition that does not exist has no lease, no cached choice and no alive id, so nothing
+  -- below writes a key of it before ids are found; its existence is asked only when none are.
   local _, leased = release_lapsed(prefix, task, now_ms, max_deliveries)
   local function deadline() -- no lease in flight before and none taken now: none to report
     if leased or lease_ms > 0 then return next_lease_deadline(prefix, task) end
     return -1
   end
+  local function none_ready()
+    if redis.call('EXISTS', KEYS[1]) == 0 then return nothing({}, -1) end
+    redis.call('SADD', prefix .. 'tasks', task)
+    return nothing(read_schemas(prefix, fields), deadline())
+  end
 
   local function reply(ids, deliveries)
-    if #ids == 0 then return nothing(read_schemas(prefix, fields), deadline()) end
+    if #ids == 0 then return none_ready() end
+    redis.call('SADD', prefix .. 'tasks', task)
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
     pass_baton(prefix, task, function() return any_unconsumed(prefix, task) end) -- more for the other waiters?
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
     local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
                  deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}
     if opts._values == '1' then out[9] = inline_get(prefix, ids, fields) end
-    return out
-  end
-  local function known_deliveries(ids)
-    if lease_ms <= 0 or #ids == 0 then return {} end
-    local got = hmget_many(prefix .. 'dlv:' .. task, ids)
-    local out = {}
-    for i = 1, #ids do out[i] = tonumber(got[i]) or 0 end
     return out
   end
 
@@ -159,7 +152,7 @@ local function claim(KEYS, ARGV)
       local parts = {}
       for s in string.gmatch(cached, '[^;]+') do parts[#parts + 1] = s end
       local ids = parse_alive_ids(prefix, parts[part] or '')
-      if ids then return reply(ids, known_deliveries(ids)) end
+      if ids then return reply(ids, known_deliveries(prefix, task, ids, lease_ms)) end
       redis.call('DEL', cache_key) -- samples of the stored choice are gone: choose afresh
     end
   end
@@ -178,9 +171,7 @@ local function claim(KEYS, ARGV)
   if sampler == 'sequential' then select_opts.n = 1 end
 
   local ids, tags = select_units(prefix, task, fields, total, select_opts)
-  if #ids == 0 then
-    return nothing(read_schemas(prefix, fields), deadline())
-  end
+  if #ids == 0 then return none_ready() end
   local deliveries = mark_claimed(prefix, task, ids, now_ms, lease_ms)
   local ttl = tonumber(opts.ttl_ms) or 3600000
 
@@ -205,7 +196,7 @@ local function claim(KEYS, ARGV)
       if r == part then mine = members end
     end
     redis.call('SET', cache_key, table.concat(texts, ';'), 'PX', ttl)
-    return reply(mine, known_deliveries(mine))
+    return reply(mine, known_deliveries(prefix, task, mine, lease_ms))
   end
   return reply(ids, deliveries)
 end

@@ -9,6 +9,7 @@
     mark_claimed(prefix, task, ids, now_ms, lease_ms)  consumed (and leased); delivery counts
     poison_ids(prefix, task, ids)                      consumed for good, listed as poison
     next_lease_deadline(prefix, task)                  earliest lease deadline (ms), -1 if none
+    known_deliveries(prefix, task, ids, lease_ms)      delivery counts of ids with a lease, else {}
     release_lapsed(prefix, task, now_ms, max_deliveries)  hand lapsed leases back (or poison them)
   Touches:
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
@@ -63,6 +64,16 @@ local function next_lease_deadline(prefix, task)
   local first = redis.call('ZRANGE', prefix .. 'lease:' .. task, 0, 0, 'WITHSCORES')
   if #first == 0 then return -1 end
   return tonumber(first[2])
+end
+
+-- Delivery counts of `ids` (0 where never delivered) when claimed with a lease (lease_ms > 0),
+-- else {}: what a claim reports for ids it hands back from a stored choice.
+local function known_deliveries(prefix, task, ids, lease_ms)
+  if lease_ms <= 0 or #ids == 0 then return {} end
+  local got = hmget_many(prefix .. 'dlv:' .. task, ids)
+  local out = {}
+  for i = 1, #ids do out[i] = tonumber(got[i]) or 0 end
+  return out
 end
 
 -- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,

@@ -8,10 +8,12 @@
     user-sampler path, which must hand the full ready list to Python, and `progress` use it.
 
   Offers:
-    ready_scanner(prefix, task, fields, on_fill)  a stream of ready ids: next / unread / take
+    ready_scanner(prefix, task, fields, on_fill, from_byte)  a stream of ready ids: next / unread / take
+    take_ready(prefix, task, fields, want, out)   the first `want` ready ids (a claim's common case)
     any_unconsumed(prefix, task)                  whether some alive sample is not consumed by the task
     compute_ready(prefix, task, fields)           scratch key holding the ready bitmap, or nil
-    byte_and(a, b), BYTE_BIT, SCAN_MIN_BYTES, SCAN_MAX_BYTES   their parts
+    byte_and(a, b), BYTE_BIT, SCAN_MIN_BYTES, SCAN_MAX_BYTES, must_be_set, read_window,
+    decode_window, window_bytes                    their parts
   Touches:
     <p>:alive  <p>:prod:<field>  <p>:cons:<task>  <p>:fields
     <p>:tmp:ready  <p>:tmp:overlap               (compute_ready; the caller DELs tmp:ready)
@@ -57,6 +59,63 @@ local function compute_ready(prefix, task, fields)
   return ready
 end
 
+local SCAN_MIN_BYTES, SCAN_MAX_BYTES = 32, 4096
+
+-- The bitmaps every ready id has a set bit in: alive, then prod:<field> of each field.
+local function must_be_set(prefix, fields)
+  local ones = {prefix .. 'alive'}
+  for i = 1, #fields do ones[i + 1] = prefix .. 'prod:' .. fields[i] end
+  return ones
+end
+
+-- Bytes [b, b + nbytes) of each must-be-set bitmap (a table) and of the consumed bitmap.
+-- GETRANGE past a bitmap's end reads as fewer (or zero) bytes.
+local function read_window(ones, cons, b, nbytes)
+  local e = b + nbytes - 1
+  local strs = {}
+  for i = 1, #ones do strs[i] = redis.call('GETRANGE', ones[i], b, e) end
+  return strs, redis.call('GETRANGE', cons, b, e)
+end
+
+-- Append the ready ids of a window read at byte b (see read_window) to buf, which holds `tail`
+-- ids, ascending. Stops after the byte that brings buf to `hint` ids, leaving the rest of the
+-- window undecoded (a batch of 1 decodes one byte, not the window); bytes past the shortest
+-- must-be-set bitmap hold no ready id. Returns the new tail and the first byte not decoded.
+local function decode_window(strs, cs, b, nbytes, buf, tail, hint)
+  local stop = nbytes
+  for i = 1, #strs do stop = math.min(stop, #strs[i]) end
+  for j = 1, stop do
+    local r = 255
+    for i = 1, #strs do
+      local v = string.byte(strs[i], j) or 0
+      if v ~= 255 then
+        r = byte_and(r, v)
+        if r == 0 then break end
+      end
+    end
+    if r ~= 0 then
+      local c = string.byte(cs, j) or 0
+      if c ~= 0 then r = r - byte_and(r, c) end
+      if r ~= 0 then
+        local base = (b + j - 1) * 8
+        local offsets = SET_BITS[r]
+        for k = 1, #offsets do
+          tail = tail + 1
+          buf[tail] = base + offsets[k]
+        end
+        if tail >= hint then return tail, b + j end
+      end
+    end
+  end
+  return tail, b + stop
+end
+
+-- Window size in bytes for a read that expects to need `hint` more ids; `grow` doubles it while
+-- a claim keeps reading (filters may reject many ids).
+local function window_bytes(hint, grow)
+  return math.min(SCAN_MAX_BYTES, grow * math.max(SCAN_MIN_BYTES, math.ceil(hint / 8) + 1))
+end
+
 --[[
   A stream of the task's ready ids, ascending. Returns a table with
     next(hint)   the next ready id, or nil when there is none; `hint` (optional) is how many ids
@@ -64,19 +123,17 @@ end
     unread()     push the id last returned by next() back (one step only)
     take(k, out, count)  append up to k ids to `out` (holding `count`); returns the new count
   and, if `on_fill` is given, calls on_fill(ids, from, to) for every window of ids read (so a
-  sampler can HMGET the tags of a whole window in one call).
+  sampler can HMGET the tags of a whole window in one call). `from_byte` (optional) starts the
+  stream at that byte with full alignment, after a window the caller decoded itself.
 ]]
-local SCAN_MIN_BYTES, SCAN_MAX_BYTES = 32, 4096
-
-local function ready_scanner(prefix, task, fields, on_fill)
-  local ones = {prefix .. 'alive'}
-  for i = 1, #fields do ones[i + 1] = prefix .. 'prod:' .. fields[i] end
+local function ready_scanner(prefix, task, fields, on_fill, from_byte)
+  local ones = must_be_set(prefix, fields)
   local cons = prefix .. 'cons:' .. task
   -- No STRLEN up front (each redis.call costs the claim about a microsecond): BITPOS answers
   -- -1 past the end of a must-be-set bitmap, and GETRANGE past an end reads as zero bytes.
-  local byte, exhausted = 0, false
+  local byte, exhausted = from_byte or 0, false
   local buf, head, tail = {}, 1, 0
-  local grow = 1 -- windows double while a claim keeps reading (filters may reject many ids)
+  local grow = 1
 
   -- Leapfrog: the first byte >= b where every must-be-set bitmap has a set bit and the
   -- consumed bitmap a clear bit (byte granularity), or nil when there is none.
@@ -106,7 +163,7 @@ local function ready_scanner(prefix, task, fields, on_fill)
   -- The first window is read optimistically where the task's first unconsumed id lies: a
   -- task that keeps up with its producers finds ready ids there, and the must-be-set bitmaps'
   -- BITPOS calls are saved. A window that yields nothing turns the full alignment on.
-  local optimistic = true
+  local optimistic = from_byte == nil
 
   local function fill(hint)
     buf, head, tail = {}, 1, 0
@@ -123,44 +180,10 @@ local function ready_scanner(prefix, task, fields, on_fill)
         exhausted = true
         return
       end
-      local nbytes = math.min(SCAN_MAX_BYTES, grow * math.max(SCAN_MIN_BYTES, math.ceil(hint / 8) + 1))
+      local nbytes = window_bytes(hint, grow)
       grow = grow * 2
-      local e = b + nbytes - 1
-      local strs = {}
-      for i = 1, #ones do strs[i] = redis.call('GETRANGE', ones[i], b, e) end
-      local cs = redis.call('GETRANGE', cons, b, e)
-      local stop = e - b + 1 -- bytes past the shortest must-be-set bitmap hold no ready id
-      for i = 1, #strs do stop = math.min(stop, #strs[i]) end
-      e = b + stop - 1
-      for j = 1, stop do
-        local r = 255
-        for i = 1, #strs do
-          local v = string.byte(strs[i], j) or 0
-          if v ~= 255 then
-            r = byte_and(r, v)
-            if r == 0 then break end
-          end
-        end
-        if r ~= 0 then
-          local c = string.byte(cs, j) or 0
-          if c ~= 0 then r = r - byte_and(r, c) end
-          if r ~= 0 then
-            local base = (b + j - 1) * 8
-            local offsets = SET_BITS[r]
-            for k = 1, #offsets do
-              tail = tail + 1
-              buf[tail] = base + offsets[k]
-            end
-            -- Enough for the caller: leave the rest of the window undecoded (the next fill
-            -- starts at the following byte), so a batch of 1 decodes one byte, not the window.
-            if tail >= hint then
-              e = b + j - 1
-              break
-            end
-          end
-        end
-      end
-      byte = e + 1
+      local strs, cs = read_window(ones, cons, b, nbytes)
+      tail, byte = decode_window(strs, cs, b, nbytes, buf, 0, hint)
       if tail > 0 then
         if on_fill then on_fill(buf, 1, tail) end
         return
@@ -199,8 +222,24 @@ local function ready_scanner(prefix, task, fields, on_fill)
   return scanner
 end
 
+-- Append up to `want` of the task's first ready ids to `out` (empty); returns how many: what
+-- ready_scanner(prefix, task, fields).take(want, out, 0) returns, without building a stream for
+-- the common claim, whose whole batch lies in the window at the task's first unconsumed byte.
+-- Only a window holding too few goes on with a stream (full alignment) from the byte after it.
+local function take_ready(prefix, task, fields, want, out)
+  local cons = prefix .. 'cons:' .. task
+  local p = redis.call('BITPOS', cons, 0, 0)
+  local b = (p >= 0) and math.floor(p / 8) or 0
+  local nbytes = window_bytes(want, 1)
+  local strs, cs = read_window(must_be_set(prefix, fields), cons, b, nbytes)
+  local count, after = decode_window(strs, cs, b, nbytes, out, 0, want)
+  for i = count, want + 1, -1 do out[i] = nil end -- the last byte may hold more than wanted
+  if count >= want then return want end
+  return ready_scanner(prefix, task, fields, nil, after).take(want - count, out, count)
+end
+
 -- Whether some alive sample is not consumed by `task`, whatever its fields: what a waiter of the
 -- task could still claim once its fields are produced (a few BITPOS calls).
 local function any_unconsumed(prefix, task)
-  return ready_scanner(prefix, task, {}).next(1) ~= nil
+  return take_ready(prefix, task, {}, 1, {}) > 0
 end

@@ -60,7 +60,7 @@ local function select_units(prefix, task, fields, want, opts)
   -- before any of the tables the other samplers need is built (each costs the claim time).
   if n == 1 and not need_len and not min_version and max_deliveries <= 0 then
     local out = {}
-    if ready_scanner(prefix, task, fields).take(want, out, 0) < want then out = {} end
+    if take_ready(prefix, task, fields, want, out) < want then out = {} end
     return out, {len = {}}, {}
   end
 

@@ -61,7 +61,7 @@ local function need_met(prefix, task)
   for part in string.gmatch(need, '[^\t]+') do parts[#parts + 1] = part end
   local want = tonumber(parts[1])
   local fields = {unpack(parts, 2)}
-  return ready_scanner(prefix, task, fields).take(want, {}, 0) >= want
+  return take_ready(prefix, task, fields, want, {}) >= want
 end
 
 -- Wake one waiting consumer of `task`, unless there are already as many tokens as waiters, or

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
@@ -325,6 +325,51 @@ def test_sequential_matches_model(server):
                 fits = [i for i in world.ready if world.lengths.get(i, budget + 1) <= budget]
                 if version is None and fits:
                     assert expected, "never empty when one ready sample fits the budget"
+        finally:
+            client.close()
+
+
+@st.composite
+def wide_worlds(draw):
+    """A partition wider than a claim's first window (32 bytes = 256 ids): a consumed prefix, then
+    a field `y` produced for a few ids scattered over the rest, so the first ready ids may lie
+    many windows past the task's first unconsumed id, or be too few."""
+    total = draw(st.integers(300, 3000))
+    prefix = draw(st.integers(0, total))
+    ys = draw(st.lists(st.integers(0, total - 1), max_size=30, unique=True))
+    consumed = draw(st.lists(st.integers(0, total - 1), max_size=30, unique=True))
+    return total, set(ys), set(range(prefix)) | set(consumed)
+
+
+def test_sequential_scan_past_the_first_window_matches_model(server):
+    """A claim reads one window at the task's first unconsumed byte and goes on with a stream
+    (full alignment) only when that window holds too few ready ids: both paths pick exactly the
+    first `want` ready ids, or nothing when fewer are ready."""
+
+    @on(server)
+    @given(world=wide_worlds(), want=st.integers(1, 40))
+    # ids 500..751 are in the first window; only 582 and 679 of them are ready, so three come after
+    @example(world=(2000, set(range(0, 2000, 97)), set(range(500))), want=5)
+    def check(world, want):
+        total, ys, consumed = world
+        client = make_client(server.url, f"w{uuid.uuid4().hex[:8]}")
+        try:
+            everything = client.put(TensorDict({"x": torch.arange(total)}, batch_size=[total]), partition_id="p")
+            if ys:
+                produced = everything.select_samples(sorted(ys))
+                client.put(TensorDict({"y": torch.ones(len(ys))}, batch_size=[len(ys)]), metadata=produced)
+            pipe = client.redis.pipeline(transaction=False)
+            for i in consumed:
+                pipe.setbit(f"{client.namespace}:{{{client.namespace}/p}}:cons:t", i, 1)
+            pipe.execute()
+            ready = sorted(ys - consumed)
+            expected = ready[:want] if len(ready) >= want else []
+            config = {"sampler": "SequentialSampler"}
+            got = client.get_meta(["x", "y"], want, "p", task_name="t", sampling_config=config)
+            assert got.global_indexes == expected
+            # what is left is the rest, in order: the claim marked exactly its batch
+            rest = client.get_meta(["x", "y"], 1, "p", task_name="t", sampling_config=config)
+            assert rest.global_indexes == [x for x in ready if x not in expected][:1]
         finally:
             client.close()
 
