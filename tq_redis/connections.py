@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import ssl
 import threading
+from collections.abc import Awaitable, Callable
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
@@ -44,7 +46,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError
+from redis.exceptions import AskError, AuthenticationError
 from redis.retry import Retry
 
 from tq_redis import sentinel
@@ -184,14 +186,56 @@ def is_unix_url(url: str) -> bool:
     return urlsplit(url).scheme.lower() == "unix"
 
 
+def unfixable_by_reconnecting(error: BaseException) -> bool:
+    """Whether a connection error is one no reconnect can fix: credentials the server refuses
+    (redis-py's ``AuthenticationError`` is a ``ConnectionError``), or a server certificate that fails
+    verification (a ``ConnectionError`` raised while handling the ``ssl`` error)."""
+    if isinstance(error, AuthenticationError):
+        return True
+    seen: BaseException | None = error
+    for _ in range(4):  # the ssl error sits one or two links down the chain
+        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+    return False
+
+
+class _Reconnect(Retry):
+    """redis-py's retry with backoff, which gives up at once on an error no reconnect can fix:
+    a wrong password or an unverifiable certificate fails in milliseconds, not after the backoff."""
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def fail_or_give_up(error: Exception, *rest: Any) -> None:
+            fail(error, *rest)
+            if unfixable_by_reconnecting(error):
+                raise error
+
+        return super().call_with_retry(do, fail_or_give_up, *args, **kwargs)
+
+
+class _AsyncReconnect(AsyncRetry):
+    """:class:`_Reconnect` for redis.asyncio, whose retry awaits its failure handler."""
+
+    async def call_with_retry(
+        self, do: Callable[[], Awaitable[Any]], fail: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> Any:
+        async def fail_or_give_up(error: Exception, *rest: Any) -> None:
+            await fail(error, *rest)
+            if unfixable_by_reconnecting(error):
+                raise error
+
+        return await super().call_with_retry(do, fail_or_give_up, *args, **kwargs)
+
+
 def connection_options(*, asyncio: bool = False, reconnect: bool = True, unix: bool = False) -> dict[str, Any]:
     """Options every client gets: reconnect with backoff across a Redis restart (~6 s in all) before
-    giving up; ``reconnect=False``: fail at once (readiness probes). redis.asyncio needs its own
+    giving up, at once where no reconnect can help (:func:`unfixable_by_reconnecting`);
+    ``reconnect=False``: fail at once (readiness probes). redis.asyncio needs its own
     ``Retry`` class: it awaits its retries, a sync ``Retry`` is never applied. ``unix``: the
     client talks over a local socket, which has no TCP keepalive (redis-py refuses the option)."""
-    retry_class = AsyncRetry if asyncio else Retry
     if not reconnect:
-        return {"retry": retry_class(NoBackoff(), 0)}
+        return {"retry": (AsyncRetry if asyncio else Retry)(NoBackoff(), 0)}
+    retry_class = _AsyncReconnect if asyncio else _Reconnect
     options: dict[str, Any] = {
         "retry": retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=12),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],

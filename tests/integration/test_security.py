@@ -305,14 +305,19 @@ def test_namespace_users_work_in_their_namespace_and_are_refused_elsewhere(own_s
         c.close()
 
 
-def test_wrong_credentials_are_a_typed_error(own_server):
-    server, _ = own_server
+def test_wrong_credentials_are_a_typed_error_at_the_first_refusal(own_server):
+    server, admin = own_server
     _ns_user(server, "nsc")
+    admin.acl_log_reset()
     client = tq.TransferQueueClient(_user_url(server, "tq-nsc", "wrong"), "nsc")
     with pytest.raises(PermissionDenied, match="refused the credentials") as info:
         client.get_partition_list()
     assert "wrong" not in str(info.value)
     client.close()
+    # No reconnect can fix a refused password: one try per connection (the attach check's and the
+    # client's), not the reconnect backoff's 13 each.
+    refusals = [e for e in admin.acl_log() if e["reason"] == "auth"]
+    assert 1 <= sum(int(e["count"]) for e in refusals) <= 2
 
 
 def test_storage_nodes_register_with_their_own_user(own_server, monkeypatch):

@@ -138,3 +138,59 @@ def test_options_override_the_defaults_and_bounded_pools():
 )
 def test_keys_of_calls_routed_without_asking_the_server(args, keys):
     assert connections.keys_of_call(args) == keys
+
+
+def _verify_failure() -> redis.ConnectionError:
+    """What redis-py raises when the server's certificate fails verification: a ConnectionError
+    raised while handling the ssl error."""
+    import ssl
+
+    try:
+        try:
+            raise ssl.SSLCertVerificationError(1, "certificate verify failed: unable to get local issuer")
+        except OSError as error:
+            raise redis.ConnectionError(f"Error connecting: {error}")  # noqa: B904 - as redis-py does
+    except redis.ConnectionError as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize(
+    "error, gives_up_at_once",
+    [
+        (redis.exceptions.AuthenticationError("WRONGPASS invalid username-password pair"), True),
+        (_verify_failure(), True),
+        (redis.ConnectionError("Connection refused"), False),  # a restart: the whole backoff
+        (redis.TimeoutError("Timeout reading from socket"), False),
+    ],
+    ids=["credentials", "certificate", "refused", "timeout"],
+)
+@pytest.mark.parametrize("asyncio_client", [False, True], ids=["sync", "async"])
+def test_reconnects_give_up_at_once_only_where_no_reconnect_can_help(error, gives_up_at_once, asyncio_client):
+    from redis.backoff import NoBackoff
+
+    given = connections.connection_options(asyncio=asyncio_client)["retry"]
+    retries = given.get_retries()
+    assert retries == 12
+    retry = type(given)(NoBackoff(), retries)  # the same policy without the pauses
+    calls, failures = [], []
+    expected = 1 if gives_up_at_once else retries + 1
+
+    def do():
+        calls.append(1)
+        raise error
+
+    if asyncio_client:
+
+        async def ado():
+            do()
+
+        async def afail(e):
+            failures.append(e)
+
+        with pytest.raises(type(error)):
+            asyncio.run(retry.call_with_retry(ado, afail))
+    else:
+        with pytest.raises(type(error)):
+            retry.call_with_retry(do, failures.append)
+    assert len(calls) == expected
+    assert failures == [error] * expected  # redis-py's own failure handler still ran (it disconnects)
