@@ -19,13 +19,17 @@ EXAMPLES = {
     "channel.py": "channel OK",
     "transfer_dock.py": "transfer_dock OK",
     "pipeline.py": "pipeline OK: 64 samples",
-    "ray_placement.py": "ray_placement OK",  # starts a local Ray: about 20 s
+    "ray_placement.py": "ray_placement OK",
 }
+# Examples that start a local Ray (~20 s here) run in CI's "soak or slow" step.
+SLOW = {"ray_placement.py"}
 # small sizes for the examples that take options
 ARGS = {"pipeline.py": ["--steps", "2", "--batch", "32"]}
 
 
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
+@pytest.mark.parametrize(
+    "example", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in sorted(EXAMPLES)]
+)
 def test_example_runs(example):
     env = {k: v for k, v in os.environ.items() if k not in ("TQ_REDIS_URL", "TQ_NAMESPACE")}
     env["PYTHONPATH"] = str(ROOT)

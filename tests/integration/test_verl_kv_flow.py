@@ -55,6 +55,7 @@ def test_verl_flow_runs_every_step_in_one_process():
     assert any("in this process" in s for s in steps)
 
 
+@pytest.mark.slow  # ~45 s: Ray starts its worker processes three times; CI runs it in the "soak or slow" step
 def test_verl_flow_with_workers_in_ray():
     pytest.importorskip("ray")
     proc = _run("--ray", timeout=420)
