@@ -3,7 +3,8 @@
   task. Two ways to read it:
   - `ready_scanner` streams ready ids in ascending order straight from the bitmaps, a window at a
     time; BITPOS skips (in C) every run that cannot hold a ready id, so a claim costs
-    O(ids examined + words skipped), whatever the partition size. The claim script uses it.
+    O(ids examined + words skipped), whatever the partition size. The claim script uses it,
+    through `take_ready` for its common case (one window, no stream built).
   - `compute_ready` materialises the whole ready bitmap with BITOP (O(partition)); the
     user-sampler path, which must hand the full ready list to Python, and `progress` use it.
 
