@@ -194,7 +194,9 @@ def unfixable_by_reconnecting(error: BaseException) -> bool:
         return True
     seen: BaseException | None = error
     for _ in range(4):  # the ssl error sits one or two links down the chain
-        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            return False
         if isinstance(seen, ssl.SSLCertVerificationError):
             return True
     return False
