@@ -13,6 +13,10 @@ speed on loopback by up to 2x, so the limit is the best of several sizes (``PIEC
 4 MiB per call, and everything in one call), each way on its own. Nothing is decoded, indexed or
 stored there, so it is what loopback TCP and one Python process can do at best.
 
+The two are timed in alternating rounds (limit then store, store then limit, ...; the sizes are
+compared first), so both medians come from the same stretch of time: this machine's speed drifts
+by up to 2x within minutes, and a limit timed before the store would move the share with it.
+
 Reported per node count: GB/s (1e9 B/s) of put and get for both, and the store's share of the
 limit (target >= 70%).
 
@@ -22,6 +26,7 @@ limit (target >= 70%).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import socket
 import statistics
@@ -67,8 +72,9 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _peer(port_out: Any, nbytes: int, rounds: int) -> None:
-    """One plain "node": per round, receive ``nbytes`` (put) and acknowledge, then send ``nbytes`` (get)."""
+def _peer(port_out: Any, nbytes: int) -> None:
+    """One plain "node": per round, receive ``nbytes`` (put) and acknowledge, then send ``nbytes``
+    (get), until the client closes the connection."""
     server = socket.create_server(("127.0.0.1", 0))
     port_out.put(server.getsockname()[1])
     conn, _ = server.accept()
@@ -76,15 +82,19 @@ def _peer(port_out: Any, nbytes: int, rounds: int) -> None:
     buf = bytearray(nbytes)
     view = memoryview(buf)
     ask = bytearray(8)
-    for _ in range(rounds):
-        _recv_exactly(conn, view)  # put
-        conn.sendall(b"k")
-        _recv_exactly(conn, memoryview(ask))  # the client asks for the get, in pieces of this size
-        piece = int.from_bytes(ask, "little") or nbytes
-        for start in range(0, nbytes, piece):
-            conn.sendall(view[start : start + piece])
-    conn.close()
-    server.close()
+    try:
+        while True:
+            _recv_exactly(conn, view)  # put
+            conn.sendall(b"k")
+            _recv_exactly(conn, memoryview(ask))  # the client asks for the get, in pieces of this size
+            piece = int.from_bytes(ask, "little") or nbytes
+            for start in range(0, nbytes, piece):
+                conn.sendall(view[start : start + piece])
+    except ConnectionError:  # the client is done
+        pass
+    finally:
+        conn.close()
+        server.close()
 
 
 def _in_threads(fns: list[Callable[[], None]]) -> float:
@@ -97,69 +107,86 @@ def _in_threads(fns: list[Callable[[], None]]) -> float:
     return time.perf_counter() - start
 
 
-def socket_limit(nodes: int, iters: int) -> dict[str, Any]:
-    """Put and get GB/s of the same bytes over ``nodes`` plain connections (one receiver process
-    each): for each direction the best median over the send sizes of :data:`PIECES`."""
-    share = TOTAL // nodes
-    values_per_node = N_SAMPLES * N_FIELDS // nodes
-    payload = memoryview(np.random.default_rng(0).integers(0, 255, ROW * 8, dtype=np.uint8).tobytes())
-    ctx = mp.get_context("spawn")
-    ports = ctx.Queue()
-    rounds = len(PIECES) * (iters + 1)
-    procs = [ctx.Process(target=_peer, args=(ports, share, rounds), daemon=True) for _ in range(nodes)]
-    for p in procs:
-        p.start()
-    socks = []
-    for _ in procs:
-        s = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        socks.append(s)
-    recv_bufs = [memoryview(bytearray(share)) for _ in socks]
+class SocketLimit:
+    """Plain sockets moving the same bytes as the store: one receiver process per "node", the
+    client's side in one thread per connection. :meth:`put` and :meth:`get` time one 64 MiB
+    round with ``piece`` bytes per send call (0: everything in one call)."""
 
-    def put_to(sock: socket.socket, piece: int) -> Callable[[], None]:
-        def run() -> None:
-            iov: list[memoryview | bytes] = []
-            size = 0
-            for _ in range(values_per_node):
-                iov += (HEADER, payload)
-                size += len(HEADER) + len(payload)
-                if len(iov) >= MAX_IOV or (piece and size >= piece):
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.share = TOTAL // nodes
+        self.values_per_node = N_SAMPLES * N_FIELDS // nodes
+        self.payload = memoryview(np.random.default_rng(0).integers(0, 255, ROW * 8, dtype=np.uint8).tobytes())
+        self.procs: list[Any] = []
+        self.socks: list[socket.socket] = []
+        self.recv_bufs: list[memoryview] = []
+
+    def __enter__(self) -> SocketLimit:
+        ctx = mp.get_context("spawn")
+        ports = ctx.Queue()
+        self.procs = [ctx.Process(target=_peer, args=(ports, self.share), daemon=True) for _ in range(self.nodes)]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            s = socket.create_connection(("127.0.0.1", ports.get(timeout=60)))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(s)
+        self.recv_bufs = [memoryview(bytearray(self.share)) for _ in self.socks]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.socks:
+            s.close()
+        for p in self.procs:
+            p.join(timeout=30)
+
+    def put(self, piece: int) -> float:
+        """Seconds to send the 64 MiB, each connection its share (``piece`` bytes per call)."""
+
+        def put_to(sock: socket.socket) -> Callable[[], None]:
+            def run() -> None:
+                iov: list[memoryview | bytes] = []
+                size = 0
+                for _ in range(self.values_per_node):
+                    iov += (HEADER, self.payload)
+                    size += len(HEADER) + len(self.payload)
+                    if len(iov) >= MAX_IOV or (piece and size >= piece):
+                        _sendmsg_all(sock, iov)
+                        iov, size = [], 0
+                if iov:
                     _sendmsg_all(sock, iov)
-                    iov, size = [], 0
-            if iov:
-                _sendmsg_all(sock, iov)
-            sock.recv(1)
+                sock.recv(1)
 
-        return run
+            return run
 
-    def get_from(sock: socket.socket, buf: memoryview, piece: int) -> Callable[[], None]:
-        def run() -> None:
-            sock.sendall(piece.to_bytes(8, "little"))
-            _recv_exactly(sock, buf)
+        return _in_threads([put_to(s) for s in self.socks])
 
-        return run
+    def get(self, piece: int) -> float:
+        """Seconds to receive the 64 MiB, the peers sending ``piece`` bytes per call."""
 
-    by_piece: dict[int, tuple[float, float]] = {}
-    try:
+        def get_from(sock: socket.socket, buf: memoryview) -> Callable[[], None]:
+            def run() -> None:
+                sock.sendall(piece.to_bytes(8, "little"))
+                _recv_exactly(sock, buf)
+
+            return run
+
+        return _in_threads([get_from(s, b) for s, b in zip(self.socks, self.recv_bufs, strict=True)])
+
+    def best_pieces(self, iters: int) -> tuple[int, int, dict[str, dict[str, float]]]:
+        """``(put piece, get piece, GB/s per piece)``: the send size of :data:`PIECES` with the best
+        median of ``iters`` rounds (after a warm-up round), for each direction on its own."""
+        by_piece: dict[int, tuple[float, float]] = {}
         for piece in PIECES:
             puts, gets = [], []
             for _ in range(iters + 1):
-                puts.append(_in_threads([put_to(s, piece) for s in socks]))
-                gets.append(_in_threads([get_from(s, b, piece) for s, b in zip(socks, recv_bufs, strict=True)]))
+                puts.append(self.put(piece))
+                gets.append(self.get(piece))
             by_piece[piece] = statistics.median(puts[1:]), statistics.median(gets[1:])
-    finally:
-        for s in socks:
-            s.close()
-        for p in procs:
-            p.join(timeout=30)
-    put_piece = min(PIECES, key=lambda p: by_piece[p][0])
-    get_piece = min(PIECES, key=lambda p: by_piece[p][1])
-    put, get = by_piece[put_piece][0], by_piece[get_piece][1]
-    return {
-        "put": _gbps(put), "get": _gbps(get), "put_ms": put * 1e3, "get_ms": get * 1e3,
-        "put_piece": put_piece, "get_piece": get_piece,
-        "by_piece": {str(p): {"put": _gbps(t[0]), "get": _gbps(t[1])} for p, t in by_piece.items()},
-    }  # fmt: skip
+        put_piece = min(PIECES, key=lambda p: by_piece[p][0])
+        get_piece = min(PIECES, key=lambda p: by_piece[p][1])
+        table = {str(p): {"put": _gbps(t[0]), "get": _gbps(t[1])} for p, t in by_piece.items()}
+        return put_piece, get_piece, table
 
 
 def _sendmsg_all(sock: socket.socket, iov: list) -> None:
@@ -177,62 +204,120 @@ def _sendmsg_all(sock: socket.socket, iov: list) -> None:
 # ---------------------------------------------------------------------------- the storage nodes
 
 
-def store_tcp(url: str, nodes: int, iters: int) -> dict[str, float]:
-    """Put and get GB/s of 64 MiB through ``nodes`` DRAM storage nodes with shared memory off."""
-    from tq_redis.backends.dram import DramStore
-    from tq_redis.backends.dram_launcher import start_local_nodes
+class StoreTCP:
+    """``nodes`` DRAM storage nodes reached over TCP with shared memory off, holding nothing
+    between rounds: :meth:`put` and :meth:`get` time one 64 MiB round each, and the next put
+    starts after the values are deleted. Entering checks once that the round trip is exact."""
 
-    rng = np.random.default_rng(1)
-    fields = [rng.integers(0, 1 << 40, (N_SAMPLES, ROW), dtype=np.int64) for _ in range(N_FIELDS)]
-    keys, values = [], []
-    for f, data in enumerate(fields):
-        mv = memoryview(data).cast("B")
-        for i in range(N_SAMPLES):
-            keys.append(f"p1tcp:{{p}}:d:{i}:f{f}")
-            values.append([HEADER, mv[i * VALUE : (i + 1) * VALUE]])
-    namespace = f"p1tcp{nodes}"
-    with start_local_nodes(url, namespace, n=nodes, capacity="512MiB"), DramStore(url, namespace, shm=False) as store:
-        store.put(keys, values)
-        back = store.get(keys)
-        for f in range(N_FIELDS):
-            rows = back[f * N_SAMPLES : (f + 1) * N_SAMPLES]
-            got = np.stack([np.frombuffer(v, dtype=np.int64, offset=len(HEADER)) for v in rows])
-            if not np.array_equal(got, fields[f]):
-                raise AssertionError("the TCP round trip corrupted data")
-        del back
-        store.delete(keys)
-        puts, gets = [], []
-        for _ in range(iters + 1):
-            t0 = time.perf_counter()
-            store.put(keys, values)
-            t1 = time.perf_counter()
-            got = store.get(keys)
-            t2 = time.perf_counter()
-            del got
-            store.delete(keys)
-            puts.append(t1 - t0)
-            gets.append(t2 - t1)
-    put, get = statistics.median(puts[1:]), statistics.median(gets[1:])
-    return {"put": _gbps(put), "get": _gbps(get), "put_ms": put * 1e3, "get_ms": get * 1e3}
+    def __init__(self, url: str, nodes: int) -> None:
+        rng = np.random.default_rng(1)
+        self.fields = [rng.integers(0, 1 << 40, (N_SAMPLES, ROW), dtype=np.int64) for _ in range(N_FIELDS)]
+        self.keys: list[str] = []
+        self.values: list[list] = []
+        for f, data in enumerate(self.fields):
+            mv = memoryview(data).cast("B")
+            for i in range(N_SAMPLES):
+                self.keys.append(f"p1tcp:{{p}}:d:{i}:f{f}")
+                self.values.append([HEADER, mv[i * VALUE : (i + 1) * VALUE]])
+        self.url, self.nodes = url, nodes
+        self._stack = contextlib.ExitStack()
+        self.store: Any = None
+
+    def __enter__(self) -> StoreTCP:
+        from tq_redis.backends.dram import DramStore
+        from tq_redis.backends.dram_launcher import start_local_nodes
+
+        namespace = f"p1tcp{self.nodes}"
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(start_local_nodes(self.url, namespace, n=self.nodes, capacity="512MiB"))
+            self.store = stack.enter_context(DramStore(self.url, namespace, shm=False))
+            self.store.put(self.keys, self.values)
+            back = self.store.get(self.keys)
+            for f in range(N_FIELDS):
+                rows = back[f * N_SAMPLES : (f + 1) * N_SAMPLES]
+                got = np.stack([np.frombuffer(v, dtype=np.int64, offset=len(HEADER)) for v in rows])
+                if not np.array_equal(got, self.fields[f]):
+                    raise AssertionError("the TCP round trip corrupted data")
+            del back
+            self.store.delete(self.keys)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def put(self) -> float:
+        t0 = time.perf_counter()
+        self.store.put(self.keys, self.values)
+        return time.perf_counter() - t0
+
+    def get(self) -> float:
+        """Seconds to read the values back; they are deleted afterwards, outside the timing."""
+        t0 = time.perf_counter()
+        got = self.store.get(self.keys)
+        seconds = time.perf_counter() - t0
+        del got
+        self.store.delete(self.keys)
+        return seconds
+
+
+# ---------------------------------------------------------------------------- one node count
+
+
+def measure_nodes(url: str, nodes: int, iters: int) -> dict[str, Any]:
+    """Both paths over ``nodes`` nodes, in alternating rounds.
+
+    The limit's send sizes are compared first (:meth:`SocketLimit.best_pieces`). Then each of
+    ``iters`` rounds (after a warm-up round) times the limit at its best sizes and the store, one
+    after the other, in an order that alternates from round to round. Both medians come from the
+    same stretch of time, so a machine that speeds up or slows down while the measure runs moves
+    both of them, not their ratio.
+    """
+    with SocketLimit(nodes) as limit, StoreTCP(url, nodes) as store:
+        put_piece, get_piece, by_piece = limit.best_pieces(max(1, iters // 3))
+        rounds: dict[str, list[float]] = {"limit_put": [], "limit_get": [], "store_put": [], "store_get": []}
+
+        def time_limit() -> None:
+            rounds["limit_put"].append(limit.put(put_piece))
+            rounds["limit_get"].append(limit.get(get_piece))
+
+        def time_store() -> None:
+            rounds["store_put"].append(store.put())
+            rounds["store_get"].append(store.get())
+
+        for r in range(iters + 1):
+            for timed in (time_limit, time_store) if r % 2 == 0 else (time_store, time_limit):
+                timed()
+    med = {k: statistics.median(v[1:]) for k, v in rounds.items()}
+    limit_row = {
+        "put": _gbps(med["limit_put"]), "get": _gbps(med["limit_get"]),
+        "put_ms": med["limit_put"] * 1e3, "get_ms": med["limit_get"] * 1e3,
+        "put_piece": put_piece, "get_piece": get_piece, "by_piece": by_piece,
+    }  # fmt: skip
+    store_row = {
+        "put": _gbps(med["store_put"]), "get": _gbps(med["store_get"]),
+        "put_ms": med["store_put"] * 1e3, "get_ms": med["store_get"] * 1e3,
+    }  # fmt: skip
+    return {
+        "limit": limit_row,
+        "store": store_row,
+        "put_share": store_row["put"] / limit_row["put"],
+        "get_share": store_row["get"] / limit_row["get"],
+        "rounds_ms": {k: [round(x * 1e3, 2) for x in v[1:]] for k, v in rounds.items()},
+    }
 
 
 def measure(node_counts: list[int], iters: int) -> dict[str, Any]:
-    """Both paths for every node count, the limit first (same conditions, back to back)."""
+    """Both paths for every node count (see :func:`measure_nodes`)."""
     from tq_redis.embedded import EmbeddedServer
 
     server = EmbeddedServer().start()
     out: dict[str, Any] = {}
     try:
         for nodes in node_counts:
-            limit = socket_limit(nodes, iters)
-            store = store_tcp(server.url, nodes, iters)
-            row = {
-                "limit": limit,
-                "store": store,
-                "put_share": store["put"] / limit["put"],
-                "get_share": store["get"] / limit["get"],
-            }
+            row = measure_nodes(server.url, nodes, iters)
             out[f"nodes_{nodes}"] = row
+            store, limit = row["store"], row["limit"]
             print(
                 f"[p1-tcp] {nodes} node(s): put {store['put']:.2f} GB/s of {limit['put']:.2f} "
                 f"({row['put_share']:.0%}), get {store['get']:.2f} GB/s of {limit['get']:.2f} ({row['get_share']:.0%})",
