@@ -132,9 +132,9 @@ local function claim(KEYS, ARGV)
     if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
     pass_baton(prefix, task, function() return any_unconsumed(prefix, task) end) -- more for the other waiters?
     -- '' for the event id: a caller that got ids never waits, so the stream is not read.
-    local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries,
-                 deadline(), 0, redis.call('EXISTS', prefix .. 'inline')}
-    if opts._values == '1' then out[9] = inline_get(prefix, ids, fields) end
+    local inline = redis.call('EXISTS', prefix .. 'inline')
+    local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries, deadline(), 0, inline}
+    if opts._values == '1' then out[9] = inline_get(prefix, ids, fields, inline == 1) end
     return out
   end
 

@@ -7,7 +7,9 @@
   Offers:
     inline_put(prefix, ids, fields, values, at)  store values[at..] (field-major: every id of the
                                                  first field, then the next field) for ids x fields
-    inline_get(prefix, ids, fields)              the stored values, field-major, false where none
+    inline_get(prefix, ids, fields, present)     the stored values, field-major, false where none;
+                                                 present: whether <p>:inline exists, where the
+                                                 caller has asked already (nil: asked here)
     inline_drop(prefix, ids, fields)             forget the values of ids x fields (if any)
     inline_names(ids, fields)                    the HASH fields "<id>:<field>" of ids x fields, field-major
   Touches:
@@ -44,8 +46,9 @@ local function inline_put(prefix, ids, fields, values, at)
   if #args > 0 then redis.call('HSET', prefix .. 'inline', unpack(args)) end
 end
 
-local function inline_get(prefix, ids, fields)
-  if redis.call('EXISTS', prefix .. 'inline') == 0 then return {} end
+local function inline_get(prefix, ids, fields, present)
+  if present == nil then present = redis.call('EXISTS', prefix .. 'inline') == 1 end
+  if not present then return {} end
   return hmget_many(prefix .. 'inline', inline_names(ids, fields))
 end
 
