@@ -53,7 +53,26 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
         parser.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
     args.systems = systems
     args.loadavg_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    args.cpu_probe_at_start = cpu_probe_s()
     return args
+
+
+CPU_PROBE_STEPS = 3_000_000
+
+
+def cpu_probe_s() -> float:
+    """Seconds a fixed pure-Python loop of :data:`CPU_PROBE_STEPS` additions takes (best of 3):
+    how fast this machine runs Python right now. A shared VM drifts between speeds within minutes
+    (0.10 s to 0.20 s on the 2-core machine the README's figures come from), and every measure
+    moves with it, so each result records the probe at its start and end."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(CPU_PROBE_STEPS):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def median_ms(samples_s: Iterable[float]) -> float:
@@ -252,6 +271,7 @@ def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[
         "target": TARGET_NOTES.get(measure),
         "machine": machine_info(),
         "loadavg_at_start": getattr(args, "loadavg_at_start", None),
+        "cpu_probe_s": {"start": getattr(args, "cpu_probe_at_start", None), "end": cpu_probe_s()},
         "versions": versions(),
     }
     path = out_dir / f"{measure}.json"

@@ -64,6 +64,11 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _label(measure: str) -> str:
+    """A measure's short name in the README: ``p1_tcp`` -> ``P1-TCP``, ``p3_concurrency`` -> ``P3``."""
+    return "P1-TCP" if measure == "p1_tcp" else measure.split("_", 1)[0].upper()
+
+
 def _met(flag: bool | None) -> str:
     return {True: "yes", False: "**no**", None: "n/a"}[flag]
 
@@ -381,7 +386,7 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         "overhead is the data system's latency on the pipeline's critical path.",
     ]
     loads = [
-        f"{m.split('_', 1)[0].upper()} {doc['loadavg_at_start'][0]:.1f}"
+        f"{_label(m)} {doc['loadavg_at_start'][0]:.1f}"
         for m, doc in sorted(measures.items())
         if doc.get("loadavg_at_start")
     ]
@@ -390,6 +395,18 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
             "",
             f"Load average (1 min) when each measure started: {', '.join(loads)} "
             "(a decaying average: it still counts the previous measure's own processes).",
+        ]
+    probes = [
+        f"{_label(m)} {_num(doc['cpu_probe_s'].get('start'))} → {_num(doc['cpu_probe_s'].get('end'))}"
+        for m, doc in sorted(measures.items())
+        if isinstance(doc.get("cpu_probe_s"), dict) and doc["cpu_probe_s"].get("start")
+    ]
+    if probes:
+        lines += [
+            "",
+            f"Machine speed when each measure started → ended, as seconds a fixed Python loop took "
+            f"(`benchmarks._common.cpu_probe_s`; lower is faster): {', '.join(probes)}. This shared "
+            "machine drifts between about 0.10 and 0.20 s within minutes, and every figure moves with it.",
         ]
     notes = []
     quick = [m for m, doc in measures.items() if doc.get("quick")]
