@@ -264,6 +264,11 @@ class StoreTCP:
 # ---------------------------------------------------------------------------- one node count
 
 
+def _rates(put_s: float, get_s: float) -> dict[str, float]:
+    """GB/s and milliseconds of one put and one get of the 64 MiB."""
+    return {"put": _gbps(put_s), "get": _gbps(get_s), "put_ms": put_s * 1e3, "get_ms": get_s * 1e3}
+
+
 def measure_nodes(url: str, nodes: int, iters: int) -> dict[str, Any]:
     """Both paths over ``nodes`` nodes, in alternating rounds.
 
@@ -290,14 +295,10 @@ def measure_nodes(url: str, nodes: int, iters: int) -> dict[str, Any]:
                 timed()
     med = {k: statistics.median(v[1:]) for k, v in rounds.items()}
     limit_row = {
-        "put": _gbps(med["limit_put"]), "get": _gbps(med["limit_get"]),
-        "put_ms": med["limit_put"] * 1e3, "get_ms": med["limit_get"] * 1e3,
+        **_rates(med["limit_put"], med["limit_get"]),
         "put_piece": put_piece, "get_piece": get_piece, "by_piece": by_piece,
     }  # fmt: skip
-    store_row = {
-        "put": _gbps(med["store_put"]), "get": _gbps(med["store_get"]),
-        "put_ms": med["store_put"] * 1e3, "get_ms": med["store_get"] * 1e3,
-    }  # fmt: skip
+    store_row = _rates(med["store_put"], med["store_get"])
     return {
         "limit": limit_row,
         "store": store_row,
