@@ -67,75 +67,35 @@
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
--- @include balance
--- @include events
--- @include inline
+-- @include claiming
 -- @include leases
 -- @include prefix
 -- @include ready
 -- @include samplers
--- @include schemas
--- @include tags
--- @include waiters
 
 local function claim(KEYS, ARGV)
-  local prefix = partition_prefix(KEYS[1])
-  local task, want = ARGV[1], tonumber(ARGV[2])
-  local now_ms, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
-  local max_deliveries = tonumber(ARGV[5])
-  local sampler = ARGV[6]
   local nopts = tonumber(ARGV[7])
   local opts = {}
   for i = 8, 7 + 2 * nopts, 2 do opts[ARGV[i]] = ARGV[i + 1] end
   local at = 8 + 2 * nopts
   local nfields = tonumber(ARGV[at])
-  local fields = {unpack(ARGV, at + 1, at + nfields)}
-  local waiter, wait_ms = ARGV[at + nfields + 1], tonumber(ARGV[at + nfields + 2] or '0')
+  local prefix = partition_prefix(KEYS[1])
+  local c = {
+    task = ARGV[1], want = tonumber(ARGV[2]), now_ms = tonumber(ARGV[3]), lease_ms = tonumber(ARGV[4]),
+    max_deliveries = tonumber(ARGV[5]), sampler = ARGV[6], opts = opts, fields = {unpack(ARGV, at + 1, at + nfields)},
+    waiter = ARGV[at + nfields + 1], wait_ms = tonumber(ARGV[at + nfields + 2] or '0'),
+  }
+  local task, sampler = c.task, c.sampler
+  local _, leased = release_lapsed(prefix, task, c.now_ms, c.max_deliveries)
+  c.leased = leased
 
-  -- Nothing to hand out: with a waiter id and wait_ms > 0 the caller now waits for a wake token
-  -- (registered in this same atomic step, so no event can slip in between); else it stops waiting.
-  local function nothing(schemas, next_deadline)
-    local registered = 0
-    if waiter and wait_ms > 0 then
-      -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua):
-      -- known only where it never hands out fewer than `want` ready samples -- not with a token
-      -- budget, or a rank's or a balanced choice an earlier rank stored. (Lapsed leases handed
-      -- back are need_met's business: leases may be taken after this waiter registered.)
-      local need = nil
-      if (sampler == 'sequential' or sampler == 'grpo') and tonumber(opts.max_tokens or '0') <= 0 then
-        need = need_of(want, fields)
-      end
-      register_waiter(prefix, task, waiter, wait_ms, need)
-      registered = 1
-      pass_unused(prefix, task, function() return take_ready(prefix, task, fields, 1, {}) > 0 end)
-    elseif waiter then
-      redis.call('ZREM', prefix .. 'waiters:' .. task, waiter)
-    end
-    return {last_event_id(prefix), {}, schemas, {}, {}, next_deadline, registered}
-  end
-  -- A partition that does not exist has no lease, no cached choice and no alive id, so nothing
-  -- below writes a key of it before ids are found; its existence is asked only when none are.
-  local _, leased = release_lapsed(prefix, task, now_ms, max_deliveries)
-  local function deadline() -- no lease in flight before and none taken now: none to report
-    if leased or lease_ms > 0 then return next_lease_deadline(prefix, task) end
-    return -1
-  end
-  local function none_ready()
-    if redis.call('EXISTS', KEYS[1]) == 0 then return nothing({}, -1) end
-    redis.call('SADD', prefix .. 'tasks', task)
-    return nothing(read_schemas(prefix, fields), deadline())
-  end
-
-  local function reply(ids, deliveries)
-    if #ids == 0 then return none_ready() end
-    redis.call('SADD', prefix .. 'tasks', task)
-    if waiter then redis.call('ZREM', prefix .. 'waiters:' .. task, waiter) end
-    pass_baton(prefix, task, function() return any_unconsumed(prefix, task) end) -- more for the other waiters?
-    -- '' for the event id: a caller that got ids never waits, so the stream is not read.
-    local inline = redis.call('EXISTS', prefix .. 'inline')
-    local out = {'', ids, read_schemas(prefix, fields), read_tags(prefix, ids), deliveries, deadline(), 0, inline}
-    if opts._values == '1' then out[9] = inline_get(prefix, ids, fields, inline == 1) end
-    return out
+  -- The default sampler without options (a plain fetch, no delivery limit): the first ready
+  -- ids, straight from the bitmaps.
+  if sampler == 'sequential' and not opts.min_version and (tonumber(opts.max_tokens) or 0) <= 0
+      and (c.lease_ms <= 0 or c.max_deliveries <= 0) then
+    local ids = {}
+    if take_ready(prefix, task, c.fields, c.want, ids) < c.want then return claim_none_ready(prefix, c) end
+    return claim_reply(prefix, c, ids, mark_claimed(prefix, task, ids, c.now_ms, c.lease_ms))
   end
 
   -- rank / balance: a choice stored by an earlier rank is handed back as it is.
@@ -147,56 +107,32 @@ local function claim(KEYS, ARGV)
     part = tonumber(opts.dp_rank) + 1
   end
   if cache_key then
-    local cached = redis.call('GET', cache_key)
-    if cached then
-      local parts = {}
-      for s in string.gmatch(cached, '[^;]+') do parts[#parts + 1] = s end
-      local ids = parse_alive_ids(prefix, parts[part] or '')
-      if ids then return reply(ids, known_deliveries(prefix, task, ids, lease_ms)) end
-      redis.call('DEL', cache_key) -- samples of the stored choice are gone: choose afresh
-    end
+    local replied = cached_choice(prefix, c, cache_key, part)
+    if replied then return replied end
   end
 
-  local total = want
+  local total = c.want
   local dp_size = tonumber(opts.dp_size) or 1
-  if sampler == 'balance' then total = want * dp_size end
+  if sampler == 'balance' then total = c.want * dp_size end
   local select_opts = {
     n = tonumber(opts.n) or 1,
     max_tokens = tonumber(opts.max_tokens) or 0,
     min_version = tonumber(opts.min_version),
     drop_stale = opts.drop_stale == '1',
-    max_deliveries = (lease_ms > 0) and max_deliveries or 0,
+    max_deliveries = (c.lease_ms > 0) and c.max_deliveries or 0,
     weights = sampler == 'balance',
   }
   if sampler == 'sequential' then select_opts.n = 1 end
 
-  local ids, tags = select_units(prefix, task, fields, total, select_opts)
-  if #ids == 0 then return none_ready() end
-  local deliveries = mark_claimed(prefix, task, ids, now_ms, lease_ms)
+  local ids, tags = select_units(prefix, task, c.fields, total, select_opts)
+  if #ids == 0 then return claim_none_ready(prefix, c) end
+  local deliveries = mark_claimed(prefix, task, ids, c.now_ms, c.lease_ms)
   local ttl = tonumber(opts.ttl_ms) or 3600000
 
   if sampler == 'rank' then
     redis.call('SET', cache_key, table.concat(ids, ','), 'PX', ttl)
   elseif sampler == 'balance' then
-    local n = select_opts.n
-    local weights = {}
-    for g = 1, #ids / n do
-      local w = 0
-      for j = 1, n do w = w + (tonumber(tags.len[ids[(g - 1) * n + j]]) or 1) end
-      weights[g] = w
-    end
-    local groups = kk_partition(weights, dp_size)
-    local texts, mine = {}, {}
-    for r = 1, dp_size do
-      local members = {}
-      for _, g in ipairs(groups[r]) do
-        for j = 1, n do members[#members + 1] = ids[(g - 1) * n + j] end
-      end
-      texts[r] = table.concat(members, ',')
-      if r == part then mine = members end
-    end
-    redis.call('SET', cache_key, table.concat(texts, ';'), 'PX', ttl)
-    return reply(mine, known_deliveries(prefix, task, mine, lease_ms))
+    return claim_balanced(prefix, c, ids, tags, select_opts.n, dp_size, part, cache_key, ttl)
   end
-  return reply(ids, deliveries)
+  return claim_reply(prefix, c, ids, deliveries)
 end

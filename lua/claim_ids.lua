@@ -29,7 +29,6 @@
 -- @include events
 -- @include leases
 -- @include prefix
--- @include ready
 -- @include schemas
 -- @include tags
 -- @include waiters
@@ -81,7 +80,7 @@ local function claim_ids(KEYS, ARGV)
     for i = 1, #consumed do by_id[consumed[i]] = leased[i] end
     for i = 1, #sampled do deliveries[i] = by_id[sampled[i]] or 0 end
   end
-  if #sampled > 0 then pass_baton(prefix, task, function() return any_unconsumed(prefix, task) end) end -- as claim does
+  if #sampled > 0 then pass_baton(prefix, task) end -- as claim does
   return {1, last_event_id(prefix), sampled, read_schemas(prefix, fields), read_tags(prefix, sampled), deliveries,
           next_lease_deadline(prefix, task)}
 end

@@ -104,6 +104,12 @@ end
 -- Set the bits of `ids` (any order) in `key`: whole bytes of consecutive runs with SETRANGE,
 -- the rest with BITFIELD. A sequential claim of 1024 ids is a handful of calls.
 local function set_id_bits(key, ids)
+  -- One id (a claim of one): no run to look for, no argument table to build. BITFIELD, not
+  -- SETBIT: the ACL users that earlier versions created are not granted SETBIT.
+  if #ids == 1 then
+    redis.call('BITFIELD', key, 'SET', 'u1', ids[1], 1)
+    return
+  end
   local sorted = ids
   for i = 2, #ids do
     if ids[i] < ids[i - 1] then

@@ -82,7 +82,10 @@ end
 -- ids, ascending. Stops after the byte that brings buf to `hint` ids, leaving the rest of the
 -- window undecoded (a batch of 1 decodes one byte, not the window); bytes past the shortest
 -- must-be-set bitmap hold no ready id. Returns the new tail and the first byte not decoded.
-local function decode_window(strs, cs, b, nbytes, buf, tail, hint)
+-- With `exact`, buf stops at exactly `hint` ids, within a byte if need be: for a caller that
+-- does not read on from the returned byte (a byte's other ready ids are then left out, and
+-- appending them only to drop them again grew the table for nothing).
+local function decode_window(strs, cs, b, nbytes, buf, tail, hint, exact)
   local stop = nbytes
   for i = 1, #strs do stop = math.min(stop, #strs[i]) end
   for j = 1, stop do
@@ -103,6 +106,7 @@ local function decode_window(strs, cs, b, nbytes, buf, tail, hint)
         for k = 1, #offsets do
           tail = tail + 1
           buf[tail] = base + offsets[k]
+          if exact and tail >= hint then return tail, b + j end
         end
         if tail >= hint then return tail, b + j end
       end
@@ -233,9 +237,8 @@ local function take_ready(prefix, task, fields, want, out)
   local b = (p >= 0) and math.floor(p / 8) or 0
   local nbytes = window_bytes(want, 1)
   local strs, cs = read_window(must_be_set(prefix, fields), cons, b, nbytes)
-  local count, after = decode_window(strs, cs, b, nbytes, out, 0, want)
-  for i = count, want + 1, -1 do out[i] = nil end -- the last byte may hold more than wanted
-  if count >= want then return want end
+  local count, after = decode_window(strs, cs, b, nbytes, out, 0, want, true)
+  if count >= want then return want end -- exactly `want`: the stream is not read on
   return ready_scanner(prefix, task, fields, nil, after).take(want - count, out, count)
 end
 

@@ -20,8 +20,8 @@
                                               `check`, only if the task's need is met)
     register_waiter(prefix, task, waiter, timeout_ms, need)
     wake_waiters(prefix, check)               something changed: wake one waiter per task
-    pass_baton(prefix, task, any_left)        after a claim that handed samples out
-    pass_unused(prefix, task, any_ready)      after a claim that found too few samples
+    pass_baton(prefix, task)                  after a claim that handed samples out
+    pass_unused(prefix, task, fields)         after a claim that found too few samples
   Touches:
     <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     and, to check a need, <p>:lease:<task> and what ready_scanner reads: <p>:alive  <p>:prod:<field>
@@ -114,20 +114,21 @@ local function wake_waiters(prefix, check)
   end
 end
 
--- After a claim that handed samples out: wake one more waiter of the task, if it has any and
--- `any_left()` says the task has samples left that a waiter might take. When the claim took the
--- last of them, the next event wakes a waiter instead; a baton now would only make one claim in
--- vain and wait again (per sample, in a stream of single-sample puts).
-local function pass_baton(prefix, task, any_left)
-  if redis.call('SISMEMBER', prefix .. 'waittasks', task) == 1 and any_left() then
+-- After a claim that handed samples out: wake one more waiter of the task, if it has any and the
+-- task has samples left that a waiter might take (any_unconsumed). When the claim took the last
+-- of them, the next event wakes a waiter instead; a baton now would only make one claim in vain
+-- and wait again (per sample, in a stream of single-sample puts).
+local function pass_baton(prefix, task)
+  if redis.call('SISMEMBER', prefix .. 'waittasks', task) == 1 and any_unconsumed(prefix, task) then
     wake_one(prefix, task, server_ms(), true)
   end
 end
 
--- After a claim that found too few samples: if some are ready, let another waiter try them.
-local function pass_unused(prefix, task, any_ready)
+-- After a claim that found too few samples: if some are ready with `fields`, let another waiter
+-- try them.
+local function pass_unused(prefix, task, fields)
   local budget = prefix .. 'wakebudget:' .. task
-  if tonumber(redis.call('GET', budget) or '0') <= 0 or not any_ready() then return end
+  if tonumber(redis.call('GET', budget) or '0') <= 0 or take_ready(prefix, task, fields, 1, {}) == 0 then return end
   redis.call('DECR', budget)
   wake_one(prefix, task, server_ms(), true)
 end
