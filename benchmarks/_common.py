@@ -52,9 +52,65 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     if unknown:
         parser.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
     args.systems = systems
+    args.quiet_at_start = wait_until_quiet()
     args.loadavg_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     args.cpu_probe_at_start = cpu_probe_s()
     return args
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all cores from ``/proc/stat``, or None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            values = [float(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0.0)  # idle + iowait
+    total = sum(values[:8])  # user .. steal (guest time is inside user already)
+    return total - idle, total
+
+
+def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Share of all cores' time spent busy between two :func:`cpu_times` readings (0 to 1)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+QUIET_BUSY_SHARE = 0.15
+QUIET_WINDOW_S = 0.5
+QUIET_MAX_WAIT_S = 30.0
+
+
+def wait_until_quiet(
+    busy_below: float = QUIET_BUSY_SHARE, window_s: float = QUIET_WINDOW_S, max_wait_s: float = QUIET_MAX_WAIT_S
+) -> dict[str, Any] | None:
+    """Wait until the machine has been quiet (under ``busy_below`` of its cores busy) for two
+    windows of ``window_s`` in a row, at most ``max_wait_s``: the previous measure's processes (a
+    Ray cluster, storage units, a reference controller) can outlive it by seconds and would run
+    on the cores the next measure times. Returns how long it waited, the last window's busy share
+    and whether it got quiet; None where ``/proc/stat`` is missing."""
+    start = time.perf_counter()
+    last = cpu_times()
+    if last is None:
+        return None
+    quiet_windows, share = 0, 1.0
+    while quiet_windows < 2:
+        waited = time.perf_counter() - start
+        if waited >= max_wait_s:
+            print(
+                f"[bench] the machine stayed busy ({share:.0%} of its cores) for {waited:.0f} s; measuring anyway",
+                flush=True,
+            )
+            return {"waited_s": waited, "busy_share": share, "quiet": False}
+        time.sleep(window_s)
+        now = cpu_times()
+        share = busy_share(last, now) if now is not None else 0.0
+        last = now or last
+        quiet_windows = quiet_windows + 1 if share < busy_below else 0
+    waited = time.perf_counter() - start
+    if waited > 2 * window_s + 0.5:
+        print(f"[bench] waited {waited:.1f} s for the machine to get quiet", flush=True)
+    return {"waited_s": waited, "busy_share": share, "quiet": True}
 
 
 CPU_PROBE_STEPS = 3_000_000
@@ -272,6 +328,7 @@ def write_result(measure: str, args: Any, params: dict[str, Any], results: dict[
         "machine": machine_info(),
         "loadavg_at_start": getattr(args, "loadavg_at_start", None),
         "cpu_probe_s": {"start": getattr(args, "cpu_probe_at_start", None), "end": cpu_probe_s()},
+        "quiet_at_start": getattr(args, "quiet_at_start", None),
         "versions": versions(),
     }
     path = out_dir / f"{measure}.json"

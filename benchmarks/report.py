@@ -408,6 +408,19 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
             f"(`benchmarks._common.cpu_probe_s`; lower is faster): {', '.join(probes)}. This shared "
             "machine drifts between about 0.10 and 0.20 s within minutes, and every figure moves with it.",
         ]
+    waits = [
+        f"{_label(m)} {doc['quiet_at_start']['waited_s']:.1f} s"
+        + ("" if doc["quiet_at_start"].get("quiet") else " (still busy)")
+        for m, doc in sorted(measures.items())
+        if isinstance(doc.get("quiet_at_start"), dict)
+    ]
+    if waits:
+        lines += [
+            "",
+            "Each measure starts once the cores have been quiet (under 15% busy) for two half-second windows, "
+            "so the previous measure's leftover processes do not run in it; the wait, at most 30 s: "
+            f"{', '.join(waits)}.",
+        ]
     notes = []
     quick = [m for m, doc in measures.items() if doc.get("quick")]
     if quick:

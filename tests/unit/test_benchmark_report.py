@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks._common import cpu_probe_s
+from benchmarks._common import busy_share, cpu_probe_s, cpu_times, wait_until_quiet
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "all.json"
 
@@ -34,3 +34,41 @@ def test_a_result_without_a_probe_lists_none():
 def test_the_probe_times_a_loop():
     first, second = cpu_probe_s(), cpu_probe_s()
     assert 0 < first < 5 and 0 < second < 5
+
+
+def test_each_measure_says_how_long_it_waited_for_a_quiet_machine():
+    section = report.build_section(
+        _merged_with("p6_shard", {"quiet_at_start": {"waited_s": 4.25, "busy_share": 0.05, "quiet": True}})
+    )
+    assert "the wait, at most 30 s: P6 4.2 s." in section
+    busy = report.build_section(
+        _merged_with("p6_shard", {"quiet_at_start": {"waited_s": 30.0, "busy_share": 0.6, "quiet": False}})
+    )
+    assert "P6 30.0 s (still busy)." in busy
+
+
+def test_busy_share_counts_every_state_but_idle_and_iowait():
+    assert busy_share((100.0, 1000.0), (150.0, 1200.0)) == 0.25
+    assert busy_share((100.0, 1000.0), (100.0, 1000.0)) == 0.0
+    now = cpu_times()
+    assert now is not None and 0 <= now[0] <= now[1]
+
+
+def test_waiting_for_quiet_gives_up_at_its_limit_while_a_core_is_busy():
+    import multiprocessing as mp
+
+    stop = mp.get_context("spawn").Event()
+    spinner = mp.get_context("spawn").Process(target=_spin, args=(stop,))
+    spinner.start()
+    try:
+        got = wait_until_quiet(busy_below=0.2, window_s=0.2, max_wait_s=1.5)
+    finally:
+        stop.set()
+        spinner.join(timeout=10)
+    assert got is not None and got["quiet"] is False and got["busy_share"] >= 0.2
+    assert 1.5 <= got["waited_s"] < 5
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
