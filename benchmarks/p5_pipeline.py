@@ -75,6 +75,7 @@ from tensordict import TensorDict
 from benchmarks._common import median_round, parse_args, print_run_comparison, run_per_system, write_result
 from benchmarks.p5_accounting import compute_bound, compute_lanes, cpu_split, machine_cpu_seconds, print_cpu
 from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
+from benchmarks.p5_path import describe, overhead_split, trainer_path
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
 from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
 from tq_redis import demo_workload as wl
@@ -208,6 +209,10 @@ class _Stage:
         self.put_cpu_s = 0.0
         self.cpu0 = time.process_time()
         self.batch_log: list[tuple[int, float, float]] = []  # (step, wall clock at start, compute s)
+        # for the split of the trainer's path (benchmarks.p5_path), wall-clock times:
+        self.asked_at: float | None = None  # the first ask for the batch being claimed
+        self.claims: list[tuple[int, float, float, list[int]]] = []  # (step, asked, returned, rows)
+        self.stored: list[tuple[float, int, list[int]]] = []  # (put returned, step, rows)
         self.compute = Compute(cfg["compute"], cfg["device_us_per_token"])
 
     def check(self) -> None:
@@ -227,6 +232,8 @@ class _Stage:
 
     def _fetch(self, fields: list[str], batch_size: int, step: int, task: str) -> tuple[Any, Any, float] | None:
         t0 = time.perf_counter()
+        if self.asked_at is None:  # empty answers (the reference's polls) count as waiting for this batch
+            self.asked_at = time.time()
         data = None
         if self.system == "tq_redis":
             meta, data = self.client.get_meta_and_data(
@@ -245,6 +252,8 @@ class _Stage:
         self.claim_s += claimed - t0
         if data is None:
             data = self.client.get_data(meta)
+        self.claims.append((step, self.asked_at, time.time(), list(meta.global_indexes)))
+        self.asked_at = None
         return meta, data, claimed
 
     def step_batches(
@@ -260,11 +269,12 @@ class _Stage:
             got += fetched[0].size
             yield fetched
 
-    def store(self, meta: Any, t0: float, tokens: int, **outputs: Any) -> None:
-        """Put ``outputs`` (one row per sample of ``meta``) and count the micro-batch as done."""
+    def store(self, meta: Any, step: int, t0: float, tokens: int, **outputs: Any) -> None:
+        """Put ``outputs`` (one row per sample of ``meta``, of ``step``) and count the micro-batch as done."""
         cpu0 = time.process_time()
         self.client.put(TensorDict(outputs, batch_size=[meta.size]), metadata=meta)
         self.put_cpu_s += time.process_time() - cpu0
+        self.stored.append((time.time(), step, list(meta.global_indexes)))
         self.done(t0, meta.size, tokens)
 
     @contextlib.contextmanager
@@ -304,6 +314,8 @@ class _Stage:
             "put_cpu_s": self.put_cpu_s,
             "cpu_s": time.process_time() - self.cpu0,  # the process's CPU over the stage, every thread
             "batch_log": self.batch_log,
+            "claims": self.claims,
+            "stored": self.stored,
         }
 
 
@@ -360,7 +372,7 @@ def _stage_rollout(st: _Stage) -> dict[str, Any]:
                     responses.append(tokens)
                     logps.append(logp)
             tokens = sum(lengths)
-            st.store(meta, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
+            st.store(meta, step, t0, tokens, responses=wl.jagged(responses), old_log_prob=wl.jagged(logps))
     return {}
 
 
@@ -391,7 +403,7 @@ def _stage_reward(st: _Stage) -> dict[str, Any]:
                     if int(mask.sum()) != cfg["n_samples"]:
                         split_groups += 1
                     advantages[mask] = wl.group_advantages(rewards[mask])
-            st.store(meta, t0, tokens, rewards=rewards.unsqueeze(1), advantages=advantages.unsqueeze(1))
+            st.store(meta, step, t0, tokens, rewards=rewards.unsqueeze(1), advantages=advantages.unsqueeze(1))
     return {"split_groups": split_groups}
 
 
@@ -404,7 +416,7 @@ def _stage_ref(st: _Stage) -> dict[str, Any]:
             tokens = sum(len(r) for r in responses)
             with st.computing("ref", step, tokens):
                 rows = wl.ref_log_probs(ref, _rows(data["prompts"]), responses)
-            st.store(meta, t0, tokens, ref_log_prob=wl.jagged(rows))
+            st.store(meta, step, t0, tokens, ref_log_prob=wl.jagged(rows))
     return {}
 
 
@@ -601,6 +613,17 @@ def _summarize(
         except RuntimeError as exc:  # a batch log the replay cannot follow: keep the run's other figures
             print(f"[{name}] compute-only schedule not available: {exc}", flush=True)
     bound = max(plain_bound, scheduled or 0.0)
+    path = split = None
+    if wall and steps_done == cfg["steps"]:
+        batches = [
+            (step, asked, returned, started, seconds, rows)
+            for (step, asked, returned, rows), (_, started, seconds) in zip(
+                trainer.get("claims", []), trainer.get("batch_log", [])
+            )
+        ]
+        stored = (e for s in ("rollout", "reward", "ref") for r in by_stage[s] for e in r.get("stored", []))
+        path = trainer_path(batches, stored, start_wall, done_at[-1])
+        split = overhead_split(path, bound)
     result = {
         "steps": steps_done,
         "wall_s": wall,
@@ -624,6 +647,8 @@ def _summarize(
         "compute_only_schedule_s": scheduled,
         "overhead_s": (wall - bound) if wall else None,
         "overhead_pct_of_bound": 100.0 * (wall - bound) / bound if wall and bound else None,
+        "trainer_path": path,
+        "overhead_split": split,
         "attach_all_s": attach_all_s,
         "workers_reported": len(reports),
         "errors": errors,
@@ -643,6 +668,8 @@ def _summarize(
             f"({result['overhead_pct_of_bound']:.0f}% of the bound)",
             flush=True,
         )
+    if path and split:
+        print(f"[{name}] overhead along the trainer's path: {describe(split, path)}", flush=True)
     for stage, s in stages.items():
         print(
             f"[{name}]   {stage:8s} busy {s['busy_s']:6.2f} s "

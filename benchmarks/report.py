@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import REPO_ROOT, RESULTS_DIR
+from benchmarks.p5_path import describe as describe_path
 
 START = "<!-- perf:start -->"
 END = "<!-- perf:end -->"
@@ -279,6 +280,24 @@ def _p5_overhead_row(ours: dict[str, Any], ref: dict[str, Any], label: str) -> R
             "≤ 10% of the bound and ≤ ⅓ of the reference's overhead", met)  # fmt: skip
 
 
+def _p5_path_lines(merged: dict[str, Any]) -> list[str]:
+    """Where each system's P5 overhead went along the trainer's path (``benchmarks/p5_path.py``),
+    per compute mode of the median rounds; nothing if the run has no such split."""
+    parts = []
+    for mode, pick in (("CPU", lambda r: r), ("device", lambda r: _mode(r, "device"))):
+        for system, res in zip(("tq-redis", "the reference"), _both(merged, "p5_pipeline")):
+            split, path = pick(res).get("overhead_split"), pick(res).get("trainer_path")
+            if split and path:
+                parts.append(f"{system}, {mode} compute: {describe_path(split, path)}")
+    if not parts:
+        return []
+    return [
+        "",
+        "Where P5's overhead went, along the trainer's path (the run ends when the trainer does; "
+        "`benchmarks/p5_path.py`): " + "; ".join(parts) + ".",
+    ]
+
+
 def _rows_p1_tcp(merged: dict[str, Any]) -> list[Row]:
     res = _result(merged, "p1_tcp", "tq_redis")
     rows: list[Row] = []
@@ -385,6 +404,7 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         "worker for a known time per token while the host CPU stays free, as on GPU ranks: the "
         "overhead is the data system's latency on the pipeline's critical path.",
     ]
+    lines += _p5_path_lines(merged)
     loads = [
         f"{_label(m)} {doc['loadavg_at_start'][0]:.1f}"
         for m, doc in sorted(measures.items())

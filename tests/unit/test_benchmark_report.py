@@ -72,3 +72,30 @@ def test_waiting_for_quiet_gives_up_at_its_limit_while_a_core_is_busy():
 def _spin(stop) -> None:
     while not stop.is_set():
         pass
+
+
+def test_p5_overhead_is_split_along_the_trainers_path_for_each_system_and_mode():
+    path = {"compute_s": 0.86, "waiting_s": 0.1, "claims_s": 0.05, "glue_s": 0.01, "between_s": 0.02,
+            "claims": 16, "claim_median_ms": 2.5}  # fmt: skip
+    split = {"claims_s": 0.05, "glue_s": 0.01, "between_s": 0.02, "upstream_s": 0.04}
+    merged = json.loads(RESULTS.read_text())
+    doc = merged["measures"]["p5_pipeline"]
+    ours = doc["results"]["tq_redis"]
+    ours["other_modes"]["device"].update(trainer_path=path, overhead_split=split)
+    ours.pop("trainer_path", None)
+    doc["results"]["reference"].pop("trainer_path", None)
+    doc["results"]["reference"]["other_modes"]["device"].pop("trainer_path", None)
+    section = report.build_section(merged)
+    assert (
+        "tq-redis, device compute: its claims 50 ms (16 claims, median 2.5 ms), its glue 10 ms, "
+        "between batches 20 ms, waiting for rows beyond the schedule 40 ms." in section
+    )
+    assert "CPU compute: its claims" not in section  # modes and systems without a split say nothing
+
+
+def test_a_run_without_a_path_split_adds_no_line():
+    merged = json.loads(RESULTS.read_text())
+    for res in merged["measures"]["p5_pipeline"]["results"].values():
+        res.pop("trainer_path", None)
+        res.get("other_modes", {}).get("device", {}).pop("trainer_path", None)
+    assert "along the trainer's path" not in report.build_section(merged)
