@@ -17,6 +17,10 @@ The compute-only schedule (:mod:`benchmarks.p5_schedule`) keeps the trainer wait
 for ``bound - compute``; waiting beyond that is latency upstream (the other stages' claims and
 puts on the critical path). So ``overhead = claims + glue + between + upstream``.
 
+The split is made for device compute only: there a batch's compute is wall time on the path. On
+shared cores (cpu mode) a batch takes longer than the CPU seconds the bound counts, by however
+long its worker waited for a core, and that could not be told apart from the time between batches.
+
 A row counts as stored when the ``put`` that wrote it returned; the rows may be visible a little
 earlier (the put commits before it replies), so a claim can return before that moment: the
 waiting then ends at the claim's return.

@@ -614,7 +614,10 @@ def _summarize(
             print(f"[{name}] compute-only schedule not available: {exc}", flush=True)
     bound = max(plain_bound, scheduled or 0.0)
     path = split = None
-    if wall and steps_done == cfg["steps"]:
+    # device mode only: there a batch's compute is wall time on the trainer's path; on shared cores
+    # (cpu) its wall time is longer than the CPU seconds the bound counts, by however long the
+    # worker waited for a core, and the path could not tell that apart from the time between batches
+    if wall and steps_done == cfg["steps"] and cfg["compute"] == "device":
         batches = [
             (step, asked, returned, started, seconds, rows)
             for (step, asked, returned, rows), (_, started, seconds) in zip(

@@ -281,20 +281,20 @@ def _p5_overhead_row(ours: dict[str, Any], ref: dict[str, Any], label: str) -> R
 
 
 def _p5_path_lines(merged: dict[str, Any]) -> list[str]:
-    """Where each system's P5 overhead went along the trainer's path (``benchmarks/p5_path.py``),
-    per compute mode of the median rounds; nothing if the run has no such split."""
+    """Where each system's P5 overhead with device compute went along the trainer's path
+    (``benchmarks/p5_path.py``), in the median rounds; nothing if the run has no such split."""
     parts = []
-    for mode, pick in (("CPU", lambda r: r), ("device", lambda r: _mode(r, "device"))):
-        for system, res in zip(("tq-redis", "the reference"), _both(merged, "p5_pipeline")):
-            split, path = pick(res).get("overhead_split"), pick(res).get("trainer_path")
-            if split and path:
-                parts.append(f"{system}, {mode} compute: {describe_path(split, path)}")
+    for system, res in zip(("tq-redis", "the reference"), _both(merged, "p5_pipeline")):
+        device = _mode(res, "device")
+        split, path = device.get("overhead_split"), device.get("trainer_path")
+        if split and path:
+            parts.append(f"{system}: {describe_path(split, path)}")
     if not parts:
         return []
     return [
         "",
-        "Where P5's overhead went, along the trainer's path (the run ends when the trainer does; "
-        "`benchmarks/p5_path.py`): " + "; ".join(parts) + ".",
+        "Where P5's overhead with device compute went, along the trainer's path (the run ends when the "
+        "trainer does; `benchmarks/p5_path.py`): " + "; ".join(parts) + ".",
     ]
 
 
@@ -321,7 +321,8 @@ def _rows_p6(merged: dict[str, Any]) -> list[Row]:
     for batch in (1, 16):
         row = res.get(f"batch_{batch}") or {}
         ceiling = row.get("script_ceiling_per_s")
-        ours = (f"{_num(ceiling)}/s ({_num(row.get('command_usec_per_item'))} µs command time a claim); "
+        ours = (f"{_num(ceiling)}/s ({_num(row.get('command_usec_per_item'))} µs command time a claim"
+                f"{_best_of(row.get('rounds_command_usec_per_item'))}); "
                 f"{_num(row.get('ceiling_per_s'))}/s counting all server CPU "
                 f"({_num(row.get('cpu_usec_per_item'))} µs, socket calls included); "
                 f"{_num(row.get('claims_per_s'))}/s measured with the clients on the same 2 cores")  # fmt: skip
@@ -332,6 +333,13 @@ def _rows_p6(merged: dict[str, Any]) -> list[Row]:
         rows.append(("P6", f"one shard's ceiling, one hot partition, batch {batch}: claims/s", ours, limit, "",
                      target, (ceiling >= 20_000 if ceiling else None) if batch == 1 else None))  # fmt: skip
     return rows
+
+
+def _best_of(rounds: list[float] | None) -> str:
+    """``, best of 3 rounds: a / b / c µs`` for a P6 figure kept from several rounds, else nothing."""
+    if not rounds or len(rounds) < 2:
+        return ""
+    return f", best of {len(rounds)} rounds: {' / '.join(_num(us) for us in rounds)} µs"
 
 
 def _rows_p7(merged: dict[str, Any]) -> list[Row]:
