@@ -205,7 +205,8 @@ def measure(workers: int, samples: int, rounds: int = 1) -> dict[str, Any]:
             result[key] = best_round(rows)
         for batch in (1, 16):
             rounds_us = " / ".join(f"{us:.1f}" for us in result[f"batch_{batch}"]["rounds_command_usec_per_item"])
-            print(f"[p6] batch {batch:2d}: best of {rounds} rounds by command time per claim ({rounds_us} µs)")
+            line = f"[p6] batch {batch:2d}: best of {rounds} rounds by command time ({rounds_us} µs a claim)"
+            print(line, flush=True)
     finally:
         server.stop()
     return result
@@ -256,6 +257,8 @@ def main() -> dict[str, Any]:
     workers = args.workers or (2 if args.quick else 4)
     samples = (args.samples or (3000 if args.quick else 20000)) // 16 * 16  # whole batches of 16
     rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {rounds}")
     params = {"workers": workers, "samples": samples, "rounds": rounds, "store": "redis (metadata-only workload)"}
     print(f"P6: one shard's ceiling, {workers} workers, {samples} samples per phase")
     results = {"tq_redis": measure(workers, samples, rounds)} if "tq_redis" in args.systems else {}
