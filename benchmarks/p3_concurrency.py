@@ -44,8 +44,22 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks._common import median_round, parse_args, print_run_comparison, run_per_system, write_result
-from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
+from benchmarks._common import (
+    median_round,
+    parse_args,
+    print_run_comparison,
+    run_per_system,
+    wait_until_quiet,
+    write_result,
+)
+from benchmarks.reference import (
+    at_start_line,
+    attach,
+    hosting_workers,
+    preload_modules,
+    start_workers,
+    startup_seconds,
+)
 
 MEASURE = "p3_concurrency"
 PARTITION = "p3"
@@ -104,7 +118,7 @@ def _worker(
         t_attach = time.perf_counter()
         client, close = attach(name, spec, attach_mode=cfg["attach_mode"])
         report["attach_s"] = time.perf_counter() - t_attach
-        barrier.wait(timeout=cfg["barrier_timeout_s"])
+        at_start_line(barrier, cfg["barrier_timeout_s"])
         deadline = time.monotonic() + cfg["timeout_s"]
         cpu0 = time.process_time()
         if role == "producer":
@@ -202,11 +216,13 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
             (f"p3-{name}-{role}-{wid}", (role, wid, name, spec, cfg, barrier, counter, produced, results))
             for role, wid in roles
         ]
-        start_wall, attach_all_s = start_workers(ctx, procs, _worker, jobs, barrier, cfg["barrier_timeout_s"])
-        print(f"[{name}] {n_workers} workers attached in {attach_all_s:.1f} s; draining...", flush=True)
+        started = start_workers(ctx, procs, _worker, jobs, barrier, cfg["barrier_timeout_s"], wait_until_quiet)
+        print(f"[{name}] {n_workers} workers attached in {started.attach_s:.1f} s; draining...", flush=True)
 
         reports = _collect(results, procs, n_workers, cfg["timeout_s"] + 60, name, counter, cfg["samples"])
-        return _summarize(name, reports, start_wall, attach_all_s, cfg)
+        result = _summarize(name, reports, started.wall, started.attach_s, cfg)
+        result["quiet_before_run"] = started.settled
+        return result
 
 
 def _collect(

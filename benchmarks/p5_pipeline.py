@@ -72,12 +72,26 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from benchmarks._common import median_round, parse_args, print_run_comparison, run_per_system, write_result
+from benchmarks._common import (
+    median_round,
+    parse_args,
+    print_run_comparison,
+    run_per_system,
+    wait_until_quiet,
+    write_result,
+)
 from benchmarks.p5_accounting import compute_bound, compute_lanes, cpu_split, machine_cpu_seconds, print_cpu
 from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
 from benchmarks.p5_path import describe, overhead_split, trainer_path
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
-from benchmarks.reference import attach, hosting_workers, preload_modules, start_workers, startup_seconds
+from benchmarks.reference import (
+    at_start_line,
+    attach,
+    hosting_workers,
+    preload_modules,
+    start_workers,
+    startup_seconds,
+)
 from tq_redis import demo_workload as wl
 from tq_redis.demo import STAGES
 from tq_redis.jagged import jagged_parts, row_views
@@ -488,7 +502,7 @@ def _worker(stage: str, wid: int, name: str, spec: dict[str, Any], cfg: dict[str
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)  # a once-per-process notice
         client, close = attach(name, spec, attach_mode=cfg["attach_mode"])
         _warm_up(client)
-        shared["barrier"].wait(timeout=cfg["barrier_timeout_s"])
+        at_start_line(shared["barrier"], cfg["barrier_timeout_s"])
         st = _Stage(client, name, cfg, shared, time.monotonic() + cfg["timeout_s"])
         report.update(_STAGE_FUNCS[stage](st))
         report["finished_at"] = time.time()
@@ -531,13 +545,17 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "results": ctx.Queue(),
         }
         jobs = [(f"p5-{name}-{stage}-{wid}", (stage, wid, name, spec, cfg, shared)) for stage, wid in roles]
-        start_wall, attach_all_s = start_workers(ctx, procs, _worker, jobs, shared["barrier"], cfg["barrier_timeout_s"])
+        started = start_workers(
+            ctx, procs, _worker, jobs, shared["barrier"], cfg["barrier_timeout_s"], wait_until_quiet
+        )
+        start_wall, attach_all_s = started.wall, started.attach_s
         cpu_before = machine_cpu_seconds()
         print(f"[{name}] {len(roles)} workers attached and warmed up in {attach_all_s:.1f} s; running...", flush=True)
         reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
         cpu_after = machine_cpu_seconds()
         result = _summarize(name, cfg, reports, start_wall, attach_all_s)
         result["cpu"] = cpu_split(result, cpu_before, cpu_after, time.time() - start_wall)
+        result["quiet_before_run"] = started.settled
         print_cpu(name, result["cpu"])
         return result
 

@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 SYSTEMS: tuple[str, ...] = ("reference", "tq_redis")
 """Names accepted by :func:`open_system` and :func:`attach`."""
@@ -308,24 +308,44 @@ def hosting_workers(name: str, **opts: Any) -> Iterator[tuple[dict[str, Any], An
         close()
 
 
+class Started(NamedTuple):
+    """When a run of worker processes started (:func:`start_workers`)."""
+
+    wall: float  # wall clock time the run starts at (the workers are released)
+    attach_s: float  # seconds from spawning the workers until every one attached
+    settled: Any  # what ``settle`` returned (None without one)
+
+
 def start_workers(
     ctx: Any, procs: list[Any], target: Callable[..., Any], jobs: list[tuple[str, tuple]], barrier: Any,
-    timeout_s: float,
-) -> tuple[float, float]:
+    timeout_s: float, settle: Callable[[], Any] | None = None,
+) -> Started:
     """Start a daemon process ``target(*args)`` named ``name`` per ``(name, args)`` of ``jobs``
-    (appended to ``procs``), then wait at ``barrier`` until every one attached: returns the wall
-    clock time the run starts at and the seconds attaching took. A broken barrier is not raised
-    here: the workers report why."""
+    (appended to ``procs``), wait at ``barrier`` until every one attached, call ``settle`` (e.g.
+    :func:`benchmarks._common.wait_until_quiet`, so that what the previous run left behind, a Ray
+    cluster shutting down say, does not run in this one), then release the workers: each worker
+    passes ``barrier`` twice (:func:`at_start_line`). A broken barrier is not raised here: the
+    workers report why."""
     t_spawn = time.perf_counter()
     for proc_name, args in jobs:
         proc = ctx.Process(target=target, args=args, name=proc_name, daemon=True)
         proc.start()
         procs.append(proc)
+    settled = None
     try:
         barrier.wait(timeout=timeout_s)
+        attach_s = time.perf_counter() - t_spawn
+        settled = settle() if settle is not None else None
+        barrier.wait(timeout=timeout_s)
     except threading.BrokenBarrierError:
-        pass
-    return time.time(), time.perf_counter() - t_spawn
+        attach_s = time.perf_counter() - t_spawn
+    return Started(time.time(), attach_s, settled)
+
+
+def at_start_line(barrier: Any, timeout_s: float) -> None:
+    """A worker's side of :func:`start_workers`: report attached, then wait for the start."""
+    barrier.wait(timeout=timeout_s)
+    barrier.wait(timeout=timeout_s)
 
 
 def startup_seconds(name: str) -> float | None:
