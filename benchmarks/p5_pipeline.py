@@ -80,7 +80,15 @@ from benchmarks._common import (
     wait_until_quiet,
     write_result,
 )
-from benchmarks.p5_accounting import compute_bound, compute_lanes, cpu_split, machine_cpu_seconds, print_cpu
+from benchmarks.p5_accounting import (
+    compute_bound,
+    compute_lanes,
+    cpu_split,
+    machine_cpu_seconds,
+    print_cpu,
+    tree_cpu_delta,
+    tree_cpu_seconds,
+)
 from benchmarks.p5_compute import DEFAULT_DEVICE_US_PER_TOKEN, MODES, Compute
 from benchmarks.p5_path import describe, overhead_split, trainer_path
 from benchmarks.p5_schedule import batch_durations, compute_only_wall
@@ -357,7 +365,9 @@ def _stage_feeder(st: _Stage) -> dict[str, Any]:
                 },
                 batch_size=[len(rows)],
             )
+            cpu0 = time.process_time()
             st.client.put(td, partition_id=_partition(step))
+            st.put_cpu_s += time.process_time() - cpu0
             fed[step].extend(uids)
             st.done(t0, len(rows), sum(len(p) for p in rows))
     return {"fed": fed}
@@ -549,15 +559,28 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
             ctx, procs, _worker, jobs, shared["barrier"], cfg["barrier_timeout_s"], wait_until_quiet
         )
         start_wall, attach_all_s = started.wall, started.attach_s
-        cpu_before = machine_cpu_seconds()
+        # the workers and the forkserver they came from are not the system's servers
+        workers = [p.pid for p in procs] + [_parent_pid(p.pid) for p in procs]
+        cpu_before, servers_before = machine_cpu_seconds(), tree_cpu_seconds(os.getpid(), workers)
         print(f"[{name}] {len(roles)} workers attached and warmed up in {attach_all_s:.1f} s; running...", flush=True)
         reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
-        cpu_after = machine_cpu_seconds()
+        cpu_after, servers_after = machine_cpu_seconds(), tree_cpu_seconds(os.getpid(), workers)
         result = _summarize(name, cfg, reports, start_wall, attach_all_s)
-        result["cpu"] = cpu_split(result, cpu_before, cpu_after, time.time() - start_wall)
+        servers_s = tree_cpu_delta(servers_before, servers_after)
+        result["cpu"] = cpu_split(result, cpu_before, cpu_after, time.time() - start_wall, servers_s)
         result["quiet_before_run"] = started.settled
         print_cpu(name, result["cpu"])
         return result
+
+
+def _parent_pid(pid: int | None) -> int:
+    """The parent of process ``pid`` (a worker's forkserver); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return 0
+    return int(text[text.rindex(")") + 2 :].split()[1])
 
 
 def _collect(shared: dict[str, Any], procs: list[Any], n_workers: int, timeout_s: float, name: str) -> list[dict]:
