@@ -99,5 +99,5 @@ def test_the_readme_says_what_the_ten_percent_goal_leaves_on_this_machines_cores
     doc["reference"].pop("cpu", None)
     section = report.build_section(merged)
     assert "with CPU compute (core-seconds, median round): tq-redis: stage compute 1.60 s" in section
-    assert "2 cores × 10% × 0.800 s = 0.160 core-seconds" in section
-    assert "the workers' own glue (not the data system's calls) used 0.160 of them" in section
+    assert "2 cores × 1.1 × 0.800 s = 1.76 core-seconds, 1.60 of them the compute: that leaves 0.160" in section
+    assert "(the benchmark's, not the data system's calls) used 0.160 before any client call" in section
