@@ -60,6 +60,12 @@ def _proc_stat(pid: str) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def parent_pid(pid: int | None) -> int:
+    """The parent of process ``pid`` (a worker's forkserver, say); 0 when it cannot be read."""
+    stat = _proc_stat(str(pid)) if pid else None
+    return stat[0] if stat else 0
+
+
 def tree_cpu_seconds(root: int, exclude: Iterable[int] = ()) -> dict[int, float] | None:
     """CPU seconds (user + system) used so far by each live process descending from ``root`` (not
     ``root`` itself), leaving out ``exclude`` and everything below them: the system's server

@@ -85,6 +85,7 @@ from benchmarks.p5_accounting import (
     compute_lanes,
     cpu_split,
     machine_cpu_seconds,
+    parent_pid,
     print_cpu,
     tree_cpu_delta,
     tree_cpu_seconds,
@@ -560,7 +561,7 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         )
         start_wall, attach_all_s = started.wall, started.attach_s
         # the workers and the forkserver they came from are not the system's servers
-        workers = [p.pid for p in procs] + [_parent_pid(p.pid) for p in procs]
+        workers = [p.pid for p in procs] + [parent_pid(p.pid) for p in procs]
         cpu_before, servers_before = machine_cpu_seconds(), tree_cpu_seconds(os.getpid(), workers)
         print(f"[{name}] {len(roles)} workers attached and warmed up in {attach_all_s:.1f} s; running...", flush=True)
         reports = _collect(shared, procs, len(roles), cfg["timeout_s"] + 60, name)
@@ -571,16 +572,6 @@ def measure_system(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         result["quiet_before_run"] = started.settled
         print_cpu(name, result["cpu"])
         return result
-
-
-def _parent_pid(pid: int | None) -> int:
-    """The parent of process ``pid`` (a worker's forkserver); 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except (OSError, TypeError):
-        return 0
-    return int(text[text.rindex(")") + 2 :].split()[1])
 
 
 def _collect(shared: dict[str, Any], procs: list[Any], n_workers: int, timeout_s: float, name: str) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report
-from benchmarks.p5_accounting import cpu_split, describe_cpu, tree_cpu_delta, tree_cpu_seconds
+from benchmarks.p5_accounting import cpu_split, describe_cpu, parent_pid, tree_cpu_delta, tree_cpu_seconds
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "all.json"
 
@@ -43,6 +43,7 @@ def test_a_process_left_out_takes_its_children_with_it():
         grandchild = started.get(timeout=30)
         every = tree_cpu_seconds(os.getpid())
         servers = tree_cpu_seconds(os.getpid(), exclude=[worker.pid])
+        parents = (parent_pid(worker.pid), parent_pid(grandchild))
     finally:
         done.set()
         server.join(30)
@@ -50,6 +51,8 @@ def test_a_process_left_out_takes_its_children_with_it():
     assert {server.pid, worker.pid, grandchild} <= set(every)
     assert server.pid in servers and worker.pid not in servers and grandchild not in servers
     assert tree_cpu_delta(None, servers) is None
+    assert parents == (os.getpid(), worker.pid)
+    assert parent_pid(None) == 0 and parent_pid(worker.pid) == 0  # gone once joined
 
 
 def test_a_spinning_child_reads_its_cpu_while_it_runs():
