@@ -457,17 +457,20 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
             f"Load average (1 min) when each measure started: {', '.join(loads)} "
             "(a decaying average: it still counts the previous measure's own processes).",
         ]
-    probes = [
-        f"{_label(m)} {_num(doc['cpu_probe_s'].get('start'))} → {_num(doc['cpu_probe_s'].get('end'))}"
+    probed = {
+        m: doc["cpu_probe_s"]
         for m, doc in sorted(measures.items())
         if isinstance(doc.get("cpu_probe_s"), dict) and doc["cpu_probe_s"].get("start")
-    ]
-    if probes:
+    }
+    if probed:
+        probes = [f"{_label(m)} {_num(p.get('start'))} → {_num(p.get('end'))}" for m, p in probed.items()]
+        seen = [x for p in probed.values() for x in (p.get("start"), p.get("end")) if x]
         lines += [
             "",
             f"Machine speed when each measure started → ended, as seconds a fixed Python loop took "
             f"(`benchmarks._common.cpu_probe_s`; lower is faster): {', '.join(probes)}. This shared "
-            "machine drifts between about 0.10 and 0.20 s within minutes, and every figure moves with it.",
+            f"machine's speed drifts within minutes ({_num(min(seen))} to {_num(max(seen))} s in this run; "
+            "0.08 to 0.20 s seen on it), and every figure moves with it.",
         ]
     waits = [
         f"{_label(m)} {doc['quiet_at_start']['waited_s']:.1f} s"

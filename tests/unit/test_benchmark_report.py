@@ -23,6 +23,7 @@ def test_each_measure_is_listed_with_its_speed_probe_and_load_under_its_own_name
     )
     assert "Load average (1 min) when each measure started: P1-TCP 0.7 " in section
     assert "lower is faster): P1-TCP 0.110 → 0.194." in section
+    assert "drifts within minutes (0.110 to 0.194 s in this run;" in section
 
 
 def test_a_result_without_a_probe_lists_none():
