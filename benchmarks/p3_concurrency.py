@@ -3,7 +3,9 @@
 The parent opens the system, then starts ``--producers`` + ``--consumers`` separate worker
 processes (a forkserver that has imported torch and both systems once, so 40 workers start
 cheaply); each attaches to the running system (:func:`benchmarks.reference.attach`) and waits at
-a barrier so that the clock starts when every process is connected.
+a barrier so that the clock starts when every process is connected (and, before that, the machine
+is quiet: :func:`benchmarks._common.wait_until_quiet`, as the system of the previous round may
+still be exiting).
 
 * Each producer puts its share of ``--samples`` samples (one ``int64[16]`` field, the sample's
   number) in batches of ``--put-batch``.

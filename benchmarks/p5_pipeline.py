@@ -34,9 +34,10 @@ sleeps inside the controller and blocks every other client) and a worker sleeps
 ``--poll-interval`` after an empty answer, as in P3.
 
 Measured: steps/s = steps trained / wall time of the pipeline phase (from the moment every
-worker is attached and warmed up to the trainer finishing the last step; system start-up is
-excluded). Verified: every fed ``uid`` is trained exactly once, each response arrives with the
-length its ``uid`` determines, and the log-prob fields match the responses.
+worker is attached and warmed up, and the machine is quiet again, to the trainer finishing the
+last step; system start-up is excluded). Verified: every fed ``uid`` is trained exactly once,
+each response arrives with the length its ``uid`` determines, and the log-prob fields match the
+responses.
 
 Compute modes (``--compute``, both by default, :mod:`benchmarks.p5_compute`): ``cpu``, the stages
 compute on the machine's cores as described above; ``device``, a batch holds its worker for a
