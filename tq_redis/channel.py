@@ -79,6 +79,7 @@ from tq_redis.channel_rules import key_token as key_token  # re-exported: import
 from tq_redis.errors import ChannelClosed, ConfigError
 from tq_redis.errors import ChannelNotFound as ChannelNotFound  # re-exported: importable here as before
 from tq_redis.keys import ChannelKeys
+from tq_redis.reprs import attrs_repr
 
 _EXEC_LOCK = threading.Lock()
 
@@ -197,9 +198,9 @@ class Channel:
         return (_attach, (self.name, self.redis_url, self.namespace, self._maxsize, self._allow_pickle))
 
     def __repr__(self) -> str:
-        if self._local is not None:
-            return f"Channel({self.name!r}, maxsize={self._maxsize}, local=True)"
-        return f"Channel({self.name!r}, maxsize={self._maxsize}, namespace={self.namespace!r})"
+        if getattr(self, "_local", None) is not None:
+            return attrs_repr(self, ("name", "_maxsize", "is_local"))
+        return attrs_repr(self, ("name", "_maxsize", "namespace"))
 
     def __str__(self) -> str:
         """The items of the default queue with their weights, as RLinf prints a channel:

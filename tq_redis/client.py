@@ -21,6 +21,7 @@ from tq_redis.client_methods import awaiting
 from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
 from tq_redis.metadata import BatchMeta, KVBatchMeta
+from tq_redis.reprs import attrs_repr
 
 
 def lease_task(metadata: BatchMeta) -> str:
@@ -83,6 +84,9 @@ class AsyncTransferQueueClient:
     def _open(self) -> None:
         """Open the connections this client needs before its first call: none here (a driver is
         opened per event loop on first use); the blocking client opens its own driver."""
+
+    def __repr__(self) -> str:
+        return attrs_repr(self, ("namespace", "client_id"))
 
     @property
     def context(self) -> ops.Context:

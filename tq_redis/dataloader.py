@@ -29,6 +29,7 @@ from tq_redis import streaming
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_batch import read_claimed
+from tq_redis.reprs import attrs_repr
 from tq_redis.sync import TransferQueueClient
 
 Batch = tuple[TensorDict, BatchMeta]
@@ -194,6 +195,9 @@ class StreamingDataset(IterableDataset):
         self._client: TransferQueueClient | None = None
         self._pid: int | None = None
 
+    def __repr__(self) -> str:
+        return attrs_repr(self, ("partition_id", "task_name", "data_fields", "batch_size", "dp_rank"))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None  # each process (DataLoader worker) opens its own
@@ -319,6 +323,9 @@ class StreamingDataLoader(DataLoader):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+
+    def __repr__(self) -> str:
+        return attrs_repr(self, ("dataset", "num_workers"))
 
     def reset(self) -> None:
         """See :meth:`StreamingDataset.reset`."""

@@ -64,8 +64,10 @@ or the difference only adds to what it accepts):
   ``response_length``. ``clear`` works without ``metrics`` (MindSpeed raises ``AttributeError``).
 * ``get_metrics`` returns a fresh copy of the ``metrics`` object given (one of this module's
   :class:`DockMetrics` when none was) holding every update since the last ``clear``, applied with
-  the object's own ``update``; the dock's metrics start empty. An update the object rejects
-  raises :class:`~tq_redis.errors.InvalidArgument` and is not recorded.
+  the object's own ``update``; the dock's metrics start empty. Any object is taken as
+  ``metrics``, as in MindSpeed; only ``update_metrics`` needs its ``update``. An update the object
+  rejects (or lacks ``update`` for, or an object that cannot be copied) raises
+  :class:`~tq_redis.errors.InvalidArgument` and is not recorded.
 * Additions: ``put_experience`` returns the rows written, may omit ``indexes`` (rows are then
   appended after the last ones handed out) and takes ``repeat_prompts=True`` (each row is a
   prompt stored in its ``n_samples_per_prompt`` rows; ``indexes`` then name prompts);
@@ -132,8 +134,9 @@ class GRPOTransferDock(TransferDock):
     Args:
         prompts_num: prompts per step; the dock has ``prompts_num * n_samples_per_prompt`` rows.
         n_samples_per_prompt: responses per prompt (rows ``[p*n, (p+1)*n)`` belong to prompt p).
-        metrics: an object with ``update(key, value, cumulate=)`` and ``reset()`` (MindSpeed's
-            ``Metric``); ``get_metrics`` returns copies of it. None: a :class:`DockMetrics`.
+        metrics: any object, as MindSpeed accepts; ``update_metrics`` calls its
+            ``update(key, value, cumulate=)`` (MindSpeed's ``Metric``), so only an object used for
+            updates needs one, and ``get_metrics`` returns copies of it. None: a :class:`DockMetrics`.
         max_age: 1 (MindSpeed's partial rollout, ``max_age > 1``, is not supported).
         GBS_train: with ``get_n_samples``, a consumer gets nothing more once it has consumed
             ``GBS_train * n_samples_per_prompt`` rows; 0: no cap.
@@ -166,11 +169,6 @@ class GRPOTransferDock(TransferDock):
             raise InvalidArgument(
                 f"max_age={max_age} asks for MindSpeed-RL's partial rollout, which tq_redis's dock does not "
                 f"implement; use max_age=1"
-            )
-        if metrics is not None and not callable(getattr(metrics, "update", None)):
-            raise InvalidArgument(
-                f"metrics must have update(key, value, cumulate=) like MindSpeed-RL's Metric, "
-                f"got {type(metrics).__name__}"
             )
         self.max_age = 1
         self.GBS_train = int_at_least("GBS_train", GBS_train, 0)

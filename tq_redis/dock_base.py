@@ -27,6 +27,7 @@ from tq_redis.dock_layout import check_layout, row_tensors, rows_to_field
 from tq_redis.driver import Cmd, Pipe, Wait
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
 from tq_redis.keys import kept_partitions_key
+from tq_redis.reprs import attrs_repr
 from tq_redis.sync import TransferQueueClient
 
 Op = ops.Op
@@ -155,8 +156,7 @@ class TransferDock:
         return _rebuild, (type(self), *self._spec)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, {self.prompts_num} prompts x "
-                f"{self.n_samples_per_prompt}, namespace={self.namespace!r})")
+        return attrs_repr(self, ("name", "prompts_num", "n_samples_per_prompt", "namespace"))
 
     def _run(self, op: Op) -> Any:
         return self._client.run(op)

@@ -45,14 +45,20 @@ class DockMetrics:
         self.metric = {}
 
     def __repr__(self) -> str:
-        return f"DockMetrics({self.metric!r})"
+        return f"DockMetrics({getattr(self, 'metric', {})!r})"
 
 
 def fresh_metrics(template: Any) -> Any:
     """An empty copy of ``template`` (the dock's ``metrics=``), or a :class:`DockMetrics` for None."""
     if template is None:
         return DockMetrics()
-    fresh = copy.deepcopy(template)
+    try:
+        fresh = copy.deepcopy(template)
+    except Exception as exc:  # noqa: BLE001 - the object's own copy hooks: any error means "cannot copy"
+        raise InvalidArgument(
+            f"the dock's metrics object ({type(template).__name__}) cannot be copied ({exc}); the dock "
+            f"rebuilds its metrics on a copy of it, so give a copyable object (or metrics=None)"
+        ) from exc
     if callable(getattr(fresh, "reset", None)):
         fresh.reset()
     elif hasattr(fresh, "metric"):
@@ -62,6 +68,11 @@ def fresh_metrics(template: Any) -> Any:
 
 def encode_update(template: Any, key: str, value: Any, cumulate: bool, *, allow_pickle: bool) -> bytes:
     """One update as a log entry, once the metrics object accepts it (else ``InvalidArgument``)."""
+    if template is not None and not callable(getattr(template, "update", None)):
+        raise InvalidArgument(
+            f"update_metrics needs a metrics object with update(key, value, cumulate=) like MindSpeed-RL's "
+            f"Metric; this dock was built with metrics of type {type(template).__name__}, which has none"
+        )
     try:
         fresh_metrics(template).update(key, value, cumulate=cumulate)
     except Exception as exc:  # the metrics object's own check; nothing is recorded

@@ -68,8 +68,11 @@ def test_construction_takes_mindspeed_positional_arguments(target):
     assert defaults.name != dock.name  # each construction is a new dock, as each MindSpeed actor is
     with pytest.raises(InvalidArgument, match="partial rollout"):
         GRPOTransferDock(4, 2, None, 2, 4, **target)
-    with pytest.raises(InvalidArgument, match="metrics"):
-        GRPOTransferDock(4, 2, ["prompts"], **target)  # the 3rd positional argument is metrics
+    odd = GRPOTransferDock(4, 2, ["prompts"], **target)  # the 3rd positional argument is metrics: any object
+    assert odd.metrics == ["prompts"] and odd.get_metrics() == ["prompts"]  # MindSpeed returns it as given
+    with pytest.raises(InvalidArgument, match="update.*type list"):
+        odd.update_metrics("a", 1.0)  # only an update needs update() (MindSpeed: AttributeError here)
+    odd.close()
     with pytest.raises(InvalidArgument, match="another name"):
         GRPOTransferDock(8, 2, name=defaults.name, **target)  # same name, other shape
     for d in (dock, defaults):
@@ -231,6 +234,28 @@ def test_prefetch_request_index_across_processes(real_server, namespace):
     assert dock.get_cur_index() == 102 and dock.prefetch_request_index(1) is None  # as MindSpeed counts
     dock.clear()
     assert dock.get_cur_index() == 0 and dock.prefetch_request_index(2) == [0, 1]
+    dock.close()
+
+
+class Uncopyable:
+    """A metrics object MindSpeed would take (it is never copied there)."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a lock")
+
+    def update(self, key="", value=None, cumulate=False):
+        raise AssertionError("the dock calls update only for update_metrics")
+
+
+def test_any_metrics_object_is_accepted_and_update_is_only_called_to_update(target):
+    dock = GRPOTransferDock(2, 1, Uncopyable(), **target)
+    dock.put_experience(TensorDict({"prompts": torch.arange(4).reshape(2, 2)}, batch_size=[2]), indexes=[0, 1])
+    data, idx = dock.get_experience("actor_rollout", ["prompts"], 2, get_n_samples=False)
+    assert sorted(idx) == [0, 1] and dock.all_consumed("actor_rollout")
+    dock.clear()
+    with pytest.raises(InvalidArgument, match="cannot be copied.*holds a lock"):
+        dock.update_metrics("a", 1.0)  # typed, and nothing recorded
+    assert dock._cmd("LLEN", dock._metrics_key) == 0
     dock.close()
 
 
