@@ -21,6 +21,7 @@ _EXPORTS = {
     "REFERENCE_API_LEVEL": "tq_redis.compat",
     "StorageKeyNotFoundError": "tq_redis.errors",
     "install_transfer_queue_alias": "tq_redis.compat",
+    "register_item_class": "tq_redis.item_classes",
     "Channel": "tq_redis.channel",
     "DockMetrics": "tq_redis.dock",
     "GRPOTransferDock": "tq_redis.dock",
@@ -82,6 +83,7 @@ __all__ = [
     "kv_list",
     "kv_put",
     "load_checkpoint",
+    "register_item_class",
     "save_checkpoint",
 ]
 
@@ -121,6 +123,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         kv_list,
         kv_put,
     )
+    from tq_redis.item_classes import register_item_class
     from tq_redis.metadata import BatchMeta, KVBatchMeta
     from tq_redis.runtime import close, get_client, get_metrics_endpoint, init
     from tq_redis.samplers import (

@@ -26,13 +26,15 @@ are one key, as in a dict; see :func:`key_token`). Without a key, calls use RLin
 ``"default_queue"``. **Local channels** (``Channel.create(name, local=True)``) keep their queues in
 this process's memory and take any hashable key; see :meth:`Channel.create`.
 
-Items may be any value the safe object encoding (:func:`tq_redis.objects.encode_object`) holds;
-pickle is used only with ``allow_pickle=True`` (it is not safe on a network). Items are encoded
-when the call is made, so changing an object after an async put does not change what lands. A
-``torch.Tensor`` or ``TensorDict`` item goes through the data plane instead: its bytes are stored
-as samples of the hidden partition ``__chan__.<name>`` (in whatever store the namespace uses) and
-the queue entry holds only the reference; the getter reads and deletes them. A getter that dies
-between popping and reading leaks that item's bytes.
+Items may be any value the safe object encoding (:func:`tq_redis.objects.encode_object`) holds,
+dataclass and NamedTuple instances of the channel's item classes included (see
+:meth:`Channel.create` and :mod:`tq_redis.item_classes`); pickle is used only with
+``allow_pickle=True`` (it is not safe on a network). Items are encoded when the call is made, so
+changing an object after an async put does not change what lands. A ``torch.Tensor`` or
+``TensorDict`` item goes through the data plane instead: its bytes are stored as samples of the
+hidden partition ``__chan__.<name>`` (in whatever store the namespace uses) and the queue entry
+holds only the reference; the getter reads and deletes them. A getter that dies between popping and
+reading leaks that item's bytes.
 
 Differences from RLinf on purpose: ``put``/``get``/``get_batch`` take a ``timeout`` (``TimeoutError``
 when it expires); ``get_batch`` takes its items atomically (RLinf pops them one by one as they
@@ -56,6 +58,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from tq_redis import names
@@ -76,8 +79,9 @@ from tq_redis.channel_rules import (
 )
 from tq_redis.channel_rules import WeightedItem as WeightedItem  # re-exported: importable here as before
 from tq_redis.channel_rules import key_token as key_token  # re-exported: importable here as before
-from tq_redis.errors import ChannelClosed, ConfigError
+from tq_redis.errors import ChannelClosed, ConfigError, ItemClassNotAllowed
 from tq_redis.errors import ChannelNotFound as ChannelNotFound  # re-exported: importable here as before
+from tq_redis.item_classes import REGISTERED, class_path
 from tq_redis.keys import ChannelKeys
 from tq_redis.reprs import attrs_repr
 
@@ -152,13 +156,20 @@ class Channel:
     @classmethod
     def create(cls, name: str, maxsize: int = 0, distributed: bool = False, node_rank: int = 0,
                local: bool = False, disable_distributed_log: bool = True, *, redis_url: str | None = None,
-               namespace: str | None = None, allow_pickle: bool | None = None) -> Channel:
+               namespace: str | None = None, allow_pickle: bool | None = None,
+               item_classes: Iterable[type] = ()) -> Channel:
         """Create the channel ``name`` (or join an existing one with the same ``maxsize``).
 
         ``maxsize`` bounds each key's queue (0: unbounded). Without ``redis_url`` the channel
         lives where ``tq_redis.init()`` attached (or ``TQ_REDIS_URL``/``TQ_NAMESPACE``).
         ``distributed``, ``node_rank`` and ``disable_distributed_log`` are RLinf's placement
         options and have no effect: the channel is in Redis, reachable from every node.
+
+        Items that are dataclasses or NamedTuples travel without pickle when the channel allows
+        their class: every class registered in this process (``tq_redis.register_item_class``)
+        when it calls ``create``, and ``item_classes``. The list is kept with the channel, so
+        every process that uses it allows them too (a reader imports the class by its path);
+        another class's instance raises :class:`~tq_redis.errors.ItemClassNotAllowed` at ``put``.
 
         ``local=True`` makes a channel of this process only, as in RLinf: its queues live in this
         process's memory (no Redis needed), items are kept as the objects themselves (tensors stay
@@ -172,9 +183,11 @@ class Channel:
             redis_url, distributed = distributed, False
         if local:
             return cls(name, None, None, maxsize, _local=new_local_core(name, maxsize))
+        paths = sorted(REGISTERED.paths() | {class_path(c) for c in item_classes})  # checked before any write
         url, ns, pickle_default = resolve_target(redis_url, namespace)
         chan = cls(name, url, ns, maxsize, allow_pickle=pickle_default if allow_pickle is None else allow_pickle)
-        chan._call(chan._ops.create(maxsize), None, False, False)
+        _, allowed = chan._call(chan._ops.create(maxsize, paths), None, False, False)
+        chan._ops.classes.add(*item_classes, *allowed)
         return chan
 
     @classmethod
@@ -189,7 +202,8 @@ class Channel:
             redis_url = current_worker
         url, ns, pickle_default = resolve_target(redis_url, namespace)
         chan = cls(name, url, ns, 0, allow_pickle=pickle_default if allow_pickle is None else allow_pickle)
-        chan._maxsize = chan._call(chan._ops.connect(), None, False, False)
+        chan._maxsize, allowed = chan._call(chan._ops.connect(), None, False, False)
+        chan._ops.classes.add(*allowed)
         return chan
 
     def __reduce__(self):
@@ -242,20 +256,33 @@ class Channel:
 
     # -- the queue API
 
+    def _encoded_put(self, item: Any, weight: float, qkey: str, block: bool, deadline: float | None) -> Start:
+        """The put's job, its item encoded now (so a bad item raises here, in the producer). A
+        dataclass the handle does not know yet is looked up once in the channel's list in Redis:
+        another process may have allowed it since this handle read the list."""
+        try:
+            return self._ops.put(item, weight, qkey, block, deadline)
+        except ItemClassNotAllowed:
+            if self._local is not None or not self._ops.classes.add(*self._call(self._ops.item_classes(),
+                                                                                None, False, False)):
+                raise
+        return self._ops.put(item, weight, qkey, block, deadline)
+
     def put(self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY, async_op: bool = False,
             timeout: float | None = None) -> ChannelWork | None:
         """Append ``item`` to queue ``key``, blocking while it is full (``TimeoutError`` after
         ``timeout`` seconds, if given). ``async_op=True`` returns a :class:`ChannelWork` at once;
-        the put lands even if nobody waits on it."""
+        the put lands even if nobody waits on it. An item that cannot be encoded raises here, at
+        once, ``async_op=True`` or not (:class:`~tq_redis.errors.UnsupportedValue`)."""
         check_weight(weight)
         deadline, qkey = deadline_after(timeout), self._ops.qkey(key)
-        return self._call(self._ops.put(item, weight, qkey, True, deadline), ("put", qkey), True, async_op)
+        return self._call(self._encoded_put(item, weight, qkey, True, deadline), ("put", qkey), True, async_op)
 
     def put_nowait(self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY) -> None:
         """Append ``item``; raises ``asyncio.QueueFull`` if the queue holds ``maxsize`` items."""
         check_weight(weight)
         qkey = self._ops.qkey(key)
-        self._call(self._ops.put(item, weight, qkey, False, None), None, True, False)
+        self._call(self._encoded_put(item, weight, qkey, False, None), None, True, False)
 
     def get(self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None) -> Any:
         """Pop the oldest item of queue ``key``, waiting for one (``TimeoutError`` after ``timeout``

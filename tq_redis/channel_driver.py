@@ -26,6 +26,7 @@ from tq_redis.channel_ops import WAIT_SLICE_S, encode_item
 from tq_redis.channel_rules import key_token
 from tq_redis.driver import AsyncDriver, Offload, Wait
 from tq_redis.errors import ConfigError
+from tq_redis.item_classes import REGISTERED, ItemClasses
 from tq_redis.keys import ChannelKeys
 
 MAX_CONNECTIONS = 8  # command connections per handle; waiting operations share one more
@@ -186,24 +187,29 @@ class RedisOps:
     def __init__(self, keys: ChannelKeys, allow_pickle: bool) -> None:
         self.keys = keys
         self.allow_pickle = allow_pickle
+        self.classes = ItemClasses(parent=REGISTERED)  # the channel's item classes, as this handle knows them
 
     qkey = staticmethod(key_token)
 
-    def create(self, maxsize: int) -> Start:
-        return lambda drv: drv.run(channel_ops.create(drv.ctx, self.keys, maxsize))
+    def create(self, maxsize: int, classes: list[str]) -> Start:
+        return lambda drv: drv.run(channel_ops.create(drv.ctx, self.keys, maxsize, classes))
 
     def connect(self) -> Start:
         return lambda drv: drv.run(channel_ops.connect(self.keys))
 
+    def item_classes(self) -> Start:
+        return lambda drv: drv.run(channel_ops.item_class_paths(self.keys))
+
     def put(self, item: Any, weight: Any, qkey: str, block: bool, deadline: float | None) -> Start:
-        enc = encode_item(item, self.allow_pickle)  # now: errors raise here, later changes do not count
+        enc = encode_item(item, self.allow_pickle, self.classes)  # now: errors raise here, later changes do not count
         return lambda drv: drv.run(channel_ops.put(drv.ctx, self.keys, enc, weight, qkey, block, deadline))
 
     def pop(self, qkey: str, mode: str, target: float, block: bool, deadline: float | None) -> Start:
-        return lambda drv: drv.run(channel_ops.pop(drv.ctx, self.keys, qkey, mode, target, block, deadline))
+        return lambda drv: drv.run(
+            channel_ops.pop(drv.ctx, self.keys, qkey, mode, target, block, deadline, self.classes))
 
     def peek(self, qkey: str) -> Start:
-        return lambda drv: drv.run(channel_ops.peek(drv.ctx, self.keys, qkey))
+        return lambda drv: drv.run(channel_ops.peek(drv.ctx, self.keys, qkey, self.classes))
 
     def qsize(self, qkey: str) -> Start:
         return lambda drv: drv.run(channel_ops.qsize(self.keys, qkey))

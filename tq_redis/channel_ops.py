@@ -24,7 +24,8 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 from tq_redis import codec, objects, ops, transitions
 from tq_redis.channel_rules import FIT, ONE, WeightedItem
 from tq_redis.driver import Cmd, Offload, Pipe, Wait
-from tq_redis.errors import ChannelNotFound, DataMissing, InvalidArgument, TQError
+from tq_redis.errors import ChannelNotFound, DataMissing, InvalidArgument, ItemClassNotAllowed, TQError
+from tq_redis.item_classes import ItemClasses
 from tq_redis.keys import ChannelKeys, channels_key
 from tq_redis.transitions import text
 
@@ -73,10 +74,11 @@ def _leaves(td: TensorDictBase) -> list[tuple[tuple[str, ...], Any]]:
     return out
 
 
-def encode_item(item: Any, allow_pickle: bool) -> _Encoded:
-    """Encode ``item`` now (objects inline, tensors as fields for the data plane)."""
+def encode_item(item: Any, allow_pickle: bool, classes: ItemClasses | None = None) -> _Encoded:
+    """Encode ``item`` now (objects inline, tensors as fields for the data plane); ``classes``: the
+    dataclasses and NamedTuples an object item may be (the channel's allow-list)."""
     if not _tensor_like(item):
-        return _Encoded(_OBJECT + objects.encode_object(item, allow_pickle=allow_pickle))
+        return _Encoded(_OBJECT + objects.encode_object(item, allow_pickle=allow_pickle, classes=classes))
     if isinstance(item, torch.Tensor):
         ref: dict[str, Any] = {"kind": "tensor", "bs": [], "paths": [["t"]]}
         rows, leaves = 1, [(("t",), item.unsqueeze(0))]
@@ -126,13 +128,25 @@ def _payload(entry: bytes) -> tuple[bytes, bytes]:
     return entry[bar + 1 : bar + 2], entry[bar + 2 :]
 
 
-def load_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes], consume: bool = True) -> Op:
+def _decode_object_item(ctx: ops.Context, ck: ChannelKeys, body: bytes, classes: ItemClasses | None) -> Op:
+    """An object item; a class missing from the allow-list is looked up once more in the channel's
+    list in Redis (another process may have added it since this handle read it)."""
+    try:
+        return objects.decode_object(body, allow_pickle=ctx.allow_pickle, classes=classes)
+    except ItemClassNotAllowed:
+        if classes is None or not classes.add(*(yield from item_class_paths(ck))):
+            raise
+    return objects.decode_object(body, allow_pickle=ctx.allow_pickle, classes=classes)
+
+
+def load_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes], consume: bool = True,
+               classes: ItemClasses | None = None) -> Op:
     """Decode entries; tensor items are read from the data plane (and deleted when ``consume``)."""
     items: list[Any] = []
     for entry in entries:
         tag, body = _payload(entry)
         if tag == _OBJECT:
-            items.append(objects.decode_object(body, allow_pickle=ctx.allow_pickle))
+            items.append((yield from _decode_object_item(ctx, ck, body, classes)))
             continue
         ref = objects.decode_object(body, allow_pickle=ctx.allow_pickle)
         if ref["kind"] == "td-inline":
@@ -191,14 +205,31 @@ def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
 # ------------------------------------------------------------------ operations (Redis)
 
 
-def create(ctx: ops.Context, ck: ChannelKeys, maxsize: int) -> Op:
-    """Create the channel, or check an existing one has the same ``maxsize``."""
-    _, _, current, _ = yield Pipe(
+_CLASS = "c:"  # a meta hash field "c:<module>:<QualName>" allows that item class
+
+
+def _class_paths(meta_fields: list[Any]) -> list[str]:
+    return [name[len(_CLASS):] for name in map(text, meta_fields) if name.startswith(_CLASS)]
+
+
+def item_class_paths(ck: ChannelKeys) -> Op:
+    """The import paths of the dataclasses and NamedTuples the channel allows as items."""
+    return _class_paths((yield Cmd(("HKEYS", ck.meta))))
+
+
+def create(ctx: ops.Context, ck: ChannelKeys, maxsize: int, classes: list[str] = ()) -> Op:  # type: ignore[assignment]
+    """Create the channel allowing the item classes ``classes`` (import paths), or join an existing
+    one with the same ``maxsize`` (adding ``classes`` to its list). Returns ``(maxsize, the
+    channel's item class paths)``."""
+    allow = [Cmd(("HSET", ck.meta, *[x for path in classes for x in (_CLASS + path, 1)]))] if classes else []
+    *_, current, _, fields = yield Pipe(
         (
             Cmd(("HSETNX", ck.meta, "maxsize", maxsize)),
             Cmd(("HSETNX", ck.meta, "created_ms", int(time.time() * 1000))),
+            *allow,
             Cmd(("HGET", ck.meta, "maxsize")),
             Cmd(("SADD", channels_key(ck.ns), ck.name)),  # the registry checkpoints read
+            Cmd(("HKEYS", ck.meta)),
         )
     )
     if int(current) != maxsize:
@@ -206,17 +237,17 @@ def create(ctx: ops.Context, ck: ChannelKeys, maxsize: int) -> Op:
             f"channel {ck.name!r} exists with maxsize={int(current)}, not {maxsize}; "
             f"use Channel.connect({ck.name!r}) or another name"
         )
-    return maxsize
+    return maxsize, _class_paths(fields)
 
 
 def connect(ck: ChannelKeys) -> Op:
-    """The existing channel's ``maxsize``."""
-    current = yield Cmd(("HGET", ck.meta, "maxsize"))
+    """The existing channel's ``(maxsize, item class paths)``."""
+    current, fields = yield Pipe((Cmd(("HGET", ck.meta, "maxsize")), Cmd(("HKEYS", ck.meta))))
     if current is None:
         raise ChannelNotFound(
             f"channel {ck.name!r} does not exist; create it with Channel.create({ck.name!r})"
         )
-    return int(current)
+    return int(current), _class_paths(fields)
 
 
 def _wait(stream: str, last_id: Any, deadline: float | None, what: str) -> Op:
@@ -248,7 +279,7 @@ def put(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded, weight: Any, qkey: str
 
 
 def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, block: bool,
-        deadline: float | None = None) -> Op:
+        deadline: float | None = None, classes: ItemClasses | None = None) -> Op:
     """Pop one item (``mode="one"``) or head items by weight (``"fit"``: RLinf's rule; ``"exceed"``:
     the fewest that reach ``target``); FIFO. Returns the items, oldest first."""
     while True:
@@ -257,7 +288,7 @@ def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, 
         else:
             got = yield from transitions.channel_pop(ck, qkey, None if mode == ONE else target).call()
         if got.popped:
-            return (yield from load_items(ctx, ck, got.entries))
+            return (yield from load_items(ctx, ck, got.entries, classes=classes))
         if got.missing:
             raise ChannelNotFound(f"channel {ck.name!r} does not exist (deleted?)")
         if not block:
@@ -266,12 +297,12 @@ def pop(ctx: ops.Context, ck: ChannelKeys, qkey: str, mode: str, target: float, 
         yield from _wait(ck.puts, got.last_puts_id, deadline, what)
 
 
-def peek(ctx: ops.Context, ck: ChannelKeys, qkey: str) -> Op:
+def peek(ctx: ops.Context, ck: ChannelKeys, qkey: str, classes: ItemClasses | None = None) -> Op:
     """The queued items of ``qkey`` with their weights, oldest first; nothing is removed."""
     out = []
     for entry in (yield Cmd(("LRANGE", ck.queue(qkey), 0, -1))):
         try:
-            (item,) = yield from load_items(ctx, ck, [entry], consume=False)
+            (item,) = yield from load_items(ctx, ck, [entry], consume=False, classes=classes)
         except DataMissing:  # popped by another consumer meanwhile: no longer queued
             continue
         out.append(WeightedItem(_entry_weight(entry), item))

@@ -105,6 +105,16 @@ class UnsupportedValue(TQError, TypeError):
     """A value cannot be stored (wrong type where tensors are required, or not safely encodable)."""
 
 
+class ItemClassNotAllowed(UnsupportedValue):
+    """A dataclass or NamedTuple whose class is not on the allow-list of the safe encoding
+    (``tq_redis.register_item_class``, or a channel's ``item_classes``). ``path`` is its class's
+    ``module:QualName``."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class StorageError(TQError):
     """Base class of data-plane (store) errors."""
 

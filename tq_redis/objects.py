@@ -1,7 +1,9 @@
 """Safe object encoding: any plain Python value <-> bytes, without pickle by default.
 
 msgpack with extension types for tuples, tensors (nested too), numpy arrays and scalars, sets,
-complex and big ints, torch dtypes and sizes. A tensor or numeric array inside a value is stored
+complex and big ints, torch dtypes and sizes, and dataclass / ``NamedTuple`` instances of the
+classes an allow-list names (:mod:`tq_redis.item_classes`: the class's import path and its field
+values; rebuilt without running ``__init__``). A tensor or numeric array inside a value is stored
 in the same header-plus-raw-bytes format as a stored tensor value (:mod:`tq_redis.wireformat`).
 It never pickles unless the writer passes ``allow_pickle=True``, and it refuses to unpickle unless
 the reader passes it too.
@@ -12,6 +14,7 @@ channels (:mod:`tq_redis.channel`), the dock's key/value table and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import struct
 from collections.abc import Callable, Iterable
@@ -23,7 +26,8 @@ import torch
 
 from tq_redis import wireformat
 from tq_redis.dtypes import DTYPE_TO_CODE, DTYPE_TO_NAME, NAME_TO_DTYPE, NO_DTYPE, RAW_NP_KINDS, dtype_from_code
-from tq_redis.errors import StorageError, TQError, UnsupportedValue
+from tq_redis.errors import ItemClassNotAllowed, StorageError, TQError, UnsupportedValue
+from tq_redis.item_classes import DATACLASS, REGISTERED, ItemClasses, record_kind
 
 __all__ = ["decode_object", "encode_object", "encode_samples"]
 
@@ -42,6 +46,7 @@ _EXT_BIGINT = 10
 _EXT_TORCH_DTYPE = 11
 _EXT_TORCH_SIZE = 12
 _EXT_NP_DTYPE = 13
+_EXT_RECORD = 14
 _EXT_PICKLE = 100
 
 _COMPLEX = struct.Struct("<dd")
@@ -51,6 +56,36 @@ class _Unencodable(Exception):
     def __init__(self, obj: Any):
         super().__init__(obj)
         self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        self.record = record_kind(type(obj)) is not None
+
+
+def _record_values(obj: Any, kind: str) -> Any:
+    if kind == DATACLASS:
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return list(obj)
+
+
+def _rebuild(cls: type, values: Any, path: str) -> Any:
+    """An instance of an allowed record class from its field values, as pickle builds one: no
+    ``__init__`` / ``__post_init__`` runs."""
+    kind = record_kind(cls)
+    if kind == DATACLASS:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(values, dict) or sorted(values) != sorted(names):
+            raise UnsupportedValue(
+                f"stored {path} has fields {sorted(values) if isinstance(values, dict) else values!r}, but the class "
+                f"here has {sorted(names)}: writer and reader use different versions of it"
+            )
+        obj = object.__new__(cls)
+        for name in names:
+            object.__setattr__(obj, name, values[name])
+        return obj
+    if not isinstance(values, list) or len(values) != len(cls._fields):  # type: ignore[attr-defined]
+        raise UnsupportedValue(
+            f"stored {path} has {len(values) if isinstance(values, list) else '?'} fields, but the class here has "
+            f"{len(cls._fields)} ({', '.join(cls._fields)}): writer and reader use different versions of it"  # type: ignore[attr-defined]
+        )
+    return tuple.__new__(cls, values)
 
 
 def _tensor_blob(t: torch.Tensor) -> bytes:
@@ -64,7 +99,7 @@ def _ndarray_payload(a: np.ndarray) -> bytes:
     return head + wireformat.np_byte_view(a).tobytes()
 
 
-def _make_packer(allow_pickle: bool) -> Callable[[Any], bytes]:
+def _make_packer(allow_pickle: bool, classes: ItemClasses) -> Callable[[Any], bytes]:
     def pack(obj: Any) -> bytes:
         return msgpack.packb(obj, default=default, strict_types=True, use_bin_type=True)
 
@@ -111,6 +146,11 @@ def _make_packer(allow_pickle: bool) -> Callable[[Any], bytes]:
             return dict(obj)
         elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
+        kind = record_kind(t)
+        if kind is not None:
+            path = classes.path_of(t)
+            if path is not None:
+                return msgpack.ExtType(_EXT_RECORD, pack([path, _record_values(obj, kind)]))
         if allow_pickle:
             return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         raise _Unencodable(obj)
@@ -125,7 +165,7 @@ def _raw_value(data: bytes) -> tuple[wireformat.Header, memoryview]:
     return h, mv[h.offset:]
 
 
-def _make_unpacker(allow_pickle: bool) -> Callable[[Buffer], Any]:
+def _make_unpacker(allow_pickle: bool, classes: ItemClasses) -> Callable[[Buffer], Any]:
     def unpack(data: Buffer) -> Any:
         return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=True)
 
@@ -167,6 +207,16 @@ def _make_unpacker(allow_pickle: bool) -> Callable[[Buffer], Any]:
             return torch.Size(unpack(data))
         if code == _EXT_NP_DTYPE:
             return wireformat.np_dtype(data, "<object>")
+        if code == _EXT_RECORD:
+            path, values = unpack(data)
+            cls = classes.resolve(path)
+            if cls is None:
+                raise ItemClassNotAllowed(
+                    f"the stored value holds an instance of {path}, which is not an allowed item class here; "
+                    f"allow it with tq_redis.register_item_class (a channel allows the classes its creator "
+                    f"registered, and Channel.create(..., item_classes=[...]))", path
+                )
+            return _rebuild(cls, values, path)
         if code == _EXT_PICKLE:
             if not allow_pickle:
                 raise UnsupportedValue(
@@ -180,21 +230,39 @@ def _make_unpacker(allow_pickle: bool) -> Callable[[Buffer], Any]:
     return unpack
 
 
-_PACK = {False: _make_packer(False), True: _make_packer(True)}
-_UNPACK = {False: _make_unpacker(False), True: _make_unpacker(True)}
+def _codec(allow_pickle: bool, classes: ItemClasses | None) -> tuple[Callable[[Any], bytes], Callable[[Buffer], Any]]:
+    """The packer and unpacker for these options (made once per allow-list, kept on it)."""
+    classes = REGISTERED if classes is None else classes
+    codec = classes.codecs.get(allow_pickle)
+    if codec is None:
+        codec = classes.codecs.setdefault(allow_pickle, (_make_packer(allow_pickle, classes),
+                                                         _make_unpacker(allow_pickle, classes)))
+    return codec
 
 
-def _unsupported(where: str, type_name: str, detail: str = "") -> UnsupportedValue:
+def _unsupported(where: str, error: _Unencodable, detail: str = "") -> UnsupportedValue:
+    if error.record:
+        return ItemClassNotAllowed(
+            f"{where}: {error.type_name} is a dataclass/NamedTuple class that is not allowed here; allow it with "
+            f"tq_redis.register_item_class({error.type_name.rpartition('.')[2]}) in the processes that write and "
+            f"read it (a channel allows the classes its creator registered, and Channel.create(..., "
+            f"item_classes=[...])), or pass allow_pickle=True to pickle it (only if every reader trusts every writer)",
+            error.type_name,
+        )
+    return _unsupported_type(where, error.type_name, detail)
+
+
+def _unsupported_type(where: str, type_name: str, detail: str = "") -> UnsupportedValue:
     return UnsupportedValue(
         f"{where}: cannot store a value of type {type_name} safely{detail}. Convert it to tensors, "
         "numpy arrays or plain Python values (None, bool, int, float, str, bytes, list, tuple, "
-        "dict, set), or pass allow_pickle=True to pickle it (only if every reader trusts every "
-        "writer)"
+        "dict, set), register it with tq_redis.register_item_class if it is a dataclass or NamedTuple, "
+        "or pass allow_pickle=True to pickle it (only if every reader trusts every writer)"
     )
 
 
 def encode_samples(field: str, items: Iterable[Any], *, allow_pickle: bool = False,
-                   what: str | None = None) -> list[bytes]:
+                   what: str | None = None, classes: ItemClasses | None = None) -> list[bytes]:
     """Encode one value per sample of field ``field``, as :func:`encode_object` does each.
 
     An error names the field and the sample, and ``what`` the value in an error about a value as
@@ -204,47 +272,54 @@ def encode_samples(field: str, items: Iterable[Any], *, allow_pickle: bool = Fal
         UnsupportedValue: a value (or something inside it) has no safe encoding and
             ``allow_pickle`` is False.
     """
-    pack = _PACK[allow_pickle]
+    pack = _codec(allow_pickle, classes)[0]
     out = []
     for i, item in enumerate(items):
         try:
             out.append(pack(item))
         except _Unencodable as e:
-            raise _unsupported(f"field {field!r}, sample {i}", e.type_name) from None
+            raise _unsupported(f"field {field!r}, sample {i}", e) from None
         except (ValueError, OverflowError, RecursionError) as e:
-            raise _unsupported(f"field {field!r}, sample {i}", what or type(item).__name__, f" ({e})") from e
+            raise _unsupported_type(f"field {field!r}, sample {i}", what or type(item).__name__, f" ({e})") from e
     return out
 
 
-def encode_object(obj: Any, *, allow_pickle: bool = False) -> bytes:
+def encode_object(obj: Any, *, allow_pickle: bool = False, classes: ItemClasses | None = None) -> bytes:
     """Encode one Python value with the safe object encoding (msgpack plus extension types).
 
     Supports None, bool, int (any size), float (NaN/inf too), complex, str, bytes, list, tuple,
     dict (any encodable keys), set, frozenset, tensors (any dtype, nested too), numpy arrays and
-    scalars, torch dtypes and sizes. ``bytearray`` comes back as ``bytes`` and subclasses of
+    scalars, torch dtypes and sizes, and instances of the dataclasses and NamedTuples that
+    ``classes`` allows (default: this process's :data:`~tq_redis.item_classes.REGISTERED`; a
+    given list includes it too). ``bytearray`` comes back as ``bytes`` and subclasses of
     ``list``/``dict`` as their base type.
 
     Raises:
+        ItemClassNotAllowed: a dataclass or NamedTuple whose class is not allowed (and
+            ``allow_pickle`` is False); an :class:`~tq_redis.errors.UnsupportedValue`.
         UnsupportedValue: the value (or something inside it) has no safe encoding and
             ``allow_pickle`` is False.
     """
     try:
-        return _PACK[allow_pickle](obj)
+        return _codec(allow_pickle, classes)[0](obj)
     except _Unencodable as e:
-        raise _unsupported("object", e.type_name) from None
+        raise _unsupported("object", e) from None
     except (ValueError, OverflowError, RecursionError) as e:
-        raise _unsupported("object", type(obj).__name__, f" ({e})") from e
+        raise _unsupported_type("object", type(obj).__name__, f" ({e})") from e
 
 
-def decode_object(buf: Buffer, *, allow_pickle: bool = False) -> Any:
+def decode_object(buf: Buffer, *, allow_pickle: bool = False, classes: ItemClasses | None = None) -> Any:
     """Decode bytes produced by :func:`encode_object`.
 
     Raises:
+        ItemClassNotAllowed: the bytes hold a dataclass or NamedTuple whose class ``classes``
+            (default: this process's registered classes) does not allow, or that cannot be
+            imported here.
         UnsupportedValue: the bytes hold a pickled object and ``allow_pickle`` is False.
         StorageError: the bytes are not a valid encoding (truncated or corrupt).
     """
     try:
-        return _UNPACK[allow_pickle](buf)
+        return _codec(allow_pickle, classes)[1](buf)
     except TQError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, struct.error) as e:

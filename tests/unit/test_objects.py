@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import struct
 
 import msgpack
@@ -11,9 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from tests.rlinf_items import Rollout, Step, Tag, Unlisted
 from tests.unit.values import Opaque, Point, assert_same, python_objects
 from tq_redis import objects, wireformat
-from tq_redis.errors import StorageError, UnsupportedValue
+from tq_redis.errors import ItemClassNotAllowed, StorageError, UnsupportedValue
+from tq_redis.item_classes import ItemClasses, class_path, register_item_class
 
 # torch's own note about a prototype feature, not about this encoding
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
@@ -105,3 +108,60 @@ def test_raw_array_never_reinterprets_bytes_as_object_pointers() -> None:
 @given(item=python_objects)
 def test_property_object_roundtrip(item: object) -> None:
     assert_same(objects.decode_object(objects.encode_object(item)), item)
+
+
+# ------------------------------------------------------------------ dataclasses and NamedTuples
+
+
+def _rollout(seed: int = 0) -> Rollout:
+    return Rollout(torch.arange(4) + seed, [0.5, float(seed)], {"src": "env", "ok": True}, group=seed)
+
+
+def test_allowed_dataclasses_and_namedtuples_round_trip_without_pickle() -> None:
+    allowed = ItemClasses([Rollout, Tag, Step])
+    item = {"steps": [Step(1, _rollout(1), Tag("a", 2)), Step(2, _rollout(2))], "tag": Tag("b", 3)}
+    blob = objects.encode_object(item, classes=allowed)
+    assert b"pickle" not in blob and b"tests.rlinf_items:Step" in blob
+    out = objects.decode_object(blob, classes=allowed)
+    first = out["steps"][0]
+    assert type(first) is Step and type(first.rollout) is Rollout and type(out["tag"]) is Tag
+    assert torch.equal(first.rollout.prompt_ids, torch.arange(4) + 1) and first.rollout.rewards == [0.5, 1.0]
+    assert first.rollout.info == {"src": "env", "ok": True} and first.tag == Tag("a", 2)
+    assert out["steps"][1].tag is None and out["steps"][1].rollout.group == 2 and out["tag"] == Tag("b", 3)
+    assert first.rollout.post_init_runs == 1  # fields restored as pickle does: no __post_init__ again
+
+
+def test_a_class_not_allowed_is_refused_on_both_sides() -> None:
+    with pytest.raises(ItemClassNotAllowed, match="Unlisted.*register_item_class") as err:
+        objects.encode_object([Unlisted(1)], classes=ItemClasses([Rollout]))
+    assert isinstance(err.value, UnsupportedValue) and err.value.path == "tests.rlinf_items.Unlisted"
+    with pytest.raises(ItemClassNotAllowed):
+        objects.encode_samples("f", [Tag("a", 1)])  # nothing registered in this process for Tag
+    blob = objects.encode_object(Tag("a", 1), classes=ItemClasses([Tag]))
+    with pytest.raises(ItemClassNotAllowed, match="tests.rlinf_items:Tag, which is not an allowed item class"):
+        objects.decode_object(blob)  # the reader has not allowed it
+    pickled = objects.encode_object(Unlisted(1), allow_pickle=True)
+    assert objects.decode_object(pickled, allow_pickle=True) == Unlisted(1)
+
+
+def test_registration_checks_the_class_and_allows_it_in_this_process() -> None:
+    @dataclasses.dataclass
+    class Local:
+        x: int
+
+    with pytest.raises(UnsupportedValue, match="inside a function"):
+        register_item_class(Local)
+    with pytest.raises(UnsupportedValue, match="not a dataclass or NamedTuple"):
+        register_item_class(Opaque)
+    assert class_path(Point) == "tests.unit.values:Point"
+    allowed = ItemClasses(["tests.rlinf_items:Tag"])  # by path: imported when first needed
+    assert allowed.resolve("tests.rlinf_items:Tag") is Tag and allowed.path_of(Tag) == "tests.rlinf_items:Tag"
+    assert allowed.resolve("os:system") is None and allowed.path_of(Rollout) is None
+
+
+def test_a_record_of_another_version_of_its_class_is_refused() -> None:
+    writer = ItemClasses(["tests.rlinf_items:Tag"])
+    blob = objects.encode_object(Tag("a", 1), classes=writer)
+    changed = blob.replace(b"version", b"revisio")  # as if the writer's class had another field
+    with pytest.raises(UnsupportedValue, match="different versions"):
+        objects.decode_object(changed, classes=writer)
