@@ -2,7 +2,8 @@
 
 Storage nodes register in Redis under :func:`~tq_redis.keys.storage_nodes_key` and heartbeat
 there. :class:`NodeDiscovery` (the base of :class:`~tq_redis.backends.dram.DramStore`) reads that
-registry with Redis's clock in one round trip, keeps a :class:`~tq_redis.backends.dram_pool.Link`
+registry with Redis's clock in one round trip (``lua/read_registry.lua``, a function of the
+library: a namespace's ACL user runs no ``EVAL``), keeps a :class:`~tq_redis.backends.dram_pool.Link`
 per node instance (made when a node appears, closed when it leaves or restarts as a new
 instance), and builds the placement :class:`~tq_redis.backends.dram_placement.Ring` of the live
 ones (heartbeat fresh), trusted for ``refresh_s``. While Redis is unreachable the last known ring
@@ -27,16 +28,16 @@ import redis
 from tq_redis.backends.dram_placement import Ring
 from tq_redis.backends.dram_pool import Link
 
-from tq_redis import connections
-from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable
+from tq_redis import transitions
+from tq_redis.driver import SyncDriver
+from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable, TQError
 from tq_redis.keys import storage_nodes_key
+from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis.backends.dram")
 
 __all__ = ["NodeDiscovery"]
 
-#: Redis's clock and the registry in one call that a Redis Cluster routes by the registry key
-_REGISTRY_SCRIPT = "local t = redis.call('TIME') return {t[1], t[2], redis.call('HGETALL', KEYS[1])}"
 #: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
 _REGISTRY_POLL_S = 0.05
 
@@ -91,10 +92,13 @@ class NodeDiscovery:
         self.refresh_s = float(refresh_s)
         self.dead_after_s = float(dead_after_s)
         self.client_id = uuid.uuid4().hex
-        # no reconnect loop of its own: while Redis is away the last known node list serves
-        self._redis = connections.sync_client(
-            redis_url, reconnect=False, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
-        )
+        # no reconnect loop of its own: while Redis is away the last known node list serves; the
+        # driver checks (and loads, where allowed) the library before the first call, as clients do
+        self._driver = SyncDriver(
+            redis_url, durable="none", reconnect=False, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+        )  # fmt: skip
+        self._redis = self._driver.redis
         self._key = storage_nodes_key(namespace)
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], Link] = {}
@@ -132,31 +136,32 @@ class NodeDiscovery:
         return self._tls_ctx
 
     def _read_registry(self) -> tuple[float, dict[str, dict[str, Any]]]:
-        """Redis's clock and every registration, in one round trip.
+        """Redis's clock and every registration, in one round trip (``lua/read_registry.lua``).
 
-        One script call on the registry key: on a Redis Cluster it runs on the node that owns
-        the key (a pipeline of ``TIME`` and ``HGETALL`` cannot be routed there as one unit).
+        Connection failures are :class:`ConnectionFailed`; an ACL refusal or a library that is not
+        loaded raise their own typed errors (a stale node list would not fix them).
         """
         try:
-            sec, usec, flat = self._redis.eval(_REGISTRY_SCRIPT, 1, self._key)
-            now = int(sec) + int(usec) / 1e6
+            reply = self._driver.run(transitions.read_registry(self.namespace).call())
+        except TQError:
+            raise
         except redis.RedisError as exc:
             raise ConnectionFailed(
-                f"cannot read the DRAM storage nodes from Redis at {self.redis_url} ({exc}); "
+                f"cannot read the DRAM storage nodes from Redis at {redact(self.redis_url)} ({exc}); "
                 f"check that Redis is running"
             ) from exc
         except (TypeError, ValueError) as exc:
             raise ConnectionFailed(f"unexpected reply reading the DRAM storage nodes from Redis ({exc})") from exc
         nodes = {}
-        for k, v in zip(flat[::2], flat[1::2]):
+        for k, v in reply.entries:
             try:
                 info = json.loads(v)
                 if not isinstance(info, dict):
                     raise ValueError("not an object")
-                nodes[k.decode(errors="replace")] = info
+                nodes[k] = info
             except ValueError:
                 log.warning("ignoring unreadable storage-node registration %r", k)
-        return now, nodes
+        return reply.now, nodes
 
     def _after_fork(self) -> None:
         """In a forked child: never talk over the parent's sockets; start with fresh state."""
@@ -198,8 +203,8 @@ class NodeDiscovery:
             if not live:
                 raise StorageUnavailable(
                     f"no live DRAM storage node is registered in namespace {self.namespace!r} at "
-                    f"{self.redis_url} (key {self._key}); start some with `tq-redis storage-unit "
-                    f"--redis {self.redis_url} --namespace {self.namespace} ...` or `tq-redis up`"
+                    f"{redact(self.redis_url)} (key {self._key}); start some with `tq-redis storage-unit "
+                    f"--redis URL --namespace {self.namespace} ...` or `tq-redis up`"
                 )
             self._ring = Ring(live)
             self._seen_live = True

@@ -4,8 +4,10 @@ Every key of a namespace starts with ``<namespace>:`` (see :mod:`tq_redis.keys`;
 no ``:`` and no glob character, so ``~<ns>:*`` reaches no other namespace's keys). A namespace's
 user gets that key pattern, no Pub/Sub channels, and only the commands tq-redis's clients send
 (:data:`CLIENT_COMMANDS`): the library's functions (``FCALL``/``FCALL_RO``), the plain reads and
-writes the operations use, and what a connection needs. Nothing else: no ``FUNCTION LOAD`` (the
-library is loaded by an admin: ``tq-redis load-library``), no ``CONFIG``, ``FLUSHALL``/``FLUSHDB``,
+writes the operations use, and what a connection needs. Nothing else: no scripting of its own
+(``EVAL``, ``EVALSHA``, ``SCRIPT``: a script of its own could run for seconds and stall every other
+namespace's calls, as Redis runs one script at a time), no ``FUNCTION LOAD`` (the library is
+loaded by an admin: ``tq-redis load-library``), no ``CONFIG``, ``FLUSHALL``/``FLUSHDB``,
 ``KEYS``/``SCAN``, ``ACL``, ``DEBUG``, ``SHUTDOWN``. Because every command a Lua function runs is
 checked against the caller's rules too, a function called with a namespace's keys cannot reach
 another namespace's.
@@ -32,8 +34,8 @@ from tq_redis.errors import ConfigError
 
 #: commands a client of a namespace sends (lower case; ``a|b`` is subcommand ``b`` of ``a``)
 CLIENT_DATA_COMMANDS: tuple[str, ...] = (
-    # the function library (every state transition), and the DRAM store's registry read (EVAL)
-    "fcall", "fcall_ro", "eval",
+    # the function library: every state transition, and the DRAM store's registry read
+    "fcall", "fcall_ro",
     # (the commands the functions run are checked against the caller's rules too: lua/*.lua's)
     # strings and keys: values of the redis store, bitmaps, counters, checkpoints
     "get", "set", "mset", "mget", "getrange", "setrange", "strlen", "del", "unlink", "exists", "type",
@@ -68,7 +70,8 @@ STORAGE_NODE_COMMANDS: tuple[str, ...] = ("hset", "hget", "hdel", *CONNECTION_CO
 FORBIDDEN: frozenset[str] = frozenset({
     "function|load", "function|delete", "function|flush", "function|restore", "function", "config",
     "config|set", "config|get", "flushall", "flushdb", "keys", "scan", "acl", "debug", "shutdown", "module",
-    "script", "replicaof", "slaveof", "failover", "save", "bgsave", "bgrewriteaof", "migrate", "monitor",
+    "script", "script|load", "script|flush", "script|kill", "eval", "evalsha", "eval_ro", "evalsha_ro",
+    "function|kill", "replicaof", "slaveof", "failover", "save", "bgsave", "bgrewriteaof", "migrate", "monitor",
     "cluster|reset", "cluster|failover", "client|kill", "client|list",
 })
 

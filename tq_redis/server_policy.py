@@ -36,7 +36,6 @@ import threading
 import warnings
 from collections.abc import Generator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -49,6 +48,7 @@ from tq_redis.errors import (
     RedisOutOfMemory,
     TQError,
 )
+from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis")
 
@@ -117,27 +117,6 @@ def setting(url: str, name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
-
-
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (URLs go into error messages and logs)."""
-    try:
-        parts = urlsplit(url)
-    except (TypeError, ValueError):
-        return "<unreadable URL>"
-    if not parts.password and "password" not in parts.query:
-        return url  # as given: urlunsplit would write unix:///path as unix:/path
-    if parts.query and "password" in parts.query:  # a Sentinel's own login: ?sentinel_password=...
-        query = "&".join(
-            f"{k}=***" if k.endswith("password") else f"{k}={v}" if sep else k
-            for k, sep, v in (item.partition("=") for item in parts.query.split("&"))
-        )
-        parts = parts._replace(query=query)
-    if not parts.password:
-        return urlunsplit(parts)
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def typed_error(url: str, exc: BaseException) -> TQError | None:

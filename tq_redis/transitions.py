@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(A little over 600 lines: 23 wrappers and their reply types, kept together so the shared reply
+(A little over 600 lines: 24 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
@@ -48,7 +48,7 @@ from tq_redis.errors import (
     UnknownPartition,
     UnsupportedValue,
 )
-from tq_redis.keys import ChannelKeys, PartitionKeys, check_name
+from tq_redis.keys import ChannelKeys, PartitionKeys, check_name, storage_nodes_key
 from tq_redis.schemas import check_compatible
 
 if TYPE_CHECKING:
@@ -679,6 +679,27 @@ def kv_list(pk: PartitionKeys) -> Transition[KeyListing]:
     return Transition(FCall("kv_list", (pk.meta,), ()), _read_kv_list)
 
 
+# ------------------------------------------------------------------ storage nodes
+
+
+class Registry(NamedTuple):
+    """Reply of ``lua/read_registry.lua``."""
+
+    now: float  #: the server's clock, in seconds
+    entries: list[tuple[str, bytes]]  #: (node id, registration JSON as the node wrote it), every node
+
+
+def _read_registry(reply: Sequence[Any]) -> Registry:
+    sec, usec, flat = reply
+    return Registry(int(sec) + int(usec) / 1e6, [(text(k), v) for k, v in zip(flat[::2], flat[1::2])])
+
+
+def read_registry(namespace: str) -> Transition[Registry]:
+    """``lua/read_registry.lua``: the server's clock and every storage-node registration of the
+    namespace, in one call (no ``EVAL``: a namespace's ACL user may run only the library)."""
+    return Transition(FCall("read_registry", (storage_nodes_key(namespace),), ()), _read_registry)
+
+
 # ------------------------------------------------------------------ channels
 
 
@@ -726,7 +747,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,
         kv_resolve, kv_unmap, kv_list,
-        channel_put, channel_pop,
+        read_registry, channel_put, channel_pop,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""

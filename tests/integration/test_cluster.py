@@ -319,6 +319,7 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.get_meta(["x"], 100, "all", task_name="user", sampling_config={"sampler": First()}, timeout=0.05)
     client.run(streaming.progress(client.context, "all", "t", ["x"]))
     client.run(transitions.trash_add(client.context.keys("all"), [7], ["x"]).call())  # a failed put's bytes
+    client.run(transitions.read_registry(namespace).call())  # the dram store's view of its nodes
     leased = client.get_meta(["x"], 2, "all", task_name="t", lease_s=30)
     client.ack(leased)
     client.get_meta(["x"], 100, "all", task_name="t", timeout=0.05)  # waits, then gives up

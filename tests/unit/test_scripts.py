@@ -30,7 +30,13 @@ from tq_redis.scripts import IncludeError, declared_includes, include_order
 LUA = Path(__file__).resolve().parents[2] / "lua"
 LUA_MAX_LOCALS = 200  # LUAI_MAXVARS: active locals of one function (the library's main chunk)
 LUA_MAX_UPVALUES = 60  # LUAI_MAXUPVALUES: outer locals one function may use
-KEY_KIND_OF_KEYS = {1: "meta"}  # KEYS[1] of every script is the partition's (or channel's) meta key
+#: what the header's ``KEYS[1]`` line names -> (namespace, key kind) of KEYS[1]: the partition's or the
+#: channel's meta key, or a key of the namespace itself (``<ns>:storage:nodes``)
+KEYS1_PATTERNS = (
+    (re.compile(r"<ns>:\{<ns>/<p>\}:meta$"), ("p", "meta")),
+    (re.compile(r"<ns>:chan:\{<ns>/<name>\}:meta$"), ("c", "meta")),
+    (re.compile(r"<ns>:(?!.*[{}])(\S+)$"), ("ns", None)),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +117,23 @@ def prefix_keys(code: str) -> tuple[set[str], list[str]]:
     return kinds, unknown
 
 
-def keys_kinds(code: str) -> set[str]:
-    """Key kinds of ``KEYS[n]`` used as a key (not only to derive the prefix)."""
+def keys_kinds(code: str, keys1: str = "meta") -> set[str]:
+    """Key kinds of ``KEYS[n]`` used as a key (not only to derive the prefix); KEYS[1]'s is ``keys1``."""
     code = re.sub(r"\b(?:partition|channel)_prefix\(KEYS\[1\]\)", "", code)
-    return {KEY_KIND_OF_KEYS.get(int(n), f"KEYS[{n}]") for n in re.findall(r"\bKEYS\[(\d+)\]", code)}
+    return {keys1 if n == "1" else f"KEYS[{n}]" for n in re.findall(r"\bKEYS\[(\d+)\]", code)}
+
+
+def keys1_of(text: str) -> tuple[str, str] | None:
+    """(namespace, key kind) of KEYS[1] as the header's Input section names it (None: no KEYS)."""
+    body = section(header(text), "Input") if text.lstrip().startswith("--[[") else None
+    m = re.search(r"^\s*KEYS\[1\].*?(<ns>\S*)\s*$", body or "", re.MULTILINE)
+    if m is None:
+        return None
+    for pattern, (ns, kind) in KEYS1_PATTERNS:
+        found = pattern.search(m.group(1))
+        if found:
+            return ns, kind or found.group(1)
+    raise AssertionError(f"KEYS[1] is {m.group(1)!r}: not a partition's, a channel's or a namespace's key")
 
 
 def identifiers(code: str) -> set[str]:
@@ -135,12 +154,12 @@ def section(head: str, name: str) -> str | None:
 
 
 def touches_listed(text: str) -> set[tuple[str, str]] | None:
-    """``(namespace, pattern)`` of every ``<p>:kind`` / ``<c>:kind`` in the Touches section."""
+    """``(namespace, pattern)`` of every ``<p>:kind`` / ``<c>:kind`` / ``<ns>:kind`` in the Touches section."""
     body = section(header(text), "Touches")
     if body is None:
         return None
     out = set()
-    for ns, key in re.findall(r"<([pc])>:([^\s,;)]+)", body):
+    for ns, key in re.findall(r"<(p|c|ns)>:([^\s,;)]+)", body):
         out.add((ns, re.sub(r"<[^>]*>", "*", key)))
     return out
 
@@ -155,7 +174,8 @@ class LuaFile:
     name: str  # "claim" or "includes/bits"
     text: str
     code: str = ""
-    namespace: str = "p"  # "p": partition keys, "c": channel keys
+    namespace: str = "p"  # "p": partition keys, "c": channel keys, "ns": keys of the namespace itself
+    keys1: str = "meta"  # the kind of KEYS[1]
     symbols: dict[str, str] = field(default_factory=dict)  # top-level name -> its code segment
 
     @property
@@ -173,6 +193,8 @@ def load(name: str, text: str) -> LuaFile:
             f.symbols[sym] = code[start:end]
     channel = (f.include == "channel") or "channel_prefix(" in code
     f.namespace = "c" if channel else "p"
+    if f.include is None and (keys1 := keys1_of(text)) is not None:
+        f.namespace, f.keys1 = keys1
     return f
 
 
@@ -185,7 +207,7 @@ class Library:
 
     def own_keys(self, f: LuaFile, code: str) -> set[tuple[str, str]]:
         kinds, _ = prefix_keys(code)
-        return {(f.namespace, k) for k in kinds | keys_kinds(code)}
+        return {(f.namespace, k) for k in kinds | keys_kinds(code, f.keys1)}
 
     def uses(self, code: str) -> set[str]:
         """Include symbols a piece of code refers to."""

@@ -30,7 +30,7 @@ from tq_redis.errors import (
     UnknownPartition,
     UnsupportedValue,
 )
-from tq_redis.keys import ChannelKeys, PartitionKeys
+from tq_redis.keys import ChannelKeys, PartitionKeys, storage_nodes_key
 from tq_redis.samplers import SamplerPlan
 from tq_redis.transitions import (
     ChannelPop,
@@ -48,6 +48,7 @@ from tq_redis.transitions import (
 ROOT = Path(__file__).resolve().parents[2]
 PK = PartitionKeys("ns", "p")
 CK = ChannelKeys("ns", "c")
+REGISTRY = storage_nodes_key("ns")
 F32 = '{"dtype":"float32","kind":"tensor","shape":[3]}'
 I64 = '{"dtype":"int64","kind":"tensor","shape":[3]}'
 NOW = 1_000
@@ -162,6 +163,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     ),
     "kv_unmap": (transitions.kv_unmap(PK, [("k1", 3), ("k2", 4)]), ("k1", 3, "k2", 4)),
     "kv_list": (transitions.kv_list(PK), ()),
+    "read_registry": (transitions.read_registry("ns"), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
     "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
 }
@@ -177,7 +179,7 @@ def test_wrapper_builds_the_arguments_its_script_header_names(name: str):
     effect = call.effect
     assert isinstance(effect, FCall) and effect.name == name
     keys, fixed, variadic = input_spec(name)
-    meta = CK.meta if name.startswith("channel_") else PK.meta
+    meta = CK.meta if name.startswith("channel_") else REGISTRY if name == "read_registry" else PK.meta
     assert effect.keys == (meta,) and len(effect.keys) == keys
     if variadic:
         assert len(effect.args) >= fixed
@@ -544,3 +546,10 @@ def test_a_chooser_may_read_redis_before_choosing():
     assert effects[1] == Cmd(("HMGET", PK.tag("uid"), 0, 1, 2))
     assert effects[2].args[3:7] == (2, 1, 2, 2)
     assert got.meta.global_indexes == [1, 2]
+
+
+def test_read_registry_reads_the_clock_and_every_registration():
+    call = transitions.read_registry("ns")
+    reply = call.read([b"1700000000", b"250000", [b"node-a", b'{"address": "h:1"}', b"node-b", b"{}"]])
+    assert reply.now == 1_700_000_000.25
+    assert reply.entries == [("node-a", b'{"address": "h:1"}'), ("node-b", b"{}")]
