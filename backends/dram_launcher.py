@@ -116,14 +116,16 @@ def _launch(
     ready_r, ready_w = os.pipe()
     watch_r, watch_w = os.pipe()
     args = [
-        sys.executable, "-c", _BOOT, "--redis", redis_url,
+        sys.executable, "-c", _BOOT,
         "--namespace", namespace, "--listen", listen, "--capacity", str(capacity),
         "--ready-fd", str(ready_w), "--parent-fd", str(watch_r), "--log-level", log_level,
         "--shm" if shm else "--no-shm", *extra_args,
     ]  # fmt: skip
     if node_id:
         args += ["--node-id", node_id]
-    env = dict(os.environ)
+    # the URL (it may hold a password) and the token go in the environment, which only the node's
+    # user can read, not on the command line, which every user of the host can (/proc/PID/cmdline)
+    env = dict(os.environ, TQ_REDIS_URL=redis_url)
     if token is not None:
         env["TQ_STORAGE_TOKEN"] = token  # not on the command line, where `ps` would show it
     else:

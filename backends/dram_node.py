@@ -33,6 +33,8 @@ import numpy as np
 from tq_redis.backends.dram_protocol import ALIGN, ST_FULL, ST_INTERNAL, aligned, format_size, layout
 from tq_redis.backends.dram_spill import SpillTier
 
+from tq_redis.redact import redact
+
 log = logging.getLogger("tq_redis.dram_server")
 
 __all__ = ["Extent", "Refused", "StorageNode", "Txn"]
@@ -286,7 +288,7 @@ class StorageNode:
             self.abort(txn)
             raise Refused(
                 ST_FULL,
-                f"DRAM storage node {self.node_id!r} is full and its spill tier {spill.url!r} refused "
+                f"DRAM storage node {self.node_id!r} is full and its spill tier {redact(spill.url)!r} refused "
                 f"the overflow ({exc}). Free space there, add storage nodes, or clear consumed partitions.",
             ) from None
 

@@ -56,6 +56,7 @@ from tq_redis.backends.dram_session import Limits, Session
 from tq_redis import connections
 from tq_redis.config import parse_size
 from tq_redis.keys import storage_nodes_key
+from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis.dram_server")
 
@@ -344,7 +345,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="tq-redis storage-unit",
         description="Run a tq-redis DRAM storage node that registers itself in Redis.",
     )
-    p.add_argument("--redis", required=True, help="Redis/Valkey URL of the metadata plane")
+    p.add_argument(
+        "--redis", default=os.environ.get("TQ_REDIS_URL"),
+        help="Redis/Valkey URL of the metadata plane (default: $TQ_REDIS_URL, which keeps a password in it "
+        "off the command line, where every user of the host can read it)",
+    )  # fmt: skip
     p.add_argument("--namespace", default="tq", help="tq namespace (default: tq)")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind (default 127.0.0.1:0)")
     p.add_argument("--advertise", default=None, help="HOST:PORT clients should dial (default: the bound one)")
@@ -395,7 +400,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a storage node in the foreground until SIGTERM / SIGINT; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.redis:
+        parser.error("pass --redis URL or set TQ_REDIS_URL")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s dram-node %(levelname)s %(message)s"
     )
@@ -407,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         info = server.beat()
     except redis.RedisError as exc:
-        log.error("cannot register in Redis at %s: %s", args.redis, exc)
+        log.error("cannot register in Redis at %s: %s", redact(args.redis), exc)
         server.close()
         return 2
     stop = server.stop

@@ -26,6 +26,7 @@ from typing import Any
 import fsspec
 
 from tq_redis.errors import ConfigError
+from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis.dram_server")
 
@@ -42,7 +43,7 @@ class SpillTier:
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as exc:
-            raise ConfigError(f"--spill {url!r}: {exc}") from None
+            raise ConfigError(f"--spill {redact(url)!r}: {exc}") from None
         self.url = url
         self.fs = fs
         self.root = f"{root.rstrip('/')}/{owner}"
@@ -50,7 +51,7 @@ class SpillTier:
             self._drop_stale(fs, root.rstrip("/"), owner)
             fs.makedirs(self.root, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"--spill {url!r}: cannot create {self.root!r} there: {exc}") from None
+            raise ConfigError(f"--spill {redact(url)!r}: cannot create {self.root!r} there: {exc}") from None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

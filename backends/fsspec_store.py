@@ -52,6 +52,7 @@ from tq_redis.errors import (
     StorageError,
     StorageUnavailable,
 )
+from tq_redis.redact import redact
 
 __all__ = ["FsspecStore", "key_to_name", "name_to_key"]
 
@@ -110,9 +111,9 @@ class FsspecStore:
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as exc:  # the protocol's implementation (s3fs, gcsfs ...) is not installed
-            raise BackendNotInstalled(f"the fsspec store cannot open {url!r}: {exc}") from exc
+            raise BackendNotInstalled(f"the fsspec store cannot open {redact(url)!r}: {exc}") from exc
         except (ValueError, TypeError) as exc:  # bad URL, or storage_options the filesystem rejects
-            raise ConfigError(f"the fsspec store cannot open {url!r}: {exc}") from exc
+            raise ConfigError(f"the fsspec store cannot open {redact(url)!r}: {exc}") from exc
         self.root = root.rstrip("/")
         self._local = isinstance(self.fs, LocalFileSystem)
         self._async = bool(getattr(self.fs, "async_impl", False))
@@ -154,7 +155,9 @@ class FsspecStore:
                 for path, segments in zip(paths, values):
                     self._write_file(path, segments)
         except FileNotFoundError as exc:
-            raise StorageError(f"fsspec store at {self.url}: cannot write ({exc}); does the bucket exist?") from exc
+            raise StorageError(
+                f"fsspec store at {redact(self.url)}: cannot write ({exc}); does the bucket exist?"
+            ) from exc
         except Exception as exc:
             raise self._failure("write to", exc) from exc
 
@@ -213,7 +216,8 @@ class FsspecStore:
         if missing:
             shown = ", ".join(repr(k) for k in missing[:_SHOWN])
             more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
-            raise DataMissing(f"{len(missing)} value(s) missing from the fsspec store at {self.url}: {shown}{more}")
+            where = redact(self.url)
+            raise DataMissing(f"{len(missing)} value(s) missing from the fsspec store at {where}: {shown}{more}")
         return values
 
     # ------------------------------------------------------------------ delete
@@ -243,7 +247,7 @@ class FsspecStore:
 
     def _failure(self, what: str, exc: BaseException) -> StorageError:
         cls = StorageUnavailable if isinstance(exc, (ConnectionError, TimeoutError)) else StorageError
-        return cls(f"fsspec store: cannot {what} {self.url}: {type(exc).__name__}: {exc}")
+        return cls(f"fsspec store: cannot {what} {redact(self.url)}: {type(exc).__name__}: {exc}")
 
     def __repr__(self) -> str:
-        return f"FsspecStore({self.url!r})"
+        return f"FsspecStore({redact(self.url)!r})"

@@ -16,6 +16,7 @@ from tq_redis.backends.base import Buffer, Segments, StoreContext, join_segments
 from tq_redis import connections
 from tq_redis.errors import DataMissing, StorageUnavailable
 from tq_redis.keys import by_slot
+from tq_redis.redact import redact
 
 _CHUNK = 512  # keys per MSET/MGET, so one command never carries an unbounded payload
 
@@ -55,7 +56,7 @@ class RedisInlineStore:
                 pipe.execute_command(*command)
             return pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StorageUnavailable(f"redis store at {self.url} is unreachable: {exc}") from exc
+            raise StorageUnavailable(f"redis store at {redact(self.url)} is unreachable: {exc}") from exc
 
     def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
         commands = []

@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.redact import redact
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         client.clear_partition(args.partition)
     finally:
         tq.close()
-    print(f"attach_rank OK: {seen} samples through {cfg['redis']['url']} namespace {cfg['namespace']!r}")
+    print(f"attach_rank OK: {seen} samples through {redact(cfg['redis']['url'])} namespace {cfg['namespace']!r}")
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.redact import redact
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url
 WORKERS, TRAJECTORIES, TOKENS = 2, 12, 64
@@ -40,7 +41,7 @@ def rollout_worker(url: str, ns: str, rank: int) -> None:
 def main() -> int:
     cfg = tq.init(CONF)
     url, ns = cfg["redis"]["url"], cfg["namespace"]
-    print(f"metadata plane: {url} (namespace {ns!r})", flush=True)
+    print(f"metadata plane: {redact(url)} (namespace {ns!r})", flush=True)
     channel = tq.Channel.create("rollout", maxsize=8)  # a full queue always holds a batch: 8 x >= 8 tokens
     stats = tq.Channel.create("stats", local=True)  # this process only
     ctx = mp.get_context("fork")  # quick to start here; RLinf launches workers with Ray

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.redact import redact
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url
 PARTITION = "replay"
@@ -64,7 +65,7 @@ def evict(min_version: int) -> int:
 
 def main() -> int:
     cfg = tq.init(CONF)
-    print(f"metadata plane: {cfg['redis']['url']} (namespace {cfg['namespace']!r})", flush=True)
+    print(f"metadata plane: {redact(cfg['redis']['url'])} (namespace {cfg['namespace']!r})", flush=True)
     trained = evicted = 0
     try:
         for step in range(4):

@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.redact import redact
 
 
 def _responses(ids: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = tq.init({"storage": {"backend": args.store}})
     url, ns = cfg["redis"]["url"], cfg["namespace"]
-    print(f"metadata plane: {url} (namespace {ns!r}), store: {args.store}", flush=True)
+    print(f"metadata plane: {redact(url)} (namespace {ns!r}), store: {args.store}", flush=True)
     ctx = mp.get_context("forkserver")  # torch is imported once, in the fork server, not per worker
     ctx.set_forkserver_preload(["torch", "tensordict", "tq_redis"])
     out = ctx.Queue()

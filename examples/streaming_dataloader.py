@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.redact import redact
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url
 STEPS, PER_STEP, CHUNK, RANKS = 2, 48, 8, 2
@@ -52,7 +53,7 @@ def rank(cfg: dict, dp_rank: int, out) -> None:
 
 def main() -> int:
     cfg = tq.init(CONF)
-    print(f"metadata plane: {cfg['redis']['url']} (namespace {cfg['namespace']!r})", flush=True)
+    print(f"metadata plane: {redact(cfg['redis']['url'])} (namespace {cfg['namespace']!r})", flush=True)
     ctx = mp.get_context("fork")  # quick to start here; real jobs launch ranks with torchrun, Ray, ...
     out = ctx.Queue()
     ranks = [ctx.Process(target=rank, args=(cfg, r, out)) for r in range(RANKS)]

@@ -30,6 +30,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tq_redis.dock import DockMetrics
+from tq_redis.redact import redact
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url
 PROMPTS, N, STEPS = 8, 4, 2
@@ -101,7 +102,7 @@ def prompts_batch() -> tuple[dict[str, list[torch.Tensor]], list[int]]:
 
 def main() -> int:
     cfg = tq.init(CONF)
-    print(f"metadata plane: {cfg['redis']['url']} (namespace {cfg['namespace']!r})", flush=True)
+    print(f"metadata plane: {redact(cfg['redis']['url'])} (namespace {cfg['namespace']!r})", flush=True)
     dock = tq.GRPOTransferDock(PROMPTS, N, DockMetrics(), 1, PROMPTS)  # MindSpeed's positional arguments
     ctx = mp.get_context("fork")  # quick to start here; MindSpeed-RL launches stages with Ray
     try:

@@ -53,6 +53,7 @@ from packaging.version import InvalidVersion, Version
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import tq_redis
+from tq_redis.redact import redact
 
 tq_redis.install_transfer_queue_alias()
 
@@ -480,7 +481,7 @@ def step_init(flow: Flow) -> str:
     client = tq.get_client()
     for name in ("async_get_data", "async_put", "async_kv_retrieve_meta", "async_kv_retrieve_keys"):
         assert callable(getattr(client, name, None)), f"get_client() has no {name}"
-    return f"metadata plane {flow.cfg['redis']['url']} namespace {flow.cfg['namespace']!r}"
+    return f"metadata plane {redact(flow.cfg['redis']['url'])} namespace {flow.cfg['namespace']!r}"
 
 
 def step_submit(flow: Flow) -> str:

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tq_redis import BatchMeta, TransferQueueClient
+from tq_redis.redact import redact
 from tq_redis.samplers import karmarkar_karp
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url
@@ -107,7 +108,7 @@ def step(client: TransferQueueClient, workers: list[Worker], step_id: int) -> in
 def main() -> int:
     cfg = tq.init(CONF)
     url, ns = cfg["redis"]["url"], cfg["namespace"]
-    print(f"metadata plane: {url} (namespace {ns!r})", flush=True)
+    print(f"metadata plane: {redact(url)} (namespace {ns!r})", flush=True)
     try:
         client = tq.get_client()
         workers = [Worker(url, ns, rank) for rank in range(DP)]

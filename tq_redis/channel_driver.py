@@ -28,6 +28,7 @@ from tq_redis.driver import AsyncDriver, Offload, Wait
 from tq_redis.errors import ConfigError
 from tq_redis.item_classes import REGISTERED, ItemClasses
 from tq_redis.keys import ChannelKeys
+from tq_redis.redact import redact
 
 MAX_CONNECTIONS = 8  # command connections per handle; waiting operations share one more
 _WATCH_BLOCK_MS = 5000
@@ -178,7 +179,7 @@ def open_driver(url: str, namespace: str, keys: ChannelKeys, allow_pickle: bool)
     try:
         return RedisDriver(url, namespace, keys, allow_pickle)
     except ValueError as exc:  # redis-py's complaint about the URL
-        raise ConfigError(f"cannot use Redis URL {url!r} for channel {keys.name!r}: {exc}") from exc
+        raise ConfigError(f"cannot use Redis URL {redact(url)!r} for channel {keys.name!r}: {exc}") from exc
 
 
 class RedisOps:

@@ -71,22 +71,49 @@ def _cmd_storage_unit(argv: list[str]) -> int:
     return node_main(argv)
 
 
+def _one_line(command: str, error: BaseException) -> int:
+    """Print ``error`` as one line on stderr (no traceback; its URL is already redacted); exit status 1."""
+    print(f"tq-redis {command}: " + " ".join(str(error).split()), file=sys.stderr)
+    return 1
+
+
+def _redis_failure(url: str, exc: redis.RedisError) -> Exception:
+    """What a Redis error means to a CLI user: a refusal (credentials, ACL) or an unreachable server."""
+    from tq_redis import server_policy
+    from tq_redis.errors import ConnectionFailed
+    from tq_redis.redact import redact
+
+    typed = server_policy.typed_error(url, exc)
+    if typed is not None:
+        return typed
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return ConnectionFailed(
+            f"cannot reach Redis at {redact(url)} ({exc}); check that the server is running, that the host "
+            f"and port are right, and that this machine may connect to it"
+        )
+    return exc
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from tq_redis import connections
-    from tq_redis.errors import ConnectionFailed
+    from tq_redis.errors import TQError
     from tq_redis.status import render, snapshot
 
     url = args.redis or os.environ.get("TQ_REDIS_URL")
     if not url:
         print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
         return 2
-    r = connections.sync_client(url, socket_connect_timeout=3)
+    try:
+        # one try with a short timeout: a user waiting at a terminal learns at once what to check
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=3, socket_timeout=10)
+    except TQError as exc:
+        return _one_line("status", exc)
     try:
         while True:
             try:
                 snap = snapshot(r, args.namespace)
-            except redis.ConnectionError as exc:
-                raise ConnectionFailed(f"cannot reach Redis at {url}: {exc}") from exc
+            except redis.RedisError as exc:
+                return _one_line("status", _redis_failure(url, exc))
             if args.json:
                 print(json.dumps(snap, indent=2, sort_keys=True))
             else:
@@ -120,14 +147,11 @@ def _cmd_load_library(args: argparse.Namespace) -> int:
     try:
         r = connections.sync_client(url, reconnect=False, socket_connect_timeout=5)
     except TQError as exc:
-        print(f"tq-redis load-library: {exc}", file=sys.stderr)
-        return 1
+        return _one_line("load-library", exc)
     try:
         nodes = scripts.load_everywhere(r)
     except redis.RedisError as exc:
-        typed = server_policy.typed_error(url, exc)
-        print(f"tq-redis load-library: {typed or exc}", file=sys.stderr)
-        return 1
+        return _one_line("load-library", _redis_failure(url, exc))
     finally:
         r.close()
     where = ", ".join(n for n in nodes if n) or server_policy.redact(url)
@@ -137,7 +161,7 @@ def _cmd_load_library(args: argparse.Namespace) -> int:
 
 def _cmd_acl(args: argparse.Namespace) -> int:
     """Print (or apply) the ACL rules of a namespace's user."""
-    from tq_redis import acl, connections, server_policy
+    from tq_redis import acl, connections
     from tq_redis.errors import TQError
 
     try:
@@ -162,11 +186,9 @@ def _cmd_acl(args: argparse.Namespace) -> int:
         finally:
             r.close()
     except redis.RedisError as exc:
-        print(f"tq-redis acl: {server_policy.typed_error(url, exc) or exc}", file=sys.stderr)
-        return 1
+        return _one_line("acl", _redis_failure(url, exc))
     except TQError as exc:
-        print(f"tq-redis acl: {exc}", file=sys.stderr)
-        return 1
+        return _one_line("acl", exc)
     left_out = [a for a in line if a not in sent]
     note = f" (this server does not know {', '.join(left_out)}: left out)" if left_out else ""
     print(f"tq-redis acl: user {user} set for namespace {args.namespace!r} ({args.role}){note}")

@@ -56,6 +56,7 @@ try:  # a dependency (redis[hiredis]); without it every command takes redis-py's
 except ImportError:  # pragma: no cover
     _pack_command = None
 from tq_redis.errors import ConfigError, ConnectionFailed, TQError
+from tq_redis.redact import redact
 
 CLUSTER_ENV = "TQ_REDIS_CLUSTER"
 SCHEMES = ("redis", "rediss", "unix")
@@ -85,7 +86,7 @@ def check_url(url: Any) -> str:
     scheme = urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
         raise ConfigError(
-            f"Redis URL {url!r} has scheme {scheme or 'none'!r}: write redis://host:port (rediss:// for TLS, "
+            f"Redis URL {redact(url)!r} has scheme {scheme or 'none'!r}: write redis://host:port (rediss:// for TLS, "
             f"unix:///path/to/redis.sock for a local socket); for a Redis Cluster any node's redis://host:port; "
             f"behind Redis Sentinel redis+sentinel://sentinel-host:26379[,host:port...]/service"
         )
@@ -93,7 +94,7 @@ def check_url(url: Any) -> str:
         redis.connection.parse_url(url)
     except ValueError as exc:
         raise ConfigError(
-            f"cannot read Redis URL {url!r} ({exc}); write redis://[user:password@]host:port[/db]"
+            f"cannot read Redis URL {redact(url)!r} ({exc}); write redis://[user:password@]host:port[/db]"
         ) from None
     return url
 
@@ -161,7 +162,7 @@ def cluster_mode(url: str, cluster: Any = None) -> bool:
     flag = parse_cluster_flag(cluster, "cluster")
     if sentinel.is_sentinel_url(url):  # Sentinel watches single servers, never a cluster
         if flag:
-            raise ConfigError(f"{url!r} names Redis Sentinel, which serves a single primary, not a cluster: "
+            raise ConfigError(f"{redact(url)!r} names Redis Sentinel, which serves a single primary, not a cluster: "
                               f"drop redis.cluster: true / TQ_REDIS_CLUSTER=1, or give a cluster node's redis:// URL")
         return False
     if flag is not None:
@@ -260,9 +261,9 @@ def _async_cluster_parameters() -> frozenset[str]:
 def _cluster_url(url: str) -> str:
     parts = redis.connection.parse_url(url)
     if "path" in parts:
-        raise ConfigError(f"{url!r} is a unix socket, which a Redis Cluster cannot use: give a node's redis://host:port")
+        raise ConfigError(f"{redact(url)!r} is a unix socket, which a Redis Cluster cannot use: give a node's redis://host:port")
     if parts.get("db"):
-        raise ConfigError(f"a Redis Cluster has only database 0: drop '/{parts['db']}' from {url!r}")
+        raise ConfigError(f"a Redis Cluster has only database 0: drop '/{parts['db']}' from {redact(url)!r}")
     return url
 
 
@@ -337,7 +338,7 @@ class AsyncClusterClient(AsyncRedisCluster):
 def not_a_single_server(url: str, exc: BaseException) -> ConfigError:
     """The error for a ``MOVED``/``ASK`` reply to a single-server client: the URL is a cluster node."""
     return ConfigError(
-        f"the Redis at {url} is a cluster node (it answered {exc}) but this client was told it is a single "
+        f"the Redis at {redact(url)} is a cluster node (it answered {exc}) but this client was told it is a single "
         f"server: remove TQ_REDIS_CLUSTER=0 / redis.cluster: false (or set them to true) so tq-redis uses "
         f"a cluster client"
     )
@@ -348,11 +349,12 @@ def cluster_failure(url: str, exc: BaseException) -> TQError:
     (:class:`ConfigError`), or the cluster cannot be reached (:class:`ConnectionFailed`)."""
     if detect_cluster(url) is False:
         return ConfigError(
-            f"the Redis at {url} is a single server, not a cluster node, but a cluster client was asked for: "
+            f"the Redis at {redact(url)} is a single server, not a cluster node, but a cluster client was asked for: "
             f"remove TQ_REDIS_CLUSTER=1 / redis.cluster: true (or set them to false)"
         )
     return ConnectionFailed(
-        f"cannot reach the Redis Cluster at {url} ({exc}); check that its nodes are running and the URL names one"
+        f"cannot reach the Redis Cluster at {redact(url)} ({exc}); check that its nodes are running and the URL "
+        f"names one"
     )
 
 
@@ -559,7 +561,7 @@ def async_client(
         try:
             return AsyncClusterClient.from_url(_cluster_url(url), **kept)
         except redis.exceptions.RedisClusterException as exc:  # bad arguments: it connects on first use
-            raise ConfigError(f"cannot use {url!r} as a Redis Cluster: {exc}") from exc
+            raise ConfigError(f"cannot use {redact(url)!r} as a Redis Cluster: {exc}") from exc
     merged = {**base, **options}
     if sentinel.is_sentinel_url(url):
         client = sentinel.async_client(url, AsyncSingleClient, merged, max_connections=max_connections,

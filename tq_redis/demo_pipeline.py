@@ -22,6 +22,7 @@ from typing import Any
 
 from tq_redis.demo_config import DemoConfig, DemoFailed, Span, partition, roles
 from tq_redis.demo_report import ProgressView, plot_timeline, summarize
+from tq_redis.redact import redact
 
 __all__ = ["run_demo"]
 
@@ -223,12 +224,12 @@ def _attached_settings(cfg: DemoConfig) -> dict[bytes, bytes]:
         nodes = r.hlen(storage_nodes_key(cfg.namespace))
         settings = r.hgetall(config_key(cfg.namespace))
     except redis.ConnectionError as exc:
-        raise ConnectionFailed(f"cannot reach Redis at {cfg.redis_url}: {exc}") from exc
+        raise ConnectionFailed(f"cannot reach Redis at {redact(cfg.redis_url)}: {exc}") from exc
     finally:
         r.close()
     if cfg.store == "dram" and not nodes:
         raise DemoFailed(
-            f"no DRAM storage nodes are registered in namespace {cfg.namespace!r} at {cfg.redis_url}: "
+            f"no DRAM storage nodes are registered in namespace {cfg.namespace!r} at {redact(cfg.redis_url)}: "
             f"start them (tq-redis up, or tq-redis storage-unit) or pass --store redis"
         )
     return settings
@@ -291,7 +292,7 @@ def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]
         f"samples, {cfg.workers} rollout workers, store {cfg.store}, max_tokens {cfg.max_tokens or 'off'}",
     )
     if cfg.redis_url:
-        _say(cfg, f"attaching to {cfg.redis_url}")
+        _say(cfg, f"attaching to {redact(cfg.redis_url)}")
     else:
         _say(cfg, "starting an embedded Valkey" + (" + 2 DRAM storage nodes" if cfg.store == "dram" else ""))
     owned_forkserver = not _forkserver_running()
@@ -307,7 +308,7 @@ def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]
         client = tq.get_client()
         for step in range(cfg.steps):  # leftovers of an earlier run on an attached Redis
             client.clear_partition(partition(step))
-        _say(cfg, f"metadata plane {url} (namespace {ns!r}); starting {cfg.workers + 4} worker processes")
+        _say(cfg, f"metadata plane {redact(url)} (namespace {ns!r}); starting {cfg.workers + 4} worker processes")
         pipeline = _Pipeline(cfg, url, ns, view)
         t_go, t_end = pipeline.run()
         view.close()

@@ -26,6 +26,7 @@ import redis
 
 from tq_redis import connections
 from tq_redis.errors import ConfigError, ConnectionFailed
+from tq_redis.redact import redact
 
 #: the longest socket file path Linux accepts (sun_path holds 108 bytes with the final NUL)
 _SOCKET_PATH_MAX = 107
@@ -163,7 +164,7 @@ class EmbeddedServer:
                         raise ConnectionFailed(f"{self.binary} exited at start (code {code}): {log}") from None
                     if time.monotonic() > deadline:
                         raise ConnectionFailed(
-                            f"{self.binary} did not answer on {self.url} within {timeout}s"
+                            f"{self.binary} did not answer on {redact(self.url)} within {timeout}s"
                         ) from None
                     time.sleep(0.02)  # waiting for an external process to open its port
         finally:

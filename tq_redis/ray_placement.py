@@ -68,6 +68,7 @@ from tq_redis import connections, names
 from tq_redis.config import parse_size
 from tq_redis.errors import ConfigError, ConnectionFailed, InvalidArgument, StorageUnavailable
 from tq_redis.keys import storage_nodes_key
+from tq_redis.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +415,7 @@ class StoragePlacement:
         if failed:
             raise StorageUnavailable(
                 "DRAM storage nodes placed by Ray are not ready on " + "; ".join(failed)
-                + f" (Redis {self.redis_url}, namespace {self.namespace!r}); see the keeper's log in Ray's"
+                + f" (Redis {redact(self.redis_url)}, namespace {self.namespace!r}); see the keeper's log in Ray's"
                 " logs (tq_redis.storage:* actors)"
             )  # fmt: skip
         return out
@@ -504,7 +505,7 @@ def local_storage_nodes(redis_url: str | None = None, namespace: str | None = No
     try:
         registry = client.hgetall(storage_nodes_key(ns))
     except redis.RedisError as exc:  # named, never raw out of the public API
-        raise ConnectionFailed(f"cannot read the storage nodes from Redis at {url} ({exc})") from exc
+        raise ConnectionFailed(f"cannot read the storage nodes from Redis at {redact(url)} ({exc})") from exc
     finally:
         client.close()
     prefix = storage_node_id(ray_node_id)

@@ -46,6 +46,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from tq_redis.errors import ConfigError
+from tq_redis.redact import redact
 
 SCHEME = "redis+sentinel"
 DEFAULT_PORT = 26379
@@ -96,13 +97,7 @@ def is_sentinel_url(url: Any) -> bool:
 
 
 def _bad(url: str, why: str) -> ConfigError:
-    return ConfigError(f"cannot read Sentinel URL {_redacted(url)!r}: {why}; write {_FORM}")
-
-
-def _redacted(url: str) -> str:
-    """``url`` with its passwords replaced by ``***`` (for error messages)."""
-    url = re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
-    return re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
+    return ConfigError(f"cannot read Sentinel URL {redact(url)!r}: {why}; write {_FORM}")
 
 
 def _host(text: str, url: str) -> tuple[str, int]:

@@ -13,19 +13,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import redis
 import torch
 from tensordict import TensorDict
+from tq_redis.backends.dram_launcher import spawn_node, start_local_nodes
 
-from tests.conftest import server_binary
+import tq_redis as tq
+from tests.conftest import make_client, server_binary
 from tq_redis import acl, cli, server_policy
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.errors import ConfigError, ConnectionFailed, StorageUnavailable
 
 ROOT = Path(__file__).parents[2]
 NOBODY = 65534
@@ -129,3 +134,89 @@ def test_a_namespace_user_can_run_no_script_and_reach_nothing_else(shared_redis)
         " ".join(attempts[0])[:60]].lower()  # fmt: skip
     assert admin.get("nsb:config") == b"b's"
     admin.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# No secret in any output
+# ---------------------------------------------------------------------------------------------
+
+
+class _SlamDoor:
+    """A TCP port that accepts connections and closes them at once, counting them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.count = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.count += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _status(url: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TQ_REDIS_URL"}
+    return subprocess.run(CLI + ["status", "--redis", url, *extra], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_status_against_an_unreachable_redis_is_one_line_without_the_password():
+    door = _SlamDoor()
+    try:
+        for url in (f"redis://:{SECRET}@127.0.0.1:{door.port}/0", f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"):
+            out = _status(url)
+            text = out.stdout + out.stderr
+            assert out.returncode == 1, text
+            assert SECRET not in text
+            lines = [line for line in text.splitlines() if line.strip()]
+            assert len(lines) == 1 and "cannot reach Redis" in lines[0] and "check" in lines[0], text
+        assert door.count <= 3  # a short bounded try, not a reconnect backoff
+    finally:
+        door.close()
+
+
+def test_status_and_errors_never_show_a_secret(shared_redis):
+    server, admin_url = shared_redis
+    url = _user(server, admin_url, "nss")
+    node_url = _user(server, admin_url, "nss", "storage-node")
+    with start_local_nodes(node_url, "nss", n=1, capacity="64MiB"):
+        client = make_client(url, "nss", backend="dram")
+        client.put(_td(2, 2048, 1.0), partition_id="p")
+        registrations = redis.Redis.from_url(admin_url).hgetall("nss:storage:nodes").values()
+        secrets = {SECRET, "pw-nss-client", "pw-nss-storage-node"}
+        secrets |= {json.loads(r).get("access") for r in registrations} - {None}
+        for extra in ((), ("--json",)):
+            out = _status(url, "--namespace", "nss", *extra)
+            assert out.returncode == 0, out.stderr
+            assert "storage nodes: 1" in out.stdout or '"storage_nodes"' in out.stdout
+            assert not any(s in out.stdout + out.stderr for s in secrets)
+        client.close()
+    wrong = f"redis://tq-nss:{SECRET}@{server.host}:{server.port}/0"
+    out = _status(wrong, "--namespace", "nss")
+    assert out.returncode == 1 and SECRET not in out.stdout + out.stderr
+    assert len([line for line in (out.stdout + out.stderr).splitlines() if line.strip()]) == 1
+    assert "refused the credentials" in out.stderr
+
+
+def test_exceptions_and_logs_redact_the_url():
+    dead = f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConnectionFailed) as info:
+        tq.init({"redis": {"url": dead}, "namespace": "redact"})
+    assert SECRET not in str(info.value) and "***" in str(info.value)
+    for bad in (f"http://:{SECRET}@host:1/0", f"redis://:{SECRET}@host:notaport/0"):
+        with pytest.raises(ConfigError) as info:
+            tq.TransferQueueClient(bad, "redact")
+        assert SECRET not in str(info.value)
+    with pytest.raises(StorageUnavailable) as info:  # the node's log, quoted in the error
+        spawn_node(dead, "redact", capacity="64MiB", timeout=60)
+    assert SECRET not in str(info.value)
