@@ -6,7 +6,7 @@
   returned -- except with a token budget (max_tokens), where the batch may be smaller.
   Cost: O(samples examined + bitmap words skipped), independent of the partition size.
 
-  Samplers (ARGV[6]; see includes/samplers.lua for the selection rules):
+  Samplers (ARGV[5]; see includes/samplers.lua for the selection rules):
     sequential   the first eligible samples in id order
     grpo         whole groups of n (option n)
     rank         RankAwareSampler: the first rank of a DP group to ask for (dp_rank,
@@ -23,12 +23,12 @@
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
     ARGV[2]  batch_size          (>= 1; per rank for `balance`)
-    ARGV[3]  now_ms              client clock, used for lease deadlines
-    ARGV[4]  lease_ms            0 = plain fetch (consumed at once); > 0 = lease for that long
-    ARGV[5]  max_deliveries      0 = unlimited; a sample delivered this often is put aside
+    ARGV[3]  lease_ms            0 = plain fetch (consumed at once); > 0 = lease for that long,
+                                 from the server's time (TIME; no client clock takes part)
+    ARGV[4]  max_deliveries      0 = unlimited; a sample delivered this often is put aside
                                  (poison set) instead of being handed out again
-    ARGV[6]  sampler             sequential | grpo | rank | balance
-    ARGV[7]  nopts, then nopts pairs of option name, value:
+    ARGV[5]  sampler             sequential | grpo | rank | balance
+    ARGV[6]  nopts, then nopts pairs of option name, value:
                n            group size (grpo, balance; rank optional)      default 1
                max_tokens   token budget by the total_lengths tag          default none
                min_version  only samples with policy_version >= it        default none
@@ -42,7 +42,7 @@
                                  fields; see includes/waiters.lua), otherwise it is removed from
                                  the task's waiters
   Output:
-    {last_event_id, ids, schemas, tags, deliveries, next_deadline_ms, registered, inline, values}
+    {last_event_id, ids, schemas, tags, deliveries, next_lapse_ms, registered, inline, values}
                                  (inline and values only with ids; values only with _values)
       last_event_id              what to pass to `wait` when ids is empty ('' otherwise)
     A claim that hands out samples wakes one more waiting consumer of the task, if any, while
@@ -53,7 +53,8 @@
       schemas                    flat {field, schema JSON, ...} of the required fields
       tags                       flat {tag name, {JSON value per id}, ...}
       deliveries                 delivery count per id (lease mode), else empty
-      next_deadline_ms           earliest lease deadline of the task, -1 if none
+      next_lapse_ms              ms until the task's earliest lease lapses on the server's clock
+                                 (0: lapsed, handed back by the next claim), -1 if none
       registered                 1 when the waiter was registered (BLPOP <prefix>wake:<task> next)
       inline                     (with ids) 1 when the partition keeps values inline, so get_data
                                  reads them with read_inline first
@@ -74,19 +75,19 @@
 -- @include samplers
 
 local function claim(KEYS, ARGV)
-  local nopts = tonumber(ARGV[7])
+  local nopts = tonumber(ARGV[6])
   local opts = {}
-  for i = 8, 7 + 2 * nopts, 2 do opts[ARGV[i]] = ARGV[i + 1] end
-  local at = 8 + 2 * nopts
+  for i = 7, 6 + 2 * nopts, 2 do opts[ARGV[i]] = ARGV[i + 1] end
+  local at = 7 + 2 * nopts
   local nfields = tonumber(ARGV[at])
   local prefix = partition_prefix(KEYS[1])
   local c = {
-    task = ARGV[1], want = tonumber(ARGV[2]), now_ms = tonumber(ARGV[3]), lease_ms = tonumber(ARGV[4]),
-    max_deliveries = tonumber(ARGV[5]), sampler = ARGV[6], opts = opts, fields = {unpack(ARGV, at + 1, at + nfields)},
+    task = ARGV[1], want = tonumber(ARGV[2]), lease_ms = tonumber(ARGV[3]),
+    max_deliveries = tonumber(ARGV[4]), sampler = ARGV[5], opts = opts, fields = {unpack(ARGV, at + 1, at + nfields)},
     waiter = ARGV[at + nfields + 1], wait_ms = tonumber(ARGV[at + nfields + 2] or '0'),
   }
   local task, sampler = c.task, c.sampler
-  local _, leased = release_lapsed(prefix, task, c.now_ms, c.max_deliveries)
+  local _, leased = release_lapsed(prefix, task, c.max_deliveries)
   c.leased = leased
 
   -- The default sampler without options (a plain fetch, no delivery limit): the first ready
@@ -95,7 +96,7 @@ local function claim(KEYS, ARGV)
       and (c.lease_ms <= 0 or c.max_deliveries <= 0) then
     local ids = {}
     if take_ready(prefix, task, c.fields, c.want, ids) < c.want then return claim_none_ready(prefix, c) end
-    return claim_reply(prefix, c, ids, mark_claimed(prefix, task, ids, c.now_ms, c.lease_ms))
+    return claim_reply(prefix, c, ids, mark_claimed(prefix, task, ids, c.lease_ms))
   end
 
   -- rank / balance: a choice stored by an earlier rank is handed back as it is.
@@ -126,7 +127,7 @@ local function claim(KEYS, ARGV)
 
   local ids, tags = select_units(prefix, task, c.fields, total, select_opts)
   if #ids == 0 then return claim_none_ready(prefix, c) end
-  local deliveries = mark_claimed(prefix, task, ids, c.now_ms, c.lease_ms)
+  local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
   local ttl = tonumber(opts.ttl_ms) or 3600000
 
   if sampler == 'rank' then

@@ -8,13 +8,13 @@
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
-    ARGV[2]  now_ms              client clock, used for lease deadlines
-    ARGV[3]  lease_ms            0 = consumed at once; > 0 = consumed ids are leased that long
-    ARGV[4]  nsampled, then nsampled sample ids (the batch, in the sampler's order)
+    ARGV[2]  lease_ms            0 = consumed at once; > 0 = consumed ids are leased that long,
+                                 from the server's time
+    ARGV[3]  nsampled, then nsampled sample ids (the batch, in the sampler's order)
     then     nconsumed, then nconsumed sample ids (marked consumed / leased)
     then     nfields, then nfields required field names
   Output:
-    {1, last_event_id, ids, schemas, tags, deliveries, next_deadline_ms}
+    {1, last_event_id, ids, schemas, tags, deliveries, next_lapse_ms}
                                  claimed; the rest as in `claim` (deliveries: per sampled id,
                                  0 for a sampled id that was not consumed; empty without lease)
     {0, id...}                   these ids were no longer free; nothing marked
@@ -36,8 +36,8 @@
 local function claim_ids(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task = ARGV[1]
-  local now_ms, lease_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local at = 4
+  local lease_ms = tonumber(ARGV[2])
+  local at = 3
   local sampled, consumed = {}, {}
   for i = 1, tonumber(ARGV[at]) do sampled[i] = tonumber(ARGV[at + i]) end
   at = at + #sampled + 1
@@ -73,7 +73,7 @@ local function claim_ids(KEYS, ARGV)
   end
   if #taken > 1 then return taken end
 
-  local leased = mark_claimed(prefix, task, consumed, now_ms, lease_ms)
+  local leased = mark_claimed(prefix, task, consumed, lease_ms)
   local deliveries = {}
   if lease_ms > 0 then
     local by_id = {}
@@ -82,5 +82,5 @@ local function claim_ids(KEYS, ARGV)
   end
   if #sampled > 0 then pass_baton(prefix, task) end -- as claim does
   return {1, last_event_id(prefix), sampled, read_schemas(prefix, fields), read_tags(prefix, sampled), deliveries,
-          next_lease_deadline(prefix, task)}
+          next_lapse_in(prefix, task)}
 end

@@ -7,15 +7,14 @@
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
-    ARGV[2]  now_ms              client clock, for lapsed leases
-    ARGV[3]  max_deliveries      0 = unlimited; lapsed samples delivered this often go to poison
-    ARGV[4]  nfields
-    ARGV[5..4+nfields]           required field names
+    ARGV[2]  max_deliveries      0 = unlimited; lapsed samples delivered this often go to poison
+    ARGV[3]  nfields
+    ARGV[4..3+nfields]           required field names
   Output:
-    {last_event_id, ready_bitmap, next_deadline_ms}
+    {last_event_id, ready_bitmap, next_lapse_ms}
       last_event_id              stream id to XREAD BLOCK from if the sampler takes nothing
       ready_bitmap               bit i set = sample i is ready for the task ('' if none)
-      next_deadline_ms           earliest lease deadline of the task, -1 if none
+      next_lapse_ms              ms until the task's earliest lease lapses (server clock), -1 if none
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
@@ -30,18 +29,18 @@
 local function ready_ids(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local task = ARGV[1]
-  local now_ms, max_deliveries = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local fields = {unpack(ARGV, 5, 4 + tonumber(ARGV[4]))}
+  local max_deliveries = tonumber(ARGV[2])
+  local fields = {unpack(ARGV, 4, 3 + tonumber(ARGV[3]))}
   if redis.call('EXISTS', KEYS[1]) == 0 then
     return {last_event_id(prefix), '', -1}
   end
   redis.call('SADD', prefix .. 'tasks', task)
-  release_lapsed(prefix, task, now_ms, max_deliveries)
+  release_lapsed(prefix, task, max_deliveries)
   local bitmap = ''
   local ready = compute_ready(prefix, task, fields)
   if ready then
     bitmap = redis.call('GET', ready) or ''
     redis.call('DEL', ready)
   end
-  return {last_event_id(prefix), bitmap, next_lease_deadline(prefix, task)}
+  return {last_event_id(prefix), bitmap, next_lapse_in(prefix, task)}
 end

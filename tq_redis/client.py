@@ -153,13 +153,16 @@ class AsyncTransferQueueClient:
     async def async_get_partition_list(self) -> list[str]:
         return await self.arun(ops.get_partition_list(self._ctx))
 
-    async def async_ack(self, metadata: BatchMeta) -> list[int]:
+    async def async_ack(self, metadata: BatchMeta) -> None:
+        """As :meth:`TransferQueueClient.ack`."""
         return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
 
     async def async_nack(self, metadata: BatchMeta) -> list[int]:
+        """As :meth:`TransferQueueClient.nack`."""
         return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
 
-    async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
+    async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> None:
+        """As :meth:`TransferQueueClient.extend_lease`."""
         return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
 
     # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------

@@ -154,6 +154,19 @@ class LeaseError(TQError):
     """A lease operation (ack, nack, extend) named samples not leased by this task."""
 
 
+class LeaseLost(LeaseError):
+    """An ``ack`` or ``extend_lease`` named samples whose lease this holder no longer holds: it
+    lapsed on the server's clock and the samples were handed back or out again (or they were
+    nacked). The ack did not count for them -- each sample is acknowledged once, by its current
+    holder -- and the batch's other samples were settled. ``ids`` lists the lost samples,
+    ``by_partition`` maps each partition id to its lost ids."""
+
+    def __init__(self, message: str, ids: list[int] | None = None, by_partition: dict[str, list[int]] | None = None):
+        super().__init__(message)
+        self.ids = list(ids or [])
+        self.by_partition = dict(by_partition or {})
+
+
 class PermissionDenied(TQError, PermissionError):
     """Redis refused a command or key to this client's user (an ACL rule: ``NOPERM``), or its
     credentials. The message names the rule to grant; ``tq-redis acl NAMESPACE`` prints the rules

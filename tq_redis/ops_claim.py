@@ -21,7 +21,7 @@ import numpy as np
 
 from tq_redis import arguments, samplers, transitions
 from tq_redis.driver import Cmd, Pause, WaitToken
-from tq_redis.errors import InvalidArgument
+from tq_redis.errors import InvalidArgument, LeaseLost
 from tq_redis.keys import PartitionKeys, check_name, config_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, batchmeta_schema, check_fields, group_by_partition
@@ -127,7 +127,7 @@ def fetch(
     wake: WaitToken | None = None  # the wait the next attempt runs first
     while True:
         wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
-        meta, last_id, next_deadline, registered = yield from attempt(waiter, max(wait_ms, 0), wake)
+        meta, last_id, next_lapse, registered = yield from attempt(waiter, max(wait_ms, 0), wake)
         wake = None
         remaining = deadline - time.monotonic()
         if meta is not None or remaining <= 0:
@@ -144,15 +144,12 @@ def fetch(
             wait_ms = max(1, int(remaining * 1000))
             registered = yield from transitions.wait(pk, task_name, waiter, wait_ms, last_id).call()
             user_registered = user_registered or registered
-        if next_deadline >= 0:  # a lease of this task lapses sooner: re-check then
-            remaining = min(remaining, max(0.001, (next_deadline - transitions.clock_ms()) / 1000))
+        if next_lapse >= 0:  # a lease of this task lapses sooner (the server says when): re-check then
+            remaining = min(remaining, max(0.001, next_lapse / 1000))
         if registered:
+            # the next claim rides behind the wait; its lease runs from the server's time when it
+            # runs, so a leasing claim may wait and claim in one round trip too
             wake = WaitToken(pk.wake(task_name), remaining)
-            if lease_ms or next_deadline >= 0:
-                # A claim's clock argument is taken before it is sent; behind a wait it would be
-                # as old as the wait, shortening a lease taken now or delaying a lapsed one.
-                yield wake
-                wake = None
 
 
 def _default_sampler(ctx: Context) -> Op:
@@ -178,7 +175,7 @@ def _builtin_claim(
     inline_hints: dict[str, bool], values: dict[str, list[bytes | None]] | None = None,
 ):  # fmt: skip
     """One claim with a built-in sampler: an attempt ``(waiter, wait_ms, wake=None)`` yielding
-    ``(meta|None, last_id, deadline, registered)``; with nothing to claim the script registers the
+    ``(meta|None, last_id, next_lapse_ms, registered)``; with nothing to claim the script registers the
     waiter itself. With ``wake`` the claim goes out behind that wait, in its round trip.
     A claim also says whether the partition keeps values inline (``inline_hints``, for get_data);
     with ``values`` it also returns the batch's inline values, which go there."""
@@ -194,7 +191,7 @@ def _builtin_claim(
         if values is not None and got.values is not None:
             values.update(got.values)
         meta = _claimed_meta(pk.partition, got) if got.ids else None
-        return meta, got.last_event_id, got.next_deadline_ms, got.registered
+        return meta, got.last_event_id, got.next_lapse_ms, got.registered
 
     return attempt
 
@@ -226,7 +223,7 @@ class ChoiceClaim(NamedTuple):
 
     meta: BatchMeta | None  # the claimed batch, None if nothing was claimed
     last_event_id: str  # what to wait from when nothing was claimed
-    next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
+    next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
     exhausted: bool  # every attempt's choice was taken by other consumers first
     lost: list[int]  # then: the ids the last attempt lost
 
@@ -256,12 +253,12 @@ def claim_choice(
     (0: :data:`USER_SAMPLER_ATTEMPTS`). Returns a
     :class:`ChoiceClaim`; the caller decides what running out of attempts means.
     """
-    last_id, next_deadline, lost = "", -1, []
+    last_id, next_lapse, lost = "", -1, []
     for attempt in range(attempts or USER_SAMPLER_ATTEMPTS):
         if attempt:
             yield Pause(retry_pause(attempt))
         ready = yield from transitions.ready_ids(pk, task, fields, max_deliveries=max_deliveries).call()
-        last_id, next_deadline = ready.last_event_id, ready.next_deadline_ms
+        last_id, next_lapse = ready.last_event_id, ready.next_lapse_ms
         if len(ready.ids) < batch_size:
             break
         choice = yield from choose(ready.ids)
@@ -271,13 +268,13 @@ def claim_choice(
         got = yield from transitions.claim_ids(pk, task, sampled, consumed, fields, lease_ms=lease_ms).call()
         if got.claimed is not None:
             done = got.claimed
-            return ChoiceClaim(_claimed_meta(pk.partition, done), done.last_event_id, done.next_deadline_ms, False, [])
+            return ChoiceClaim(_claimed_meta(pk.partition, done), done.last_event_id, done.next_lapse_ms, False, [])
         if got.partition_missing:
             break
         lost = got.taken
     else:
-        return ChoiceClaim(None, last_id, next_deadline, True, lost)
-    return ChoiceClaim(None, last_id, next_deadline, False, [])
+        return ChoiceClaim(None, last_id, next_lapse, True, lost)
+    return ChoiceClaim(None, last_id, next_lapse, False, [])
 
 
 def _user_claim(
@@ -317,7 +314,7 @@ def _user_claim(
                 f"row (last taken: {got.lost[:10]}); make it pick less contended samples, e.g. spread choices at "
                 f"random"
             )
-        return got.meta, got.last_event_id, got.next_deadline_ms, False
+        return got.meta, got.last_event_id, got.next_lapse_ms, False
 
     return attempt
 
@@ -354,10 +351,14 @@ def _fences(metadata: BatchMeta) -> list[int]:
 
 
 def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease_s: float = 0.0) -> Op:
-    """ack / nack / extend the leases of ``metadata``'s samples; returns the ids not held.
+    """ack / nack / extend the leases of ``metadata``'s samples.
 
     Each sample's delivery count is sent along as a fencing token (``lua/settle.lua``): once a
-    lapsed lease was handed to another consumer, the old holder can no longer settle it.
+    lapsed lease was handed back or out again, its old holder can no longer settle it, so a
+    sample is acknowledged exactly once. ``ack`` and ``extend`` settle what is still held and then
+    raise :class:`~tq_redis.errors.LeaseLost` naming the samples that were not (their work was
+    or will be done by another consumer); ``nack`` returns those ids (handing back what is no
+    longer yours changes nothing). Deadlines are the server's time; no client clock takes part.
     """
     check_name("task_name", task_name)
     if action not in ("ack", "nack", "extend"):
@@ -366,14 +367,33 @@ def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease
     if action == "extend":
         lease_s = arguments.seconds(lease_s, "extend_lease seconds", allow_zero=False)
     fences = _fences(metadata)
-    not_held: list[int] = []
+    lost: dict[str, list[int]] = {}
     for pid, positions in group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
         held_with, lease_ms = [fences[i] for i in positions], max(1, int(lease_s * 1000))
         settled = yield from transitions.settle(pk, task_name, action, ids, held_with, lease_ms).call()
-        not_held.extend(settled.not_held)
-    return not_held
+        if settled.not_held:
+            lost[pid] = settled.not_held
+    if action == "nack":
+        return [i for ids in lost.values() for i in ids]
+    if lost:
+        raise lease_lost(task_name, action, lost)
+    return None
+
+
+def lease_lost(task: str, action: str, lost: dict[str, list[int]]) -> LeaseLost:
+    """The error for an ack or extension of samples whose lease this holder no longer held."""
+    where = "; ".join(f"samples {ids[:20]}{' ...' if len(ids) > 20 else ''} of partition {pid!r}"
+                      for pid, ids in lost.items())
+    verb = "acknowledged" if action == "ack" else "extended"
+    return LeaseLost(
+        f"{where} were not {verb}: task {task!r} no longer leases them to this holder (the lease lapsed on "
+        f"the server's clock and they were handed out again or back, or they were nacked or never leased). "
+        f"Another consumer gets or got them: drop this holder's results for them. The other samples of "
+        f"the batch were {verb}. Keep leases alive with extend_lease() while working, or take a longer lease_s",
+        [i for ids in lost.values() for i in ids], dict(lost),
+    )
 
 
 def reset_consumption(ctx: Context, partition_id: str, task_name: str | None = None) -> Op:

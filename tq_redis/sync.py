@@ -122,16 +122,20 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Partition ids of the namespace, oldest first."""
         return self.run(ops.get_partition_list(self._ctx))
 
-    def ack(self, metadata: BatchMeta) -> list[int]:
-        """Mark a leased batch consumed for good. Returns ids whose lease was no longer held."""
+    def ack(self, metadata: BatchMeta) -> None:
+        """Mark a leased batch consumed for good. Samples whose lease this holder lost (it lapsed
+        on the server's clock and they were handed out again) do not count: the rest is acked, then
+        :class:`~tq_redis.errors.LeaseLost` names them. Sending the same ack again is no error."""
         return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
 
     def nack(self, metadata: BatchMeta) -> list[int]:
-        """Hand a leased batch back now, so the task can claim it again."""
+        """Hand a leased batch back now, so the task can claim it again. Returns the ids whose lease
+        this holder no longer held (handed back or out again already: nothing to do for them)."""
         return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
 
-    def extend_lease(self, metadata: BatchMeta, seconds: float) -> list[int]:
-        """Keep a leased batch for ``seconds`` more from now."""
+    def extend_lease(self, metadata: BatchMeta, seconds: float) -> None:
+        """Keep a leased batch for ``seconds`` more from now on the server's clock. Raises
+        :class:`~tq_redis.errors.LeaseLost` (after extending the rest) for samples no longer held."""
         return self.run(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
 
     # -- KV API (tq_redis.kv) and streaming (tq_redis.streaming) --------------------------------

@@ -97,7 +97,8 @@ def pipeline(*calls: Transition[Any] | Cmd) -> Generator[Pipe, Any, list[Any]]:
 
 
 def clock_ms() -> int:
-    """The client clock in milliseconds, as the scripts take it (lease deadlines, creation times)."""
+    """The client clock in milliseconds, for what it only labels (a partition's creation time);
+    lease deadlines are the server's time, read inside the scripts."""
     return int(time.time() * 1000)
 
 
@@ -227,7 +228,7 @@ class ClaimReply(NamedTuple):
     schemas: dict[str, str]  # field -> schema JSON of the required fields
     tags: list[dict[str, Any]] | None  # per id; None when no id or no tag
     deliveries: list[int]  # delivery count per id (lease mode), else empty
-    next_deadline_ms: int  # earliest lease deadline of the task, -1 if none
+    next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
     registered: bool  # the waiter was registered: BLPOP the task's wake list next
     inline: bool | None = None  # with ids: whether the partition keeps values inline (None: not said)
     values: dict[str, list[bytes | None]] | None = None  # with_values: field -> inline value per id (None: in a store)
@@ -246,7 +247,7 @@ class ReadySet(NamedTuple):
 
     last_event_id: str
     ids: list[int]  # ascending
-    next_deadline_ms: int
+    next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
 
 
 class Visibility(NamedTuple):
@@ -468,20 +469,20 @@ def read_inline(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) ->
 
 
 def _claim_reply(
-    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_deadline: Any, registered: bool,
+    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_lapse: Any, registered: bool,
     inline: bool | None = None,
 ) -> ClaimReply:  # fmt: skip
     tag_list = tag_rows(tags, len(ids)) if tags and ids else None
     return ClaimReply(
         text(last_id), [int(i) for i in ids], schema_pairs(schemas), tag_list, [int(d) for d in deliveries],
-        int(next_deadline), registered, inline,
+        int(next_lapse), registered, inline,
     )  # fmt: skip
 
 
 def _read_claim(reply: Sequence[Any], fields: Sequence[str] = ()) -> ClaimReply:
-    last_id, ids, schemas, tags, deliveries, next_deadline, *rest = reply
+    last_id, ids, schemas, tags, deliveries, next_lapse, *rest = reply
     inline = bool(int(rest[1])) if len(rest) > 1 else None
-    got = _claim_reply(last_id, ids, schemas, tags, deliveries, next_deadline, bool(rest and int(rest[0])), inline)
+    got = _claim_reply(last_id, ids, schemas, tags, deliveries, next_lapse, bool(rest and int(rest[0])), inline)
     if len(rest) > 2 and got.ids:
         got = got._replace(values=_claimed_values(rest[2], len(got.ids), fields))
     return got
@@ -502,12 +503,12 @@ def _claimed_values(flat: Sequence[Any], n: int, fields: Sequence[str]) -> dict[
 
 def claim(
     pk: PartitionKeys, task: str, plan: SamplerPlan, fields: Sequence[str], *, lease_ms: int = 0,
-    max_deliveries: int = 0, waiter: str | None = None, wait_ms: int = 0, now_ms: int | None = None,
-    with_values: bool = False,
+    max_deliveries: int = 0, waiter: str | None = None, wait_ms: int = 0, with_values: bool = False,
 ) -> Transition[ClaimReply]:  # fmt: skip
     """``lua/claim.lua``: a batch chosen by the built-in sampler ``plan`` from the samples with
     every one of ``fields`` that ``task`` has not consumed. With ``waiter``, a claim that hands
     out nothing registers it as waiting ``wait_ms`` (else removes it from the task's waiters).
+    A lease runs ``lease_ms`` from the server's time when the script runs (no client clock).
     ``with_values``: the reply also holds the batch's inline values of ``fields``
     (:attr:`ClaimReply.values`), read in the same atomic step."""
     waiting = (waiter, wait_ms) if waiter else ()
@@ -516,7 +517,7 @@ def claim(
         kind, nopts, *options = sampler
         sampler = (kind, nopts + 1, *options, "_values", "1")
     args = (
-        task, plan.batch_size, _now(now_ms), lease_ms, max_deliveries, *sampler, len(fields), *fields, *waiting,
+        task, plan.batch_size, lease_ms, max_deliveries, *sampler, len(fields), *fields, *waiting,
     )  # fmt: skip
     read = partial(_read_claim, fields=list(fields)) if with_values else _read_claim
     return Transition(FCall("claim", (pk.meta,), args), read)
@@ -533,27 +534,27 @@ def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:
 
 def claim_ids(
     pk: PartitionKeys, task: str, sampled: Sequence[int], consumed: Sequence[int], fields: Sequence[str], *,
-    lease_ms: int = 0, now_ms: int | None = None,
+    lease_ms: int = 0,
 ) -> Transition[ClaimIdsReply]:  # fmt: skip
     """``lua/claim_ids.lua``: hand out ``sampled`` and mark ``consumed`` (leased with ``lease_ms``)
     only if every one of them is still free for ``task``."""
     args = (
-        task, _now(now_ms), lease_ms, len(sampled), *sampled, len(consumed), *consumed,
+        task, lease_ms, len(sampled), *sampled, len(consumed), *consumed,
         len(fields), *fields,
     )  # fmt: skip
     return Transition(FCall("claim_ids", (pk.meta,), args), _read_claim_ids)
 
 
 def _read_ready(reply: Sequence[Any]) -> ReadySet:
-    last_id, bitmap, next_deadline = reply
-    return ReadySet(text(last_id), bitmaps.set_ids(bitmap), int(next_deadline))
+    last_id, bitmap, next_lapse = reply
+    return ReadySet(text(last_id), bitmaps.set_ids(bitmap), int(next_lapse))
 
 
 def ready_ids(
-    pk: PartitionKeys, task: str, fields: Sequence[str], *, max_deliveries: int = 0, now_ms: int | None = None
+    pk: PartitionKeys, task: str, fields: Sequence[str], *, max_deliveries: int = 0
 ) -> Transition[ReadySet]:
     """``lua/ready_ids.lua``: every sample ready for ``task`` (for a sampler running in Python)."""
-    args = (task, _now(now_ms), max_deliveries, len(fields), *fields)
+    args = (task, max_deliveries, len(fields), *fields)
     return Transition(FCall("ready_ids", (pk.meta,), args), _read_ready)
 
 
@@ -572,13 +573,12 @@ def _read_settle(reply: Sequence[Any]) -> Settled:
 
 
 def settle(
-    pk: PartitionKeys, task: str, action: str, ids: Sequence[int], fences: Sequence[int], lease_ms: int = 1,
-    *, now_ms: int | None = None,
-) -> Transition[Settled]:  # fmt: skip
-    """``lua/settle.lua``: ``action`` ('ack', 'nack' or 'extend' by ``lease_ms``) the leases of
-    ``ids``, each only if still held with its delivery count in ``fences`` (0: any)."""
+    pk: PartitionKeys, task: str, action: str, ids: Sequence[int], fences: Sequence[int], lease_ms: int = 1
+) -> Transition[Settled]:
+    """``lua/settle.lua``: ``action`` ('ack', 'nack' or 'extend' by ``lease_ms`` from the server's
+    time) the leases of ``ids``, each only if still held with its delivery count in ``fences`` (0: any)."""
     pairs = [x for pair in zip(ids, fences) for x in pair]
-    args = (task, action, _now(now_ms), lease_ms, *pairs)
+    args = (task, action, lease_ms, *pairs)
     return Transition(FCall("settle", (pk.meta,), args), _read_settle)
 
 

@@ -5,12 +5,12 @@
   its redis.calls and little else.
 
   c holds the claim's inputs, as claim.lua parses them:
-    task want now_ms lease_ms max_deliveries sampler opts fields waiter wait_ms
+    task want lease_ms max_deliveries sampler opts fields waiter wait_ms
     leased   whether the task had leases in flight when the claim began
 
   Offers:
-    claim_deadline(prefix, c)                  earliest lease deadline to report, -1 if none
-    claim_nothing(prefix, c, schemas, next_deadline)  the reply without ids (registers the waiter)
+    claim_lapse(prefix, c)                     ms until the earliest lease lapses, to report; -1 if none
+    claim_nothing(prefix, c, schemas, next_lapse)  the reply without ids (registers the waiter)
     claim_none_ready(prefix, c)                no batch: the reply, after asking whether the
                                                partition exists
     claim_reply(prefix, c, ids, deliveries)    the reply of a claim that marked `ids`
@@ -32,15 +32,16 @@
 -- @include tags
 -- @include waiters
 
--- Earliest lease deadline to report: none when no lease was in flight before and none is taken now.
-local function claim_deadline(prefix, c)
-  if c.leased or c.lease_ms > 0 then return next_lease_deadline(prefix, c.task) end
+-- When the earliest lease lapses, to report: none when no lease was in flight before and none is
+-- taken now.
+local function claim_lapse(prefix, c)
+  if c.leased or c.lease_ms > 0 then return next_lapse_in(prefix, c.task) end
   return -1
 end
 
 -- Nothing to hand out: with a waiter id and wait_ms > 0 the caller now waits for a wake token
 -- (registered in this same atomic step, so no event can slip in between); else it stops waiting.
-local function claim_nothing(prefix, c, schemas, next_deadline)
+local function claim_nothing(prefix, c, schemas, next_lapse)
   local registered = 0
   if c.waiter and c.wait_ms > 0 then
     -- What this claim needs to succeed, for the waiters' wake-ups (see includes/waiters.lua):
@@ -57,7 +58,7 @@ local function claim_nothing(prefix, c, schemas, next_deadline)
   elseif c.waiter then
     redis.call('ZREM', prefix .. 'waiters:' .. c.task, c.waiter)
   end
-  return {last_event_id(prefix), {}, schemas, {}, {}, next_deadline, registered}
+  return {last_event_id(prefix), {}, schemas, {}, {}, next_lapse, registered}
 end
 
 -- No batch: a partition that does not exist has no lease, no cached choice and no alive id, so
@@ -65,7 +66,7 @@ end
 local function claim_none_ready(prefix, c)
   if redis.call('EXISTS', prefix .. 'meta') == 0 then return claim_nothing(prefix, c, {}, -1) end
   redis.call('SADD', prefix .. 'tasks', c.task)
-  return claim_nothing(prefix, c, read_schemas(prefix, c.fields), claim_deadline(prefix, c))
+  return claim_nothing(prefix, c, read_schemas(prefix, c.fields), claim_lapse(prefix, c))
 end
 
 -- The reply of a claim that handed out `ids` (already marked), or of one that found none.
@@ -77,7 +78,7 @@ local function claim_reply(prefix, c, ids, deliveries)
   pass_baton(prefix, task) -- more for the other waiters?
   -- '' for the event id: a caller that got ids never waits, so the stream is not read.
   local inline = redis.call('EXISTS', prefix .. 'inline')
-  local out = {'', ids, read_schemas(prefix, c.fields), read_tags(prefix, ids), deliveries, claim_deadline(prefix, c), 0, inline}
+  local out = {'', ids, read_schemas(prefix, c.fields), read_tags(prefix, ids), deliveries, claim_lapse(prefix, c), 0, inline}
   if c.opts._values == '1' then out[9] = inline_get(prefix, ids, c.fields, inline == 1) end
   return out
 end

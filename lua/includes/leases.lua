@@ -3,14 +3,17 @@
   consumed by the task (its bit in <p>:cons:<task>); with a lease it is also in flight until a
   deadline (<p>:lease:<task>) and counts one more delivery (<p>:dlv:<task>). Lapsed leases are
   handed back by the next claim (no reaper process); samples delivered too often are put aside
-  in <p>:poison:<task>.
+  in <p>:poison:<task>. Deadlines are the server's time (includes/clock.lua), never a client's.
 
   Offers:
-    mark_claimed(prefix, task, ids, now_ms, lease_ms)  consumed (and leased); delivery counts
-    poison_ids(prefix, task, ids)                      consumed for good, listed as poison
-    next_lease_deadline(prefix, task)                  earliest lease deadline (ms), -1 if none
-    known_deliveries(prefix, task, ids, lease_ms)      delivery counts of ids with a lease, else {}
-    release_lapsed(prefix, task, now_ms, max_deliveries)  hand lapsed leases back (or poison them)
+    mark_claimed(prefix, task, ids, lease_ms)   consumed (and leased until the server's time +
+                                                lease_ms); delivery counts
+    poison_ids(prefix, task, ids)               consumed for good, listed as poison
+    next_lapse_in(prefix, task)                 ms until the task's earliest lease lapses on the
+                                                server's clock (0 if lapsed already), -1 if none
+    known_deliveries(prefix, task, ids, lease_ms)  delivery counts of ids with a lease, else {}
+    release_lapsed(prefix, task, max_deliveries)   hand leases lapsed on the server's clock back
+                                                   (or poison them)
   Touches:
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     and through emit (a `released` event): <p>:events  <p>:waittasks  <p>:waiters:<task>
@@ -18,18 +21,19 @@
 ]]
 -- @include bits
 -- @include chunks
+-- @include clock
 -- @include events
 
 -- Mark `ids` consumed by the task; with a lease (lease_ms > 0) also put them in flight until
--- now_ms + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
-local function mark_claimed(prefix, task, ids, now_ms, lease_ms)
+-- the server's time + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
+local function mark_claimed(prefix, task, ids, lease_ms)
   if #ids == 0 then return {} end
   set_id_bits(prefix .. 'cons:' .. task, ids)
   if lease_ms <= 0 then return {} end
   local dlv_key = prefix .. 'dlv:' .. task
   local before = hmget_many(dlv_key, ids)
   local deliveries, zargs, hargs = {}, {}, {}
-  local deadline = now_ms + lease_ms
+  local deadline = server_ms() + lease_ms
   for i = 1, #ids do
     deliveries[i] = (tonumber(before[i]) or 0) + 1
     zargs[#zargs + 1] = deadline
@@ -59,11 +63,12 @@ local function poison_ids(prefix, task, ids)
   end
 end
 
--- Earliest lease deadline of the task (ms), -1 if none is in flight.
-local function next_lease_deadline(prefix, task)
+-- Milliseconds until the task's earliest lease lapses on the server's clock (0 when it has
+-- lapsed already), -1 if none is in flight. Relative, so a client waits for it on no clock of its own.
+local function next_lapse_in(prefix, task)
   local first = redis.call('ZRANGE', prefix .. 'lease:' .. task, 0, 0, 'WITHSCORES')
   if #first == 0 then return -1 end
-  return tonumber(first[2])
+  return math.max(0, tonumber(first[2]) - server_ms())
 end
 
 -- Delivery counts of `ids` (0 where never delivered) when claimed with a lease (lease_ms > 0),
@@ -76,14 +81,16 @@ local function known_deliveries(prefix, task, ids, lease_ms)
   return out
 end
 
--- Give lapsed leases of a task back: clear their consumed bits so the next claim sees them,
--- or move them to the poison set once they reached max_deliveries (0 = unlimited).
--- Returns how many were released, and whether the task has leases in flight at all (when it has
--- none, the common fetch case, this costs one ZRANGE and callers need not look again).
-local function release_lapsed(prefix, task, now_ms, max_deliveries)
+-- Give leases of a task that lapsed on the server's clock back: clear their consumed bits so
+-- the next claim sees them, or move them to the poison set once they reached max_deliveries
+-- (0 = unlimited). Returns how many were released, and whether the task has leases in flight at
+-- all (when it has none, the common fetch case, this costs one ZRANGE and no clock reading, and
+-- callers need not look again).
+local function release_lapsed(prefix, task, max_deliveries)
   local lease = prefix .. 'lease:' .. task
   local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
   if #first == 0 then return 0, false end
+  local now_ms = server_ms()
   if tonumber(first[2]) > now_ms then return 0, true end
   local lapsed = redis.call('ZRANGEBYSCORE', lease, '-inf', now_ms)
   if #lapsed == 0 then return 0, true end

@@ -12,7 +12,6 @@
   leases in flight (a claim hands lapsed ones back, and no event says they lapsed).
 
   Offers:
-    server_ms()                               server time in ms
     WAIT_KEY_TTL_MS, keep_alive(key, ms)      expiry of the waiting keys
     need_of(want, fields)                     a need for register_waiter
     need_met(prefix, task)                    whether the task's known need (if any) is met
@@ -27,13 +26,8 @@
     and, to check a need, <p>:lease:<task> and what ready_scanner reads: <p>:alive  <p>:prod:<field>
     <p>:cons:<task>
 ]]
+-- @include clock
 -- @include ready
-
--- Server time in ms (functions replicate their effects, so reading the clock is allowed).
-local function server_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 
 -- Waiting consumers of `task` (ZSET waiter -> deadline ms) and the tokens that wake them (LIST,
 -- one BLPOP each). Both expire on their own, so a consumer that died leaves nothing for good.

@@ -63,7 +63,7 @@ def test_async_waiters_and_producer_share_one_loop(aclient):
         assert await aclient.async_nack(leased) == []
         again = await aclient.async_get_meta(["x"], 3, "q", task_name="d", lease_s=30)
         assert again.global_indexes == [0, 1, 2]
-        assert await aclient.async_ack(again) == []
+        assert await aclient.async_ack(again) is None
         await aclient.async_close()
 
     asyncio.run(main())

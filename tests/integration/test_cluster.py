@@ -109,13 +109,13 @@ def test_samplers_and_leases(cluster_client):
     # leases: ack, nack (handed out again), a lapsed lease taken over
     _put(client, 2, "lease")
     leased = client.get_meta(["x"], 2, "lease", task_name="t", lease_s=30)
-    assert leased.global_indexes == [0, 1] and client.extend_lease(leased, 60) == []
-    assert client.ack(leased[0:1]) == [] and client.nack(leased[1:]) == []
+    assert leased.global_indexes == [0, 1] and client.extend_lease(leased, 60) is None
+    assert client.ack(leased[0:1]) is None and client.nack(leased[1:]) == []
     again = client.get_meta(["x"], 1, "lease", task_name="t", lease_s=0.05)
     assert again.global_indexes == [1] and again.get_extra_info("delivery_counts") == [2]
     taken = client.get_meta(["x"], 1, "lease", task_name="t", lease_s=30, timeout=10)
     assert taken.global_indexes == [1] and taken.get_extra_info("delivery_counts") == [3]
-    assert client.ack(taken) == [] and client.check_consumption_status("t", "lease")
+    assert client.ack(taken) is None and client.check_consumption_status("t", "lease")
     assert client.reset_consumption("s", "seq")
     assert client.get_meta(["x"], 1, "s", task_name="seq").global_indexes == [0]
 

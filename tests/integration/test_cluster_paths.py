@@ -344,7 +344,7 @@ def test_checkpoint_restores_leases_kv_and_data_on_every_shard(cluster, namespac
         for k, p in enumerate(SPREAD):
             client.put(TensorDict({"x": torch.arange(6) + 10 * k}, [6]), partition_id=p)
             leased[p] = client.get_meta(["x"], 4, p, task_name="actor", lease_s=120)
-            assert client.ack(leased[p][0:1]) == []  # one acked, three in flight
+            assert client.ack(leased[p][0:1]) is None  # one acked, three in flight
             client.kv_batch_put([f"k{k}a", f"k{k}b"], f"kv{p}", TensorDict({"v": torch.tensor([k, -k])}, [2]),
                                 tags=[{"score": k}, {"score": -k}])
         dock = GRPOTransferDock(1, 2, redis_url=cluster.urls[1], namespace=namespace, name="d", layout="jagged")
@@ -361,7 +361,7 @@ def test_checkpoint_restores_leases_kv_and_data_on_every_shard(cluster, namespac
 
         # change everything: acks, clears, KV deletes, new partitions on every shard
         for p in SPREAD:
-            assert client.ack(leased[p][1:]) == []
+            assert client.ack(leased[p][1:]) is None
         client.clear_partition(SPREAD[1])
         client.kv_clear(["k0a"], f"kv{SPREAD[0]}")
         client.kv_put("new", f"kv{SPREAD[2]}", {"v": torch.tensor([9])})
@@ -382,7 +382,7 @@ def test_checkpoint_restores_leases_kv_and_data_on_every_shard(cluster, namespac
             meta = client.get_meta(["x"], 6, p, mode="force_fetch")
             assert client.get_data(meta)["x"].tolist() == [10 * k + i for i in range(6)]
             # the restored leases are live: their holder can ack them, the rest is handed out once
-            assert client.ack(leased[p][1:]) == []
+            assert client.ack(leased[p][1:]) is None
             assert client.get_meta(["x"], 2, p, task_name="actor", lease_s=60).global_indexes == [4, 5]
             assert client.get_meta(["x"], 1, p, task_name="actor").size == 0
         td, rows = dock.get_experience("actor_train", ["prompts"], 2)  # the dock and the channel are back

@@ -157,14 +157,16 @@ def test_leases_ack_nack_and_lapse(client):
     again = client.get_meta(["input_ids"], 2, "p", task_name="t", lease_s=30)
     assert again.global_indexes == [0, 1]
     assert again.get_extra_info("delivery_counts") == [2, 2]
-    assert client.ack(again) == []
-    assert client.ack(again) == [0, 1]  # already settled
+    assert client.ack(again) is None
+    assert client.ack(again) is None  # the holder's ack sent again (a retry): no error, counted once
+    with pytest.raises(errors.LeaseLost):  # nacked: no longer this holder's
+        client.ack(leased)
     short = client.get_meta(["input_ids"], 2, "p", task_name="t", lease_s=0.001)
     assert short.global_indexes == [2, 3]
     # the lapsed lease is handed back inside the next claim (no reaper process)
     redo = client.get_meta(["input_ids"], 2, "p", task_name="t", lease_s=30, timeout=5)
     assert redo.global_indexes == [2, 3]
-    assert client.extend_lease(redo, 60) == []
+    assert client.extend_lease(redo, 60) is None
 
 
 def test_function_library_reloads_after_flush(client):

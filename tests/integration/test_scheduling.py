@@ -68,7 +68,11 @@ def _lease_consumer(url, ns, idx, lock, holding, announce, go, log_path) -> None
         time.sleep(rng.uniform(0.001, 0.02))  # the work a trainer would do with the batch
         with lock:
             holding.value = 0
-            not_held = set(client.ack(meta))
+            try:
+                client.ack(meta)
+                not_held = set()
+            except errors.LeaseLost as lost:  # lapsed and handed out again: not acked here
+                not_held = set(lost.ids)
             os.write(fd, (json.dumps(["ack", [p for p in pairs if p[0] not in not_held]]) + "\n").encode())
     os.close(fd)
     client.close()
@@ -378,13 +382,18 @@ def test_lapsed_lease_cannot_be_settled_by_its_old_holder(client):
     # waits on the stream only until the old lease lapses, then takes the samples over
     new = client.get_meta(["x"], 2, "p", task_name="t", lease_s=30, timeout=10)
     assert new.global_indexes == [0, 1] and new.get_extra_info("delivery_counts") == [2, 2]
-    assert client.ack(old) == [0, 1]
-    assert client.extend_lease(old, 60) == [0, 1]
+    with pytest.raises(errors.LeaseLost, match=r"samples \[0, 1\] of partition 'p' were not acknowledged") as lost:
+        client.ack(old)
+    assert lost.value.ids == [0, 1] and lost.value.by_partition == {"p": [0, 1]}
+    with pytest.raises(errors.LeaseLost, match="were not extended"):
+        client.extend_lease(old, 60)
     assert client.nack(old) == [0, 1]
-    assert client.extend_lease(new[1:], 60) == []  # the token follows a sample through slicing
-    assert client.ack(new[1:]) == []
-    assert client.ack(new) == [1]
-    assert client.ack(new) == [0, 1]
+    assert client.extend_lease(new[1:], 60) is None  # the token follows a sample through slicing
+    assert client.ack(new[1:]) is None
+    assert client.ack(new) is None  # sample 1 acked already by this very holder: acking again is no error
+    assert client.ack(new) is None
+    with pytest.raises(errors.LeaseLost):  # the new holder's samples: not the old holder's to ack
+        client.ack(old)
     assert client.check_consumption_status("t", "p")
 
 
@@ -399,7 +408,7 @@ def test_max_deliveries_moves_a_poison_sample_aside(client):
     assert nxt.global_indexes == [1]
     pk = PartitionKeys(client.namespace, "p")
     assert client.redis.smembers(pk.poison("t")) == {b"0"}
-    assert client.ack(nxt) == []
+    assert client.ack(nxt) is None
     assert client.check_consumption_status("t", "p")
 
 
@@ -455,7 +464,7 @@ def test_async_client_runs_builtin_and_user_samplers(valkey, namespace):
         grpo = {"sampler": "GRPOGroupNSampler", "n_samples_per_prompt": 2}
         pair = await client.async_get_meta(["x"], 2, "p", task_name="g", sampling_config=grpo, lease_s=30)
         assert pair.global_indexes == [0, 1] and [c["uid"] for c in pair.custom_meta] == [0, 0]
-        assert await client.async_ack(pair) == []
+        assert await client.async_ack(pair) is None
         evens = await client.async_get_meta(["x"], 3, "p", task_name="u", sampling_config={"sampler": Evens()})
         assert evens.global_indexes == [0, 2, 4]
         await client.async_close()

@@ -263,7 +263,7 @@ def test_namespace_users_work_in_their_namespace_and_are_refused_elsewhere(own_s
     got = a.get_meta(["x", "y"], 4, "p", task_name="actor")
     assert torch.equal(a.get_data(got)["x"], torch.ones(4, 4))
     leased = a.get_meta(["x"], 2, "p", task_name="critic", lease_s=30)
-    assert a.ack(leased) == []
+    assert a.ack(leased) is None
     a.set_custom_meta(got)
     a.clear_samples(got[0:2])
     assert a.get_partition_list() == ["p"]

@@ -136,19 +136,19 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "claim": (
         transitions.claim(
             PK, "t", SamplerPlan("grpo", 8, (("n", "4"),)), ["a", "b"],
-            lease_ms=500, max_deliveries=3, waiter="w", wait_ms=250, now_ms=NOW,
+            lease_ms=500, max_deliveries=3, waiter="w", wait_ms=250,
         ),
-        ("t", 8, NOW, 500, 3, "grpo", 1, "n", "4", 2, "a", "b", "w", 250),
+        ("t", 8, 500, 3, "grpo", 1, "n", "4", 2, "a", "b", "w", 250),
     ),  # fmt: skip
     "claim_ids": (
-        transitions.claim_ids(PK, "t", [5, 3], [5], ["a"], lease_ms=0, now_ms=NOW),
-        ("t", NOW, 0, 2, 5, 3, 1, 5, 1, "a"),
+        transitions.claim_ids(PK, "t", [5, 3], [5], ["a"], lease_ms=0),
+        ("t", 0, 2, 5, 3, 1, 5, 1, "a"),
     ),
-    "ready_ids": (transitions.ready_ids(PK, "t", ["a"], max_deliveries=2, now_ms=NOW), ("t", NOW, 2, 1, "a")),
+    "ready_ids": (transitions.ready_ids(PK, "t", ["a"], max_deliveries=2), ("t", 2, 1, "a")),
     "wait": (transitions.wait(PK, "t", "w", 250, "1-0"), ("t", "w", 250, "1-0")),
     "settle": (
-        transitions.settle(PK, "t", "extend", [3, 4], [1, 0], 500, now_ms=NOW),
-        ("t", "extend", NOW, 500, 3, 1, 4, 0),
+        transitions.settle(PK, "t", "extend", [3, 4], [1, 0], 500),
+        ("t", "extend", 500, 3, 1, 4, 0),
     ),
     "clear": (transitions.clear(PK, [3, 4]), (3, 4)),
     "drop_partition": (transitions.drop_partition(PK), ()),
@@ -191,7 +191,7 @@ def test_wrapper_builds_the_arguments_its_script_header_names(name: str):
 def test_input_spec_reads_fixed_and_variadic_headers():
     assert input_spec("wait") == (1, 4, False)
     assert input_spec("drop_partition") == (1, 0, False)
-    assert input_spec("claim") == (1, 7, True)
+    assert input_spec("claim") == (1, 6, True)
     assert input_spec("reserve") == (1, 1, True)
     assert input_spec("kv_unmap") == (1, 0, True)
 
@@ -200,8 +200,8 @@ def test_optional_arguments_take_their_documented_defaults():
     assert transitions.reset_consumption(PK, "t").effect.args == ("t",)
     assert transitions.channel_pop(CK, "q").effect.args == ("q", "one", "")
     assert transitions.channel_pop(CK, "q", 3, fit=True).effect.args == ("q", "fit", "3")
-    claim = transitions.claim(PK, "t", SamplerPlan("sequential", 2, ()), ["a"], now_ms=NOW)
-    assert claim.effect.args == ("t", 2, NOW, 0, 0, "sequential", 0, 1, "a")  # no lease, no waiter
+    claim = transitions.claim(PK, "t", SamplerPlan("sequential", 2, ()), ["a"])
+    assert claim.effect.args == ("t", 2, 0, 0, "sequential", 0, 1, "a")  # no lease, no waiter
     assert transitions.reserve(PK, 3).effect.args == (3,)
     assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, 0)
     now = transitions.seal_partition(PK).effect.args[0]
@@ -484,7 +484,7 @@ def test_claim_choice_claims_the_choice():
     op = ops.claim_choice(PK, "t", ["a"], 2, _first_two)
     got, effects = drive(op, [_ready(0, 1, 2), _claimed(0, 1)])
     assert [e.name for e in effects] == ["ready_ids", "claim_ids"]
-    assert effects[1].args[3:7] == (2, 0, 1, 2)  # nsampled, ids, nconsumed
+    assert effects[1].args[2:6] == (2, 0, 1, 2)  # nsampled, ids, nconsumed
     assert got.meta.global_indexes == [0, 1] and got.meta.custom_meta == [{"uid": 1}, {"uid": 1}]
     assert (got.last_event_id, got.exhausted) == ("2-0", False)
 
@@ -544,7 +544,7 @@ def test_a_chooser_may_read_redis_before_choosing():
     op = ops.claim_choice(PK, "t", ["a"], 2, by_uid)
     got, effects = drive(op, [_ready(0, 1, 2), [b"0", b"1", b"1"], _claimed(1, 2)])
     assert effects[1] == Cmd(("HMGET", PK.tag("uid"), 0, 1, 2))
-    assert effects[2].args[3:7] == (2, 1, 2, 2)
+    assert effects[2].args[2:6] == (2, 1, 2, 2)
     assert got.meta.global_indexes == [1, 2]
 
 
