@@ -79,9 +79,9 @@ def _binaries() -> dict[str, str | None]:
 
 
 def start_clusters() -> None:
-    """Start every flavour's cluster not running yet, at once: the nodes from this thread (they die
-    with the thread that started them), the forming in threads, so the clusters' 2 s start-up waits
-    overlap. (A flavour stopped by its session fixture's finalizer starts again when asked for.)"""
+    """Start every flavour's cluster not running yet, at once: the nodes, then the forming in
+    threads, so the clusters' 2 s start-up waits overlap. (A flavour stopped by its session
+    fixture's finalizer starts again when asked for.)"""
     with _lock:
         launched = {}
         for flavour, binary in _binaries().items():

