@@ -22,6 +22,7 @@ import contextvars
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -138,6 +139,37 @@ def _as_redis_failure(url: str, effect: Any, exc: BaseException) -> BaseExceptio
     they name the store or node that failed and must not be reported as Redis being unreachable.
     """
     return exc if isinstance(effect, Offload) else _connection_failed(url, exc)
+
+
+# A server busy in a long script answers BUSY to every other command, which then did not run: it is
+# sent again after a pause (doubling from BUSY_PAUSE_S up to BUSY_PAUSE_MAX_S) for at most
+# BUSY_WAIT_S, then ServerBusy is raised. Only what got BUSY is sent again (a pipeline's other calls ran).
+BUSY_WAIT_S = 10.0
+BUSY_PAUSE_S = 0.005
+BUSY_PAUSE_MAX_S = 0.25
+
+
+class _BusyWait:
+    """The pauses of one effect's tries while the server answers BUSY, and when to give up."""
+
+    __slots__ = ("started", "pause")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.pause = BUSY_PAUSE_S
+
+    def next_pause(self, url: str, exc: BaseException) -> float:
+        """Seconds to pause before the next try; raises ServerBusy once BUSY_WAIT_S are spent."""
+        waited = time.monotonic() - self.started
+        if waited >= BUSY_WAIT_S:
+            raise server_policy.busy_error(url, exc, waited) from None
+        pause = min(self.pause, BUSY_WAIT_S - waited)
+        self.pause = min(self.pause * 2, BUSY_PAUSE_MAX_S)
+        return pause
+
+
+def _busy_positions(results: list) -> list[int]:
+    return [i for i, r in enumerate(results) if server_policy.is_busy(r)]
 
 
 # Durable mode (tq_redis.durability): what the waits of the operation being run in this thread or
@@ -305,6 +337,10 @@ class _Steps:
             exc = _as_redis_failure(self._url, effect, exc)
         elif isinstance(exc, RedisClusterException):  # an asyncio cluster client that could not start
             exc = connections.cluster_failure(self._url, exc)
+        elif isinstance(exc, redis.ResponseError):  # never raw out of the public API
+            typed = server_policy.unexpected_reply(self._url, exc)
+            typed.__cause__ = exc
+            exc = typed
         self._value, self._error = None, exc
 
 
@@ -368,10 +404,23 @@ class SyncDriver(_Driver):
         with _Steps(op, self.url) as steps:
             for effect in steps:
                 try:
-                    steps.done(self._execute(effect))
+                    steps.done(self._execute_patiently(effect))
                 except Exception as exc:  # handed to the operation, which decides
                     steps.failed(effect, exc)
         return _durable_outcome(self, steps.notes, steps.result)
+
+    def _execute_patiently(self, effect: Any) -> Any:
+        """:meth:`_execute`, again while the server answers BUSY (the command did not run); a
+        pipeline sends again only its calls that got BUSY (:meth:`_pipe`)."""
+        busy = None
+        while True:
+            try:
+                return self._execute(effect)
+            except redis.ResponseError as exc:
+                if not server_policy.is_busy(exc):
+                    raise
+                busy = busy or _BusyWait()
+                time.sleep(busy.next_pause(self.url, exc))
 
     def _check_durable(self) -> None:
         """Once: does the server take this durable mode's wait? (``DurabilityUnsupported`` if not.)"""
@@ -423,12 +472,22 @@ class SyncDriver(_Driver):
             with metrics.WAIT_SECONDS.time():
                 replies = self.redis.pipeline_on_lane([_blpop_args(effect.wait), _fcall_args(call)])
         if replies is None:  # the lane is busy or failed, or another kind of client: one after the other
-            return self._execute(effect.wait), self._execute(call)
+            try:
+                popped = self._execute(effect.wait)
+            except redis.ResponseError as exc:
+                if not server_policy.is_busy(exc):
+                    raise
+                popped = False  # the wait ended at once; the call goes out as it would after it
+            return popped, self._execute_patiently(call)
         popped, reply = replies
-        if isinstance(popped, Exception):
+        if server_policy.is_busy(popped):
+            popped = None  # the wait ended at once; the call's own reply says whether it ran
+        elif isinstance(popped, Exception):
             raise popped
         if isinstance(reply, redis.ResponseError) and scripts.is_missing_function(reply):
             reply = self._fcall(call)  # the server lost the library meanwhile: load it, call again
+        elif server_policy.is_busy(reply):
+            reply = self._execute_patiently(call)  # it did not run: send it again
         elif isinstance(reply, Exception):
             raise reply
         return popped is not None, reply
@@ -467,6 +526,12 @@ class SyncDriver(_Driver):
             self.ensure_loaded(force=True, nodes=self._library.serving(again))
             for i, result in zip(missing, self._send(again)):
                 results[i] = result
+        busy = None
+        while refused := _busy_positions(results):  # only the calls that got BUSY, which did not run
+            busy = busy or _BusyWait()
+            time.sleep(busy.next_pause(self.url, results[refused[0]]))
+            for i, result in zip(refused, self._send(tuple(effect.calls[i] for i in refused))):
+                results[i] = result
         return _first_error(results, self.url, self.cluster)
 
     def _send(self, calls: tuple) -> list:
@@ -501,10 +566,23 @@ class AsyncDriver(_Driver):
         with _Steps(op, self.url) as steps:
             for effect in steps:
                 try:
-                    steps.done(await self._execute(effect))
+                    steps.done(await self._execute_patiently(effect))
                 except Exception as exc:  # handed to the operation, which decides
                     steps.failed(effect, exc)
         return _durable_outcome(self, steps.notes, steps.result)
+
+    async def _execute_patiently(self, effect: Any, execute: Callable[[Any], Any] | None = None) -> Any:
+        """As :meth:`SyncDriver._execute_patiently` (``execute``: what runs one try, ``_execute`` by default)."""
+        execute = execute or self._execute
+        busy = None
+        while True:
+            try:
+                return await execute(effect)
+            except redis.ResponseError as exc:
+                if not server_policy.is_busy(exc):
+                    raise
+                busy = busy or _BusyWait()
+                await asyncio.sleep(busy.next_pause(self.url, exc))
 
     async def _check_durable(self) -> None:
         """As :meth:`SyncDriver._check_durable` (asked at the first wait: this client connects lazily)."""
@@ -547,7 +625,13 @@ class AsyncDriver(_Driver):
         if isinstance(effect, WaitThenCall):
             # one after the other; named, not dispatched, so a subclass's _execute (which may
             # hold a connection slot for this effect) is not entered twice
-            return await AsyncDriver._execute(self, effect.wait), await AsyncDriver._execute(self, effect.call)
+            try:
+                popped = await AsyncDriver._execute(self, effect.wait)
+            except redis.ResponseError as exc:
+                if not server_policy.is_busy(exc):
+                    raise
+                popped = False  # the wait ended at once; the call goes out as it would after it
+            return popped, await self._execute_patiently(effect.call, partial(AsyncDriver._execute, self))
         raise TypeError(f"unknown effect {effect!r}")
 
     async def _unchecked(self, calls: list | tuple) -> list[Any]:
@@ -588,6 +672,12 @@ class AsyncDriver(_Driver):
             again = tuple(effect.calls[i] for i in missing)
             await self.ensure_loaded(force=True, nodes=self._library.serving(again))
             for i, result in zip(missing, await self._send(again)):
+                results[i] = result
+        busy = None
+        while refused := _busy_positions(results):  # as SyncDriver._pipe
+            busy = busy or _BusyWait()
+            await asyncio.sleep(busy.next_pause(self.url, results[refused[0]]))
+            for i, result in zip(refused, await self._send(tuple(effect.calls[i] for i in refused))):
                 results[i] = result
         return _first_error(results, self.url, self.cluster)
 

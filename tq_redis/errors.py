@@ -193,6 +193,19 @@ class LibraryNotLoaded(ConfigError):
     ``tq-redis load-library --redis URL``."""
 
 
+class ServerBusy(TQError, RuntimeError):
+    """Redis kept answering ``BUSY``: it is running a script longer than its
+    ``busy-reply-threshold`` (someone else's, or one stuck in a loop; tq-redis's own hold it a few
+    ms at most) and runs no other command meanwhile. The call waited for it, within a bound, and
+    the refused command did not run; the message says how to stop such a script."""
+
+
+class ServerError(TQError, RuntimeError):
+    """Redis refused a command with an error tq-redis has no more specific type for; the message
+    quotes the server's reply (for instance ``WRONGTYPE``: a key of the namespace was written by
+    something else than tq-redis, or ``MISCONF``: the server cannot persist and refuses writes)."""
+
+
 class NotDurable(TQError, RuntimeError):
     """A write was applied by the Redis primary but not confirmed by as many replicas (or AOF
     fsyncs) as durable mode asks for within its timeout. It is *not* undone: ``result`` holds what

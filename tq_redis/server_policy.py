@@ -46,6 +46,8 @@ from tq_redis.errors import (
     LibraryNotLoaded,
     PermissionDenied,
     RedisOutOfMemory,
+    ServerBusy,
+    ServerError,
     TQError,
 )
 from tq_redis.redact import redact
@@ -143,6 +145,30 @@ def typed_error(url: str, exc: BaseException) -> TQError | None:
             f"clear_partition / clear_samples (they still work), or raise maxmemory, then retry"
         )
     return None
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Redis answered ``BUSY``: a script runs past ``busy-reply-threshold``; the command did not run."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("BUSY")
+
+
+def busy_error(url: str, exc: BaseException, waited_s: float) -> ServerBusy:
+    """The error for a server that answered ``BUSY`` to every try for ``waited_s`` seconds."""
+    return ServerBusy(
+        f"Redis at {redact(url)} is busy running a script and refused this call for {waited_s:.1f} s "
+        f"({exc}). The refused command did not run. Some client runs a script longer than the server's "
+        f"busy-reply-threshold (tq-redis's own scripts hold the server a few ms at most): wait for it, or "
+        f"stop it with SCRIPT KILL / FUNCTION KILL (a script that wrote already can only be stopped by "
+        f"SHUTDOWN NOSAVE), then retry"
+    )
+
+
+def unexpected_reply(url: str, exc: redis.ResponseError) -> ServerError:
+    """A Redis error reply no more specific tq-redis error names, as a typed error quoting it."""
+    return ServerError(
+        f"Redis at {redact(url)} refused a tq-redis command: {exc}. Check the server's state (INFO, the "
+        f"server log), and that nothing but tq-redis writes keys of this namespace"
+    )
 
 
 def _denied_in_script(exc: BaseException) -> bool:

@@ -368,3 +368,17 @@ def test_channel_and_stream_timeouts_refuse_nan_and_nonsense(server, namespace, 
             client.run(next_batch(client.context, ["x"], 1, "p", "t", timeout=bad))
     finally:
         client.close()
+
+
+def test_a_redis_error_reply_comes_back_typed_never_raw(server, namespace):
+    """Something else wrote a key of the namespace with another type: the script's WRONGTYPE
+    comes back as ServerError quoting it, not as redis-py's ResponseError."""
+    import redis
+
+    client = make_client(server.url, namespace)
+    client.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    client.redis.set(PartitionKeys(namespace, "p").lease("t"), "not a sorted set")
+    with pytest.raises(errors.ServerError, match="WRONGTYPE") as refused:
+        client.get_meta(["x"], 1, "p", task_name="t", lease_s=30)
+    assert not isinstance(refused.value, redis.RedisError)
+    client.close()
