@@ -32,7 +32,7 @@ from tq_redis import transitions
 from tq_redis.driver import SyncDriver
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable, TQError
 from tq_redis.keys import storage_nodes_key
-from tq_redis.redact import redact
+from tq_redis.redact import public_registration, redact
 
 log = logging.getLogger("tq_redis.backends.dram")
 
@@ -255,8 +255,8 @@ class NodeDiscovery:
         return live
 
     def nodes(self) -> list[dict[str, Any]]:
-        """Registration of every live node (address, capacity, used bytes, heartbeat ...)."""
-        return [dict(lk.info) for lk in self._current_ring(force=True).links]
+        """Registration of every live node (address, capacity, used bytes, heartbeat ...), without its access key."""
+        return [public_registration(lk.info) for lk in self._current_ring(force=True).links]
 
     def _with_retry(self, fn):
         """Run ``fn(ring)``; if a node failed because it restarted or left, retry once on a fresh ring."""

@@ -49,9 +49,10 @@ def _round_up(n: int, to: int) -> int:
 class Refused(Exception):
     """A request the node turns down with a status code (the connection stays usable)."""
 
-    def __init__(self, code: int, msg: str) -> None:
+    def __init__(self, code: int, msg: str, extra: dict[str, Any] | None = None) -> None:
         super().__init__(msg)
         self.code = code
+        self.extra = extra or {}  # more fields of the reply's header map
 
 
 class _Slab:

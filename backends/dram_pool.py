@@ -68,6 +68,7 @@ class LinkOwner(Protocol):
 
     shm: bool
     timeout_s: float
+    namespace: str
     token: str | None
     client_id: str
     max_frame: int
@@ -298,6 +299,9 @@ class Link:
     def _hello(self, s: socket.socket, local: bool, gen: int) -> Conn:
         meta = {
             "v": PROTOCOL_VERSION,
+            "ns": self.store.namespace,
+            "access": self.info.get("access"),  # from the node's registration in the namespace
+            "instance": self.instance,  # the run of the node that key belongs to
             "token": self.store.token,
             "client": self.store.client_id,
             "shm": local,
@@ -320,6 +324,11 @@ class Link:
                 os.close(fd)
         if code != ST_OK:
             s.close()
+            if reply.get("instance") not in (None, self.instance):
+                self.store._mark_stale()  # the node restarted: its new key is in the registry
+                raise StorageUnavailable(
+                    f"DRAM storage node {self.label} restarted (instance changed); retry the operation"
+                )
             raise error_from(code, reply, self)
         max_frame = reply.get("max_frame", self.store.max_frame)
         if type(max_frame) is not int or max_frame < 0:

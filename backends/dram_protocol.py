@@ -39,7 +39,8 @@ __all__ = [
     "is_tls", "IdleTimeout", "decode_meta",
 ]  # fmt: skip
 
-PROTOCOL_VERSION = 1
+#: 2: a HELLO names the client's namespace and carries the node's access key (see dram_session.Admission)
+PROTOCOL_VERSION = 2
 #: op (request) or status (reply), flags, reserved, header-map length, payload length
 HEADER = struct.Struct("<BBHIQ")
 
@@ -58,7 +59,8 @@ _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 _DRAIN = memoryview(bytearray(1 << 20))
 
 #: the largest header map either side reads before the handshake (HELLO and its reply) succeeded;
-#: a HELLO carries a version, a token, a client id and a flag, so anything bigger is not one
+#: a HELLO carries a version, a namespace, an access key, a token, a client id and a flag, so anything
+#: bigger is not one
 HELLO_MAX = 8 << 10
 #: the largest header map of any message after the handshake (a batch's keys and sizes)
 MAX_HEADER = 64 << 20

@@ -38,6 +38,7 @@ import gc
 import json
 import logging
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -51,7 +52,7 @@ from typing import Any
 import redis
 from tq_redis.backends.dram_node import StorageNode
 from tq_redis.backends.dram_protocol import MAX_HEADER, PROTOCOL_VERSION, format_size
-from tq_redis.backends.dram_session import Limits, Session
+from tq_redis.backends.dram_session import Admission, Limits, Session
 
 from tq_redis import connections
 from tq_redis.config import parse_size
@@ -74,6 +75,9 @@ class _Server:
         self.args = args
         self.stop = threading.Event()
         self.token: str | None = args.token or os.environ.get("TQ_STORAGE_TOKEN") or None
+        # what a client must present in its HELLO: a fresh random secret, published only in this
+        # namespace's registry, so only users that may read the namespace's keys in Redis get in
+        self.access = secrets.token_urlsafe(32)
         host, _, port = args.listen.rpartition(":")
         self.tcp = socket.create_server((host or "127.0.0.1", int(port)), reuse_port=False, backlog=128)
         self.uds: socket.socket | None = None
@@ -134,6 +138,7 @@ class _Server:
             "spilled_bytes": st["spilled_bytes"],
             "heartbeat": now,
             "started": self.started,
+            "access": self.access,
             "auth": self.token is not None,
             "tls": self.tls is not None,
             "version": PROTOCOL_VERSION,
@@ -225,8 +230,8 @@ class _Server:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(conn)
         session = Session(
-            self.node, conn, local, self.token, self.uds is not None, self.limits,
-            tls=None if local else self.tls, peer=peer,
+            self.node, conn, local, Admission(self.args.namespace, self.access, self.token),
+            self.uds is not None, self.limits, tls=None if local else self.tls, peer=peer,
         )  # fmt: skip
         thread = threading.Thread(target=self._run_session, args=(session,), name="dram-session", daemon=True)
         with self._sessions_lock:

@@ -3,9 +3,10 @@
 A :class:`Session` serves one accepted connection on its own thread. It sets up TLS (when the
 node serves it), then reads nothing but a HELLO of at most
 :data:`~tq_redis.backends.dram_protocol.HELLO_MAX` bytes and no payload until the HELLO has
-passed (protocol version, token), so garbage allocates nothing and closes the connection with a
-logged reason. After it, every request's lengths are checked against :class:`Limits` before
-anything is read, and the request goes to the handlers it inherits from
+passed (protocol version, the namespace and its access key, the token: see :class:`Admission`),
+so garbage allocates nothing and closes the connection with a logged reason. After it, every
+request's lengths are checked against :class:`Limits` before anything is read, and the request
+goes to the handlers it inherits from
 :class:`~tq_redis.backends.dram_handlers.RequestHandlers`. Socket timeouts bound the handshake,
 a stall mid-message and (if set) idling; :meth:`Session.end` lets a stopping node end it after the
 request it is serving. The node process that accepts connections is
@@ -46,10 +47,27 @@ from tq_redis.backends.dram_protocol import (
 
 log = logging.getLogger("tq_redis.dram_server")
 
-__all__ = ["Limits", "Session"]
+__all__ = ["Admission", "Limits", "Session"]
 
 #: a plain socket's receive timeout expiring (SO_RCVTIMEO), or Python's (TLS sockets)
 _TIMEOUTS = (BlockingIOError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who a node lets in: a client of its namespace presenting its access key (and its token, if set).
+
+    The access key is random per node start and published only in the namespace's registry
+    (``<ns>:storage:nodes``), so a client gets in if and only if its Redis user may read that
+    namespace's keys; a token shared by the nodes of several namespaces admits no one by itself.
+    """
+
+    #: the namespace the node serves
+    namespace: str
+    #: the node's access key, as registered in Redis
+    access: str
+    #: ``--token`` / ``TQ_STORAGE_TOKEN``, also required when set (None: not asked for)
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,7 @@ class Session(RequestHandlers):
         node: StorageNode,
         sock: socket.socket,
         local: bool,
-        token: str | None,
+        admission: Admission,
         shm: bool,
         limits: Limits,
         tls: ssl.SSLContext | None = None,
@@ -89,7 +107,7 @@ class Session(RequestHandlers):
     ):
         super().__init__(node, sock)
         self.local = local
-        self.token = token
+        self.admission = admission
         self.limits = limits
         self.tls = tls
         self.peer = peer
@@ -188,7 +206,7 @@ class Session(RequestHandlers):
                 else:
                     self._dispatch(op, meta, plen)
             except Refused as exc:
-                send_frame(sock, exc.code, {"msg": str(exc)})
+                send_frame(sock, exc.code, {"msg": str(exc), **exc.extra})
                 if not self.authed:  # a failed handshake: no second guess on this connection
                     return f"handshake refused: {exc}"
             except MALFORMED as exc:
@@ -209,8 +227,8 @@ class Session(RequestHandlers):
             with contextlib.suppress(OSError):
                 send_frame(
                     self.sock, ST_AUTH,
-                    {"msg": f"DRAM storage node {self.node.node_id!r} requires a HELLO (and its token, "
-                     "if it has one) before any request"},
+                    {"msg": f"DRAM storage node {self.node.node_id!r} requires a HELLO with its access key "
+                     "(and its token, if it has one) before any request"},
                 )  # fmt: skip
             return f"request {op} before the handshake"
         return (
@@ -219,15 +237,33 @@ class Session(RequestHandlers):
         )
 
     def _hello(self, meta: dict[str, Any]) -> None:
-        """The handshake: the protocol version and the token (if any) checked, then the connection is authenticated."""
-        node = self.node
+        """The handshake: the protocol version, the namespace and its access key, the token (if the
+        node has one); then the connection is authenticated."""
+        node, admit = self.node, self.admission
         if meta.get("v") != PROTOCOL_VERSION:
             raise Refused(ST_BAD, f"protocol version {meta.get('v')!r:.40} is not {PROTOCOL_VERSION}")
-        if self.token is not None:
+        if meta.get("instance") not in (None, node.instance):  # its client saw the node's last run
+            raise Refused(
+                ST_AUTH, f"DRAM storage node {node.node_id!r} restarted: read its registration again",
+                {"instance": node.instance},
+            )  # fmt: skip
+        ns, access = meta.get("ns"), meta.get("access") or ""
+        if not isinstance(ns, str | None) or not isinstance(access, str):
+            raise _Malformed("HELLO: the namespace or the access key is not a string")
+        # both compared in constant time, and one refusal for either: nothing to guess from
+        right_ns = hmac.compare_digest((ns or "").encode(), admit.namespace.encode())
+        if not (hmac.compare_digest(access.encode(), admit.access.encode()) and right_ns):
+            raise Refused(
+                ST_AUTH,
+                f"DRAM storage node {node.node_id!r} admits only clients of its namespace presenting the "
+                f"access key it registered there: the dram store reads it from '<namespace>:storage:nodes' "
+                f"with the namespace's Redis user (a client of another namespace cannot)",
+            )
+        if admit.token is not None:
             given = meta.get("token") or ""
             if not isinstance(given, str):
                 raise _Malformed("HELLO: the token is not a string")
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
+            if not hmac.compare_digest(given.encode(), admit.token.encode()):
                 raise Refused(
                     ST_AUTH,
                     f"DRAM storage node {node.node_id!r} rejected the token: set the store option "

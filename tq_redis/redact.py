@@ -3,6 +3,7 @@
 Every URL that goes into a message, an exception, a log line or a metric passes through
 :func:`redact` first. A Redis URL carries its password (``redis://user:PASSWORD@host/0``,
 ``unix://:PASSWORD@/path.sock``, a Sentinel's ``?sentinel_password=...``), and so may an fsspec URL.
+A storage node's registration carries its access key, which :func:`public_registration` leaves out.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["redact"]
+__all__ = ["REGISTRATION_SECRETS", "public_registration", "redact"]
 
 
 def redact(url: Any) -> str:
@@ -35,3 +36,12 @@ def redact(url: Any) -> str:
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+#: the fields of a storage node's registration (``<ns>:storage:nodes``) that are secrets: its access key
+REGISTRATION_SECRETS = frozenset({"access"})
+
+
+def public_registration(info: dict[str, Any]) -> dict[str, Any]:
+    """A storage node's registration without its secrets (what ``status``, metrics and ``nodes()`` show)."""
+    return {k: v for k, v in info.items() if k not in REGISTRATION_SECRETS}

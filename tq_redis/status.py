@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key, storage_nodes_key
+from tq_redis.redact import public_registration
 
 
 def _text(value: Any) -> str:
@@ -62,7 +63,7 @@ def storage_nodes(r: redis.Redis, ns: str) -> list[dict[str, Any]]:
     now = time.time()
     nodes = []
     for node_id, raw in sorted(r.hgetall(storage_nodes_key(ns)).items()):
-        info = json.loads(raw)
+        info = public_registration(json.loads(raw))  # never its access key
         info["id"] = _text(node_id)
         if "heartbeat" in info:
             info["heartbeat_age_s"] = round(now - float(info["heartbeat"]), 1)

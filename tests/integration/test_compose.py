@@ -3,10 +3,12 @@
 No Docker engine runs on this machine, so the test reads the compose file, interpolates the
 variables it needs (``${VAR:?message}`` as compose does), maps service host names and ports to
 loopback ones, and starts every service's command as a local process: Valkey with AOF and a
-password (the bundled binary stands in for the image), the storage nodes through the installed
-``tq-redis`` CLI with a token, then the example rank, which must finish its round trip through
-the nodes. The compose file must be secure by default: a password and a token that must be set,
-no published Valkey port, a never-evicting Valkey.
+password (the bundled binary stands in for the image), the one-shot setup (library and the
+namespace's ACL users) and the storage nodes through the installed ``tq-redis`` CLI, then the
+example rank, which must finish its round trip through the nodes as the namespace's user, and
+``tq-redis status`` as the rank would run it. The compose file must be secure by default: passwords
+that must be set, one user per role of the namespace, no token shared across namespaces, no
+published Valkey port, a never-evicting Valkey.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from tq_redis.embedded import free_port, valkey_binary
 ROOT = Path(__file__).parents[2]
 
 
-SECRETS = {"REDIS_PASSWORD": "compose-test-password", "TQ_STORAGE_TOKEN": "compose-test-token"}
+SECRETS = {"REDIS_PASSWORD": "compose-test-password", "TQ_CLIENT_PASSWORD": "compose-client-pw",
+           "TQ_NODE_PASSWORD": "compose-node-pw"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?::([?-])([^}]*))?\}")
 
 
@@ -63,18 +66,28 @@ def test_compose_is_secure_by_default():
     assert "ports" not in valkey, "Valkey must not publish its port by default"
     command = valkey["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
-    for text in (command[command.index("--requirepass") + 1], services["rank"]["environment"]["TQ_REDIS_URL"]):
-        with pytest.raises(ValueError, match="REDIS_PASSWORD"):  # compose refuses to start without it
-            _interpolate(text, {})
-    for name in ("storage-0", "storage-1", "rank"):
-        with pytest.raises(ValueError, match="TQ_STORAGE_TOKEN"):
-            _interpolate(str(services[name]["environment"]["TQ_STORAGE_TOKEN"]), {})
+    with pytest.raises(ValueError, match="REDIS_PASSWORD"):  # compose refuses to start without it
+        _interpolate(command[command.index("--requirepass") + 1], {})
+    urls = {name: services[name]["environment"]["TQ_REDIS_URL"] for name in ("setup", "storage-0", "storage-1",
+                                                                              "rank")}  # fmt: skip
+    users = {name: redis.connection.parse_url(_interpolate(url, SECRETS)).get("username")
+             for name, url in urls.items()}  # fmt: skip
+    assert users == {"setup": None, "storage-0": "tq-tq-node", "storage-1": "tq-tq-node", "rank": "tq-tq"}
+    needs = (("setup", "REDIS_PASSWORD"), ("storage-0", "TQ_NODE_PASSWORD"), ("rank", "TQ_CLIENT_PASSWORD"))
+    for name, needed in needs:
+        with pytest.raises(ValueError, match=needed):
+            _interpolate(urls[name], {})
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "TQ_STORAGE_TOKEN" not in text, "no node token shared across namespaces"
+    for name in ("storage-0", "storage-1"):  # the URL (its password) never on a command line
+        assert "--redis" not in services[name]["command"]
+    assert services["rank"]["environment"]["TQ_REDIS_LOAD_LIBRARY"] == "never"
 
 
 def test_compose_services_run_natively(tmp_path):
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"valkey", "storage-0", "storage-1", "rank"}
+    assert set(services) == {"valkey", "setup", "storage-0", "storage-1", "rank"}
     assert "valkey-data" in compose["volumes"]
     assert "--appendonly" in services["valkey"]["command"]
 
@@ -89,6 +102,7 @@ def test_compose_services_run_natively(tmp_path):
 
     procs: list[subprocess.Popen] = []
     bin_dir = Path(sys.executable).parent
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"  # `tq-redis` as the image has it
     try:
         valkey_cmd = _translate(services["valkey"]["command"], mapping)
         assert valkey_cmd[0] == "valkey-server"
@@ -109,6 +123,15 @@ def test_compose_services_run_natively(tmp_path):
         with pytest.raises(redis.AuthenticationError):  # no password, no access
             redis.Redis(port=redis_port).ping()
 
+        setup = services["setup"]
+        assert setup["command"][:2] == ["sh", "-c"]
+        setup_env = {k: _translate([str(v)], mapping)[0] for k, v in setup["environment"].items()}
+        done = subprocess.run(_translate(setup["command"], mapping), env=dict(os.environ, **setup_env, PATH=path),
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert SECRETS["TQ_CLIENT_PASSWORD"] not in done.stdout + done.stderr
+        assert {"tq-tq", "tq-tq-node"} <= {u if isinstance(u, str) else u.decode() for u in r.acl_users()}
+
         for name in ("storage-0", "storage-1"):
             cmd = _translate(services[name]["command"], mapping)
             assert cmd[0] == "tq-redis"
@@ -121,7 +144,8 @@ def test_compose_services_run_natively(tmp_path):
             assert time.monotonic() < deadline, "storage nodes from the compose commands did not register"
             assert all(p.poll() is None for p in procs), "a compose service exited early"
             time.sleep(0.05)  # waiting for external processes to register
-        assert all(json.loads(v)["auth"] for v in r.hgetall("tq:storage:nodes").values()), "nodes need the token"
+        registrations = [json.loads(v) for v in r.hgetall("tq:storage:nodes").values()]
+        assert all(len(info["access"]) >= 40 for info in registrations), "each node needs its access key"
 
         rank = services["rank"]
         env = dict(os.environ, **{k: _translate([str(v)], mapping)[0] for k, v in rank["environment"].items()})
@@ -131,6 +155,11 @@ def test_compose_services_run_natively(tmp_path):
                              timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
         assert "attach_rank OK: 256 samples" in out.stdout
+        assert SECRETS["TQ_CLIENT_PASSWORD"] not in out.stdout + out.stderr
+        status = subprocess.run([str(bin_dir / "tq-redis"), "status"], env=env, capture_output=True, text=True,
+                                timeout=120)  # what the README runs with `docker compose run --rm rank`
+        assert status.returncode == 0 and "storage nodes: 2" in status.stdout, status.stdout + status.stderr
+        assert not any(info["access"] in status.stdout for info in registrations)
     finally:
         for p in reversed(procs):
             p.terminate()

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tq_redis.backends.dram import DramStore
 from tq_redis.backends.dram_launcher import _log_tail, spawn_node
-from tq_redis.backends.dram_protocol import HEADER, OP_HELLO, PROTOCOL_VERSION, ProtocolError
+from tq_redis.backends.dram_protocol import HEADER, OP_HELLO, PROTOCOL_VERSION, ST_AUTH, ST_OK, ProtocolError
 
 from tests.conftest import _server
 from tq_redis.embedded import EmbeddedServer, free_port
@@ -68,8 +68,10 @@ def frame(op: int, meta: dict | None = None, payload: bytes = b"", *, mlen: int 
     return HEADER.pack(op, 0, 0, mlen, len(payload) if plen is None else plen) + mb + payload
 
 
-def hello(token: str | None = TOKEN) -> bytes:
-    return frame(OP_HELLO, {"v": PROTOCOL_VERSION, "token": token, "client": "fuzz", "shm": False})
+def hello(node, token: str | None = TOKEN) -> bytes:
+    """A good HELLO to ``node``: its namespace, the access key it registered, the token."""
+    return frame(OP_HELLO, {"v": PROTOCOL_VERSION, "ns": node.ns, "access": node.info["access"], "token": token,
+                            "client": "fuzz", "shm": False})  # fmt: skip
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -155,15 +157,57 @@ def test_garbage_before_auth_is_closed_without_allocating(token_node, node_store
     print(f"node RSS under garbage: {before / MiB:.1f} MiB before, {after / MiB:.1f} MiB after")
 
 
+def _hello_reply(address: str, uds: str | None, meta: dict) -> tuple[int, dict]:
+    """Send one HELLO (over the node's unix socket when ``uds`` is given); the reply's status and map."""
+    if uds:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect("\0" + uds)
+    else:
+        s = dial(address)
+    with s:
+        s.sendall(frame(OP_HELLO, {"v": PROTOCOL_VERSION, "client": "t", "shm": bool(uds), **meta}))
+        head = s.recv(HEADER.size, socket.MSG_WAITALL)
+        code, _f, _r, mlen, _plen = HEADER.unpack(head)
+        return code, msgpack.unpackb(s.recv(mlen, socket.MSG_WAITALL)) if mlen else {}
+
+
+@pytest.mark.parametrize("path", ["tcp", "unix socket"])
+def test_a_node_admits_only_its_namespace_with_its_access_key(token_node, node_store, path):
+    """The access key comes from the namespace's registry; the token alone, or another namespace's
+    name, or the key of a node of another namespace, gets nobody in (on TCP and on the unix socket)."""
+    uds = token_node.info["uds"] if path == "unix socket" else None
+    other = spawn_node(_server("valkey").url, token_node.ns + "-b", capacity="64MiB", token=TOKEN)
+    try:
+        ns, key = token_node.ns, token_node.info["access"]
+        assert key != other.info["access"] and len(key) >= 40
+        refused = [{"token": TOKEN}, {"token": TOKEN, "ns": ns}, {"token": TOKEN, "access": key},
+                   {"token": TOKEN, "ns": ns + "-b", "access": key},
+                   {"token": TOKEN, "ns": ns, "access": other.info["access"]},
+                   {"token": TOKEN, "ns": ns, "access": key[:-1]}]  # fmt: skip
+        for meta in refused:
+            code, reply = _hello_reply(token_node.address, uds, meta)
+            assert code == ST_AUTH and "access key" in reply["msg"], (meta, reply)
+        code, reply = _hello_reply(token_node.address, uds, {"ns": ns, "access": key})  # no token
+        assert code == ST_AUTH and "rejected the token" in reply["msg"]
+        code, reply = _hello_reply(token_node.address, uds, {"ns": ns, "access": key, "token": TOKEN})
+        assert code == ST_OK and reply["node_id"] == token_node.node_id
+    finally:
+        other.stop()
+    store = node_store(shm=uds is not None)
+    _round_trip(store, "access")  # the store reads the key from the registry by itself
+    assert all("access" not in info for info in store.nodes())  # never handed out
+
+
 def test_oversized_frames_after_auth_are_refused(token_node, node_store):
     pid = token_node.proc.pid
     before = rss(pid)
     with dial(token_node.address) as s:
-        s.sendall(hello())
+        s.sendall(hello(token_node))
         s.sendall(frame(2, {"keys": ["k"], "sizes": struct.pack("<q", 1 << 40)}, plen=1 << 40))
         assert closed_within(s, 3)  # the reply to HELLO is read and dropped on the way
     with dial(token_node.address) as s:
-        s.sendall(hello() + frame(6, mlen=0xFFFFFFF0))
+        s.sendall(hello(token_node) + frame(6, mlen=0xFFFFFFF0))
         assert closed_within(s, 3)
     assert rss(pid) - before < 4 * MiB
     assert "limit is" in _log_tail(token_node.log_file)
@@ -175,9 +219,9 @@ def test_silent_and_stalled_connections_are_dropped(token_node, node_store):
     node_store(shm=False).stats()  # one pooled session, open throughout
     base = threads(pid)
     socks = [dial(token_node.address) for _ in range(20)]  # connect and say nothing
-    socks[0].sendall(hello()[:7])  # stop in the middle of a header
-    socks[1].sendall(hello()[:20])  # ... of a HELLO's header map
-    socks[2].sendall(hello())  # authenticated, then stop in the middle of a request
+    socks[0].sendall(hello(token_node)[:7])  # stop in the middle of a header
+    socks[1].sendall(hello(token_node)[:20])  # ... of a HELLO's header map
+    socks[2].sendall(hello(token_node))  # authenticated, then stop in the middle of a request
     socks[2].sendall(frame(6, {"keys": ["k" * 50]})[:30])
     socks[3].sendall(b"\x01")  # a byte at a time, never a whole HELLO
     t0 = time.monotonic()
@@ -378,8 +422,9 @@ msgpack_values = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
 )
-field_names = st.sampled_from(["keys", "sizes", "txns", "unpin", "slabs", "commit", "shm", "v", "token", "msg",
-                               "missing", "offs", "lens", "pin", "chunks", "txn", "instance", "fd_slabs", "live"])
+field_names = st.sampled_from(["keys", "sizes", "txns", "unpin", "slabs", "commit", "shm", "v", "token", "ns",
+                               "access", "msg", "missing", "offs", "lens", "pin", "chunks", "txn", "instance",
+                               "fd_slabs", "live"])
 metas = st.dictionaries(field_names | st.text(max_size=6), msgpack_values, max_size=6)
 lengths = st.sampled_from([0, 1, 7, 100, 8 << 10, (8 << 10) + 1, 1 << 20, 0xFFFFFFFF]) | st.integers(0, 0xFFFFFFFF)
 payload_lengths = st.sampled_from([0, 1, 100, 1 << 30, 1 << 40, (1 << 64) - 1]) | st.integers(0, 1 << 20)
@@ -407,7 +452,7 @@ def _fuzz_node(node, store: DramStore, data: list[bytes], authed: bool) -> None:
         s.settimeout(5)
         with contextlib.suppress(OSError):
             if authed:
-                s.sendall(hello())
+                s.sendall(hello(node))
             for chunk in data:
                 s.sendall(chunk)
             s.shutdown(socket.SHUT_WR)  # end of input: the node must not wait for more

@@ -25,12 +25,14 @@ import redis
 import torch
 from tensordict import TensorDict
 from tq_redis.backends.dram_launcher import spawn_node, start_local_nodes
+from tq_redis.backends.dram_protocol import PROTOCOL_VERSION
 
 import tq_redis as tq
 from tests.conftest import make_client, server_binary
-from tq_redis import acl, cli, server_policy
+from tq_redis import acl, cli, runtime, server_policy
 from tq_redis.embedded import EmbeddedServer, free_port
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageUnavailable
+from tq_redis.keys import PartitionKeys
 
 ROOT = Path(__file__).parents[2]
 NOBODY = 65534
@@ -88,6 +90,49 @@ def _td(n: int, width: int, value: float) -> TensorDict:
     return TensorDict({"x": torch.full((n, width), value)}, batch_size=[n])
 
 
+def _all(x: torch.Tensor, value: float) -> bool:
+    """Whether every element of a field read back (nested, as init's client returns it, or dense) is ``value``."""
+    return bool((x.to_padded_tensor(0) if x.is_nested else x).eq(value).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Another local user against the embedded default: init() and tq-redis up
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def embedded_job(monkeypatch):
+    """``tq.init()`` with no URL (its embedded Valkey and two storage nodes), holding a small
+    inline value and a 16 KiB value on the nodes."""
+    for name in ("TQ_REDIS_URL", "TQ_NAMESPACE", "TQ_STORAGE_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    tq.init({"namespace": "victim", "storage": {"unit_capacity": "64MiB"}})
+    try:
+        client = tq.get_client()
+        small = client.put(_td(4, 2, 7.0), partition_id="small")
+        large = client.put(_td(2, 2048, 9.0), partition_id="large")  # 8 KiB a value: on the nodes
+        yield client, small, large
+    finally:
+        tq.close()
+
+
+def test_another_user_cannot_read_the_embedded_storage_nodes(embedded_job):
+    client, small, large = embedded_job
+    nodes = runtime._state["nodes"].nodes
+    keys = PartitionKeys("victim", "large").data_keys(large.global_indexes, "x")
+    plan = {
+        "scan_unix": "tq-dram-",
+        "nodes": [{"address": n.info["address"], "uds": n.info.get("uds"), "get": keys,
+                   "hello": [{"v": PROTOCOL_VERSION, "client": "probe"},
+                             {"v": PROTOCOL_VERSION, "client": "probe", "ns": "victim", "token": None}]}
+                  for n in nodes],
+    }  # fmt: skip
+    result = as_nobody(plan)
+    assert {n.info["uds"] for n in nodes} <= set(result["abstract"])  # anyone finds the sockets
+    _assert_nodes_refused(result)
+    assert _all(client.get_data(large)["x"], 9.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Another tenant of a shared Redis: namespaces with their own ACL users
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +155,34 @@ def _user(server: EmbeddedServer, admin_url: str, namespace: str, role: str = "c
     assert cli.main(["acl", namespace, "--role", role, "--user", user, "--password", password,
                      "--apply", "--redis", admin_url]) == 0  # fmt: skip
     return f"redis://{user}:{password}@{server.host}:{server.port}/0"
+
+
+def test_a_shared_node_token_does_not_cross_namespaces(shared_redis, monkeypatch):
+    """As docker-compose had it: one TQ_STORAGE_TOKEN for every node and every rank."""
+    server, admin_url = shared_redis
+    monkeypatch.setenv(server_policy.LOAD_LIBRARY_ENV, "never")
+    monkeypatch.setenv("TQ_STORAGE_TOKEN", "shared-token")
+    urls = {ns: _user(server, admin_url, ns) for ns in ("nsa", "nsb")}
+    node_urls = {ns: _user(server, admin_url, ns, "storage-node") for ns in ("nsa", "nsb")}
+    nodes = {ns: start_local_nodes(node_urls[ns], ns, n=1, capacity="64MiB", token="shared-token") for ns in urls}
+    with nodes["nsa"], nodes["nsb"] as b_nodes:
+        a = make_client(urls["nsa"], "nsa", backend="dram")
+        a.put(_td(2, 2048, 1.0), partition_id="p")
+        b = make_client(urls["nsb"], "nsb", backend="dram")
+        secret = b.put(_td(2, 2048, 3.0), partition_id="p")
+        keys = PartitionKeys("nsb", "p").data_keys(secret.global_indexes, "x")
+        (b_node,) = b_nodes.nodes
+        base = {"v": PROTOCOL_VERSION, "client": "probe", "token": "shared-token"}
+        result = as_nobody({"nodes": [{
+            "address": b_node.info["address"], "uds": b_node.info.get("uds"), "get": keys,
+            "steal": {"url": urls["nsa"], "key": "nsa:storage:nodes"},
+            "hello": [base, {**base, "ns": "nsb"}, {**base, "ns": "nsa", "access": "@stolen"},
+                      {**base, "ns": "nsb", "access": "@stolen"}],
+        }]})  # fmt: skip
+        _assert_nodes_refused(result)
+        assert _all(b.get_data(secret)["x"], 3.0)
+        a.close()
+        b.close()
 
 
 def test_a_namespace_user_can_run_no_script_and_reach_nothing_else(shared_redis):
@@ -194,7 +267,7 @@ def test_status_and_errors_never_show_a_secret(shared_redis):
         client.put(_td(2, 2048, 1.0), partition_id="p")
         registrations = redis.Redis.from_url(admin_url).hgetall("nss:storage:nodes").values()
         secrets = {SECRET, "pw-nss-client", "pw-nss-storage-node"}
-        secrets |= {json.loads(r).get("access") for r in registrations} - {None}
+        secrets |= {json.loads(r)["access"] for r in registrations}
         for extra in ((), ("--json",)):
             out = _status(url, "--namespace", "nss", *extra)
             assert out.returncode == 0, out.stderr
