@@ -60,3 +60,22 @@ def shm_entries() -> set[str]:
     contain "tq", and they belong to the test's queues, not to tq-redis.
     """
     return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-") and ("tq" in n or "dram" in n)}
+
+
+def up_attach(proc) -> tuple[str, str]:
+    """``tq-redis up``'s banner (its lines up to the one saying how to stop it) and the attach URL
+    from the file it names (the URL holds the password, which the banner never shows)."""
+    import re
+    import shlex
+
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C" in line:
+            break
+    banner = "".join(lines)
+    m = re.search(r"source (\S+)", banner)
+    assert m, f"tq-redis up printed no attach file:\n{banner}"
+    with open(m.group(1)) as f:
+        url = re.search(r"^export TQ_REDIS_URL=(.+)$", f.read(), re.MULTILINE).group(1)
+    return banner, shlex.split(url)[0]

@@ -15,27 +15,63 @@ from collections.abc import Sequence
 import redis
 
 
-def _start_redis(args: argparse.Namespace):
-    """The embedded single server, or with ``--cluster N`` an N-master cluster."""
+def _start_redis(args: argparse.Namespace, password: str):
+    """The embedded single server, or with ``--cluster N`` an N-master cluster; both require ``password``."""
     if args.cluster:
         from tq_redis.embedded_cluster import EmbeddedCluster
 
         return EmbeddedCluster(args.cluster, host=args.host, data_dir=args.data_dir,
-                               appendonly=args.appendonly).start()
+                               appendonly=args.appendonly, password=password).start()
     from tq_redis.embedded import EmbeddedServer
 
-    return EmbeddedServer(port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host).start()
+    return EmbeddedServer(port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host,
+                          password=password).start()
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _attach_file(directory: str, url: str, namespace: str) -> str:
+    """Write the attach settings (the URL holds the password) to a file only this user can read."""
+    import shlex
+
+    path = os.path.join(directory, "attach.env")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"export TQ_REDIS_URL={shlex.quote(url)}\nexport TQ_NAMESPACE={shlex.quote(namespace)}\n")
+    return path
+
+
+def _say_what_is_reachable(args: argparse.Namespace, server, nodes, attach: str) -> None:
+    """What ``up`` serves, who can reach it and what protects it; where the attach settings are."""
+    from tq_redis.redact import redact
+
+    kind = f"{args.cluster}-master cluster; any node's URL works" if args.cluster else "single server"
+    print(f"tq-redis up: {redact(server.url)} namespace {args.namespace!r} ({kind})")
+    ends = ", ".join(f"{n.host}:{n.port}" for n in getattr(server, "nodes", [server]))
+    where = "from this host only" if args.host in _LOOPBACK else "from other hosts too (no TLS: a trusted network only)"
+    print(f"  Redis: {ends}, {where}; every connection needs its password, drawn at random now")
+    if nodes is not None:
+        print(f"  storage nodes: {', '.join(nodes.addresses)} (TCP, from this host only) and a unix socket each "
+              f"(shared memory); each admits only clients presenting the access key it registered in this Redis")
+    print("  so the password is the one secret: it is in the attach file, which only this user can read")
+    print(f"attach with: source {attach}   (exports TQ_REDIS_URL, password included, and TQ_NAMESPACE; "
+          f"Ctrl-C stops)", flush=True)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from tq_redis import connections
+    import shutil
+    import tempfile
+
+    from tq_redis import acl, connections
     from tq_redis.backends.dram_launcher import start_local_nodes
 
     if args.cluster and args.port is not None:
         print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
               file=sys.stderr)
         return 2
-    server = _start_redis(args)
+    server = _start_redis(args, acl.new_password())
+    private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
     nodes = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,11 +84,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
                                                                    "options": {}}))
         r.close()
-        kind = f"{args.cluster}-master cluster; any node's URL works" if args.cluster else "single server"
-        print(f"tq-redis up: {server.url} namespace {args.namespace!r} ({kind})", flush=True)
-        if nodes is not None:
-            print(f"storage nodes: {', '.join(nodes.addresses)}", flush=True)
-        print(f"attach with: TQ_REDIS_URL={server.url} TQ_NAMESPACE={args.namespace}  (Ctrl-C stops)", flush=True)
+        _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
         while not stop.wait(0.5):
             if not server.alive():
                 print("tq-redis up: the Redis server exited", file=sys.stderr)
@@ -61,6 +93,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if nodes is not None:
             nodes.stop()
         server.stop(remove_data=args.data_dir is None)
+        shutil.rmtree(private, ignore_errors=True)
         print("tq-redis up: stopped", flush=True)
     return 0
 
@@ -226,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="embedded Valkey (or --cluster N) + DRAM storage nodes in the foreground")
+    up = sub.add_parser("up", help="embedded Valkey (or --cluster N) + DRAM storage nodes in the foreground, "
+                        "private to this user (a random password; see the README's Security section)")
     up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))

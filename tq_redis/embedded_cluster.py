@@ -55,6 +55,8 @@ class EmbeddedCluster:
         appendonly: AOF persistence on every node.
         node_timeout_ms: ``cluster-node-timeout`` (how soon a silent node counts as failed).
         die_with_parent: stop the nodes if this process dies.
+        password: required by every node of every client (``tq-redis up`` draws a random one); the
+            nodes get it as :class:`~tq_redis.embedded.EmbeddedServer` does, never on a command line.
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class EmbeddedCluster:
         appendonly: bool = False,
         node_timeout_ms: int = 5000,
         die_with_parent: bool = True,
+        password: str | None = None,
     ) -> None:
         self.ranges = slot_ranges(masters)
+        self.password = password
         self.host = host
         self._tmp = None if data_dir else tempfile.mkdtemp(prefix="tq-cluster-")
         self.data_dir = Path(data_dir or self._tmp)
@@ -86,7 +90,7 @@ class EmbeddedCluster:
             )
             self.nodes.append(EmbeddedServer(
                 data_dir=node_dir, appendonly=appendonly, binary=binary, host=host,
-                die_with_parent=die_with_parent, extra_args=args,
+                die_with_parent=die_with_parent, extra_args=args, password=password,
             ))
 
     @property
@@ -97,7 +101,8 @@ class EmbeddedCluster:
     @property
     def urls(self) -> list[str]:
         """Every node's URL (database 0, the only one a cluster has)."""
-        return [f"redis://{n.host}:{n.port}" for n in self.nodes]
+        login = f":{self.password}@" if self.password else ""
+        return [f"redis://{login}{n.host}:{n.port}" for n in self.nodes]
 
     def start(self, timeout: float = 20.0) -> EmbeddedCluster:
         """Start the nodes, form the cluster, and wait until every node says it is ok."""

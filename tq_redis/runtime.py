@@ -1,9 +1,10 @@
 """Module-level ``init`` / ``close`` / ``get_client``: the process-wide default client.
 
 ``init()`` with no Redis URL (and no ``TQ_REDIS_URL``) starts an embedded Valkey and local DRAM
-storage nodes owned by this process; ``close()`` stops them. With a URL it only attaches; the URL
-may name any node of a Redis Cluster (``redis.cluster`` / ``TQ_REDIS_CLUSTER`` force the choice,
-see :mod:`tq_redis.connections`). Either
+storage nodes owned by this process, private to its user (a random password, carried by the URL
+in the returned config; nodes that admit only holders of their access key); ``close()`` stops
+them. With a URL it only attaches; the URL may name any node of a Redis Cluster
+(``redis.cluster`` / ``TQ_REDIS_CLUSTER`` force the choice, see :mod:`tq_redis.connections`). Either
 way the effective config it returns carries the URL and namespace other processes attach with.
 
 Before anything is written, ``init`` checks the server as every client does at first use
@@ -21,8 +22,8 @@ from typing import Any
 
 import redis
 
+from tq_redis import acl, connections, durability, metrics, ray_discovery, samplers, server_policy
 from tq_redis import config as config_mod
-from tq_redis import connections, durability, metrics, ray_discovery, samplers, server_policy
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import ConnectionFailed, TQError
 from tq_redis.keys import config_key
@@ -42,7 +43,8 @@ def init(conf: Any = None) -> dict[str, Any]:
 
     Returns the effective config: ``conf["redis"]["url"]`` and ``conf["namespace"]`` are what
     other processes pass to ``TransferQueueClient`` (or export as ``TQ_REDIS_URL`` /
-    ``TQ_NAMESPACE`` before their own ``init()``).
+    ``TQ_NAMESPACE`` before their own ``init()``). For the embedded server the URL carries its
+    password: hand it to your own processes, and print it through ``tq_redis.redact.redact``.
     """
     with _lock:
         if _state:
@@ -149,7 +151,9 @@ def _served_url(server: EmbeddedServer) -> str:
 def _start_embedded(cfg: dict[str, Any]) -> tuple[EmbeddedServer, Any]:
     """An embedded Valkey and, for the dram store, this process's local storage nodes."""
     storage = cfg["storage"]
-    server = EmbeddedServer(unix_socket=True).start()
+    # private to this user: a random password (in the URL other processes attach with) on every
+    # connection, TCP or its socket file (itself in a 0700 directory); see tq_redis.embedded
+    server = EmbeddedServer(unix_socket=True, password=acl.new_password()).start()
     cfg["redis"]["url"] = _served_url(server)
     nodes = None
     try:

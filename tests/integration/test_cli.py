@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tests.conftest import make_client
+from tests.procs import up_attach
 
 CLI = [sys.executable, "-m", "tq_redis.cli"]
 
@@ -64,9 +65,8 @@ def test_up_serves_until_interrupted():
     proc = subprocess.Popen(CLI + ["up", "--units", "2", "--capacity", "64MiB", "--namespace", "upns"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        first = proc.stdout.readline()
-        assert first.startswith("tq-redis up: redis://"), first
-        url = first.split()[2]
+        banner, url = up_attach(proc)
+        assert banner.startswith("tq-redis up: redis://:***@"), banner
         client = tq.TransferQueueClient(url, "upns")
         meta = client.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id="p")
         assert client.get_data(meta)["x"].tolist() == [0, 1, 2]

@@ -22,6 +22,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tests.conftest import make_client
+from tests.procs import up_attach
 from tq_redis import Channel, driver, scripts, streaming, transitions
 from tq_redis.errors import ConfigError
 from tq_redis.keys import PartitionKeys, config_key
@@ -411,9 +412,8 @@ def test_up_cluster_serves_a_cluster_and_storage_nodes_until_interrupted():
                              "--capacity", "64MiB", "--namespace", "upc"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        first = proc.stdout.readline()
-        assert first.startswith("tq-redis up: redis://") and "3-master cluster" in first, first
-        url = first.split()[2]
+        banner, url = up_attach(proc)
+        assert banner.startswith("tq-redis up: redis://:***@") and "3-master cluster" in banner, banner
         client = tq.TransferQueueClient(url, "upc")
         owners = {client.redis.get_node_from_key(PartitionKeys("upc", p).meta).name for p in PARTITIONS}
         assert len(client.redis.get_primaries()) == 3 and len(owners) == 3

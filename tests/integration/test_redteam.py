@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -29,6 +31,7 @@ from tq_redis.backends.dram_protocol import PROTOCOL_VERSION
 
 import tq_redis as tq
 from tests.conftest import make_client, server_binary
+from tests.procs import up_attach
 from tq_redis import acl, cli, runtime, server_policy
 from tq_redis.embedded import EmbeddedServer, free_port
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageUnavailable
@@ -116,6 +119,23 @@ def embedded_job(monkeypatch):
         tq.close()
 
 
+def test_another_user_cannot_read_or_flush_the_embedded_server(embedded_job):
+    client, small, large = embedded_job
+    server = runtime._state["server"]
+    inline = PartitionKeys("victim", "small").inline
+    plan = {
+        "redis": [{"url": f"redis://127.0.0.1:{server.port}/0", "read": [["hash", inline]], "flushall": True}],
+        "socket_files": [server.unix_socket],
+    }
+    result = as_nobody(plan)
+    (attempt,) = result["redis"]
+    assert all(_refused(v) for v in attempt["read"].values()), attempt
+    assert _refused(attempt["flushall"]), attempt
+    assert all(_refused(v) for v in result["socket_files"].values()), result["socket_files"]
+    assert _all(client.get_data(small)["x"], 7.0)  # nothing was flushed
+    assert _all(client.get_data(large)["x"], 9.0)
+
+
 def test_another_user_cannot_read_the_embedded_storage_nodes(embedded_job):
     client, small, large = embedded_job
     nodes = runtime._state["nodes"].nodes
@@ -131,6 +151,41 @@ def test_another_user_cannot_read_the_embedded_storage_nodes(embedded_job):
     assert {n.info["uds"] for n in nodes} <= set(result["abstract"])  # anyone finds the sockets
     _assert_nodes_refused(result)
     assert _all(client.get_data(large)["x"], 9.0)
+
+
+def test_up_admits_only_its_owner_and_says_how(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TQ_STORAGE_TOKEN", "TQ_REDIS_URL")}
+    proc = subprocess.Popen(CLI + ["up", "--units", "1", "--capacity", "64MiB", "--namespace", "upsec"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        said, url = up_attach(proc)
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", said).group(1))
+        attach = re.search(r"source (\S+)", said).group(1)
+        assert oct(os.stat(attach).st_mode & 0o777) == "0o600"
+        password = redis.connection.parse_url(url)["password"]
+        assert password and password not in said  # printed nowhere
+        assert "password" in said and "access key" in said  # what protects what
+
+        client = tq.TransferQueueClient(url, "upsec")  # the attach URL works
+        meta = client.put(_td(2, 2048, 5.0), partition_id="p")
+        node = json.loads(next(iter(client.redis.hgetall("upsec:storage:nodes").values())))
+        keys = PartitionKeys("upsec", "p").data_keys(meta.global_indexes, "x")
+        result = as_nobody({
+            "redis": [{"url": f"redis://127.0.0.1:{port}/0", "read": [["get", "upsec:config"]], "flushall": True}],
+            "nodes": [{"address": node["address"], "uds": node.get("uds"), "get": keys,
+                       "hello": [{"v": PROTOCOL_VERSION, "client": "probe"}]}],
+        })  # fmt: skip
+        (attempt,) = result["redis"]
+        assert _refused(attempt["flushall"]) and all(_refused(v) for v in attempt["read"].values()), attempt
+        _assert_nodes_refused(result)
+        assert _all(client.get_data(meta)["x"], 5.0)
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # ---------------------------------------------------------------------------------------------

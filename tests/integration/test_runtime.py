@@ -33,8 +33,10 @@ def test_embedded_default_and_attach_from_another_process(backend, monkeypatch):
     cfg = tq.init({"namespace": "rt", "storage": {"backend": backend}})
     url = cfg["redis"]["url"]
     try:
-        # the embedded server's clients reach it through its socket file (see tq_redis.embedded)
-        assert url.startswith("unix:///") and url.endswith("/valkey.sock")
+        # the embedded server's clients reach it through its socket file, with its password (see
+        # tq_redis.embedded), which the URL handed to other processes carries
+        assert url.startswith("unix://:") and url.endswith("/valkey.sock")
+        assert len(redis.connection.parse_url(url)["password"]) >= 32
         assert "U" in tq.get_client().redis.client_info()["flags"]
         assert cfg["namespace"] == "rt"
         assert tq.init() is cfg  # idempotent within a process
