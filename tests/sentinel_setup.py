@@ -191,6 +191,28 @@ class SentinelSetup:
 
     # -- faults ---------------------------------------------------------------------------------
 
+    def fail_over_after(self, action, filler: int = 48 << 20):
+        """Run ``action()`` while the only replica cannot see it, then fail over to that replica.
+
+        The replica is stopped (SIGSTOP) and a ``filler``-byte write fills the replication link, so
+        the primary applies what ``action`` writes and the replica never gets it; then the primary
+        is SIGKILLed, the replica resumed and promoted. Returns (what ``action`` returned or
+        raised, the old primary's port)."""
+        (replica,) = self.replica_ports()
+        self.pause(replica)
+        try:
+            with self.direct(self.primary_port()) as r:
+                r.set("filler", b"f" * filler)
+            try:
+                outcome = action()
+            except Exception as exc:  # the caller looks at it
+                outcome = exc
+            old = self.kill_primary()
+        finally:
+            self.resume(replica)
+        self.wait_failover(old)
+        return outcome, old
+
     def kill_primary(self) -> int:
         """SIGKILL the current primary; returns its port."""
         port = self.primary_port()

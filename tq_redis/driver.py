@@ -106,6 +106,12 @@ class WaitThenCall:
     call: FCall
 
 
+@dataclass(frozen=True, slots=True)
+class Unconfirmed:
+    """What durable mode found unconfirmed so far in this operation: the list of shortfalls
+    (empty when every write was confirmed, and always without durable mode). No round trip."""
+
+
 Operation = Generator[Any, Any, Any]
 
 # Redis could not be reached (a cluster that lost slots or kept moving counts too); store I/O
@@ -462,6 +468,8 @@ class SyncDriver(_Driver):
                 return self.redis.blpop([effect.key], timeout=_blpop_timeout(effect)) is not None
         if isinstance(effect, WaitThenCall):
             return self._wait_then_call(effect)
+        if isinstance(effect, Unconfirmed):
+            return list(_durable_shortfalls.get() or ())
         raise TypeError(f"unknown effect {effect!r}")
 
     def _wait_then_call(self, effect: WaitThenCall) -> tuple[bool, Any]:
@@ -632,6 +640,8 @@ class AsyncDriver(_Driver):
                     raise
                 popped = False  # the wait ended at once; the call goes out as it would after it
             return popped, await self._execute_patiently(effect.call, partial(AsyncDriver._execute, self))
+        if isinstance(effect, Unconfirmed):
+            return list(_durable_shortfalls.get() or ())
         raise TypeError(f"unknown effect {effect!r}")
 
     async def _unchecked(self, calls: list | tuple) -> list[Any]:

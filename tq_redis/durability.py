@@ -23,8 +23,11 @@ use the same setting, like ``TQ_REDIS_CLUSTER``); a client built directly takes 
 When fewer replicas (or fsyncs) than asked confirm within the timeout, the operation still runs to
 its end (the write happened on the primary and every later step of the operation happens too, so
 nothing is left half-done) and then raises :class:`NotDurable`, whose ``result`` holds what the
-call would have returned. It is not supported on a Redis Cluster (a wait must follow the write on
-the connection of the node that took it; a cluster pipeline spreads over several).
+call would have returned -- except a claim, which is handed back first so that a failover cannot
+hand its samples out twice (``result`` None; see :func:`tq_redis.ops_claim.not_durable_claim`).
+What a failover costs in each mode is tabled in the README ("High availability"). Durable mode is
+not supported on a Redis Cluster (a wait must follow the write on the connection of the node that
+took it; a cluster pipeline spreads over several).
 """
 
 from __future__ import annotations

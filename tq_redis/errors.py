@@ -209,7 +209,8 @@ class ServerError(TQError, RuntimeError):
 class NotDurable(TQError, RuntimeError):
     """A write was applied by the Redis primary but not confirmed by as many replicas (or AOF
     fsyncs) as durable mode asks for within its timeout. It is *not* undone: ``result`` holds what
-    the call returned; a failover before the replicas catch up can lose it."""
+    the call returned; a failover before the replicas catch up can lose it. A claim is the
+    exception: it is handed back at once and ``result`` is None (nothing was handed out)."""
 
     def __init__(self, message: str, result: Any = None) -> None:
         super().__init__(message)

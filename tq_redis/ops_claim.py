@@ -19,14 +19,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tq_redis import arguments, samplers, transitions
-from tq_redis.driver import Cmd, Pause, WaitToken
-from tq_redis.errors import InvalidArgument, LeaseLost
+from tq_redis import arguments, durability, samplers, transitions
+from tq_redis.driver import Cmd, Pause, Unconfirmed, WaitToken
+from tq_redis.errors import InvalidArgument, LeaseLost, NotDurable
 from tq_redis.keys import PartitionKeys, check_name, config_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, batchmeta_schema, check_fields, group_by_partition
 from tq_redis.ops_data import allocate
 from tq_redis.ops_status import describe_partition
+from tq_redis.redact import redact
 from tq_redis.transitions import ClaimReply
 
 MODES = ("fetch", "force_fetch", "insert")
@@ -39,6 +40,10 @@ USER_SAMPLER_ATTEMPTS = 16
 # times instead of colliding again in step (at most about 0.2 s over all attempts).
 RETRY_PAUSE_BASE_S = 0.0005
 RETRY_PAUSE_CAP_S = 0.02
+
+# Built-in samplers whose batch the ranks of a data-parallel group share: the first rank's claim
+# stores it and the others get it back (lua/claim.lua), so a claim cannot take it back from them.
+SHARED_BATCH_SAMPLERS = ("rank", "balance")
 
 # The per-sample key of the delivery count a sample was handed out with (its fencing token).
 _DELIVERY = "_delivery"
@@ -114,8 +119,10 @@ def fetch(
         raise InvalidArgument(f"max_deliveries must be an integer >= 0 (0 = unlimited), got {max_deliveries!r}")
     spec = config.get("sampler")
     sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
+    shared = False  # a batch the ranks of a data-parallel group share (stored by the first rank's claim)
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
+        shared = plan.kind in SHARED_BATCH_SAMPLERS
         attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions, values)
     else:
         attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
@@ -138,6 +145,9 @@ def fetch(
                 yield Cmd(("ZREM", pk.waiters(task_name), waiter))
             if meta is None:
                 return BatchMeta.empty()
+            unconfirmed = yield Unconfirmed()
+            if unconfirmed:  # durable mode could not confirm the claim: see not_durable_claim
+                raise (yield from not_durable_claim(ctx, pk, task_name, meta, unconfirmed[0], shared))
             meta.set_extra_info("task_name", task_name)
             return meta
         if not registered:  # the user-sampler path: register unless something changed meanwhile
@@ -150,6 +160,40 @@ def fetch(
             # the next claim rides behind the wait; its lease runs from the server's time when it
             # runs, so a leasing claim may wait and claim in one round trip too
             wake = WaitToken(pk.wake(task_name), remaining)
+
+
+def not_durable_claim(
+    ctx: Context, pk: PartitionKeys, task: str, meta: BatchMeta, missing: str, shared: bool
+) -> Op:
+    """The ``NotDurable`` of a claim durable mode could not confirm (``missing`` says what was not).
+
+    A failover before the replicas catch up could lose the claim and hand its samples to another
+    consumer while this one works on them: then a sample would be handed to the task twice, and
+    with leases both holders' acks would count (the delivery count starts again). So the claim is
+    handed back at once (``lua/unclaim.lua``) and nothing is handed out: ``result`` is None and the
+    caller claims again later. A batch the ranks of a data-parallel group share (RankAwareSampler,
+    SeqlenBalancedSampler: the group's other ranks get the same stored batch) cannot be taken back
+    from them: it comes in ``result``, the caller owns it, and a failover may deliver it again.
+    """
+    setting = durability.for_url(ctx.redis_url)
+    where = f"Redis primary at {redact(ctx.redis_url)}"
+    if shared:
+        return NotDurable(
+            f"get_meta claimed samples {meta.global_indexes[:20]} of partition {pk.partition!r} for task {task!r} on "
+            f"the {where}, but durable mode {setting} could not confirm it ({missing} within "
+            f"{setting.timeout_ms} ms). The batch is shared with the other ranks of its data-parallel group, so "
+            f"it is not handed back: it is on this error's .result and yours, and a failover before the replicas "
+            f"catch up may deliver it again",
+            meta,
+        )
+    yield from transitions.unclaim(pk, task, meta.global_indexes, _fences(meta)).call()
+    return NotDurable(
+        f"get_meta claimed {meta.size} samples of partition {pk.partition!r} for task {task!r} on the {where}, "
+        f"but durable mode {setting} could not confirm it ({missing} within {setting.timeout_ms} ms), so a "
+        f"failover could hand them to another consumer as well. They were handed back at once: nothing is "
+        f"handed out (.result is None). Claim again once the replicas catch up (INFO replication), or raise "
+        f"redis.durable_timeout_ms"
+    )
 
 
 def _default_sampler(ctx: Context) -> Op:

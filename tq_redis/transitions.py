@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(A little over 600 lines: 24 wrappers and their reply types, kept together so the shared reply
+(A little over 600 lines: 25 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
@@ -582,6 +582,14 @@ def settle(
     return Transition(FCall("settle", (pk.meta,), args), _read_settle)
 
 
+def unclaim(pk: PartitionKeys, task: str, ids: Sequence[int], fences: Sequence[int]) -> Transition[int]:
+    """``lua/unclaim.lua``: hand back ``ids`` a claim of ``task`` just took (``fences``: the delivery
+    count each was leased with, 0 without a lease), as if the claim had not been made; the result is
+    how many went back."""
+    pairs = [x for pair in zip(ids, fences) for x in pair]
+    return Transition(FCall("unclaim", (pk.meta,), (task, *pairs)), int)
+
+
 # ------------------------------------------------------------------ clearing and the trash
 
 
@@ -743,7 +751,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
     f.__name__: f
     for f in (
         reserve, insert, produce, set_tags, check_visible, read_inline,
-        claim, claim_ids, ready_ids, wait, settle,
+        claim, claim_ids, ready_ids, wait, settle, unclaim,
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,
         kv_resolve, kv_unmap, kv_list,

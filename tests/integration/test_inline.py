@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.integration.conftest import INLINE_LIMIT
 from tq_redis import ops
-from tq_redis.driver import Cmd, FCall, Offload, Pipe
+from tq_redis.driver import Cmd, FCall, Offload, Pipe, Unconfirmed
 from tq_redis.errors import SampleNotFound
 from tq_redis.keys import PartitionKeys
 
@@ -35,7 +35,8 @@ def _recorded(op, seen: list):
             effect = op.throw(error) if error is not None else op.send(value)
         except StopIteration as stop:
             return stop.value
-        seen.append(effect)
+        if not isinstance(effect, Unconfirmed):  # asks the driver, not the server: no round trip
+            seen.append(effect)
         try:
             value, error = (yield effect), None
         except Exception as exc:  # handed back to the operation, as the driver does

@@ -64,22 +64,8 @@ def durable_url():
 
 
 def _lagging_put(ha: SentinelSetup, client, base: int):
-    """Stop the replica, fill the link, put: the primary takes a write the replica never sees.
-    Then kill the primary, resume the replica and wait for its promotion. Returns (put outcome, old port)."""
-    (replica,) = ha.replica_ports()
-    ha.pause(replica)
-    try:
-        with ha.direct(ha.primary_port()) as r:
-            r.set("filler", b"f" * LINK_FILLER)
-        try:
-            outcome = client.put(_td(4, base), partition_id="p")
-        except NotDurable as exc:
-            outcome = exc
-        old = ha.kill_primary()
-    finally:
-        ha.resume(replica)
-    ha.wait_failover(old)
-    return outcome, old
+    """A put the replica never sees, then a failover to it. Returns (put outcome, old port)."""
+    return ha.fail_over_after(lambda: client.put(_td(4, base), partition_id="p"), LINK_FILLER)
 
 
 def test_without_durable_mode_a_failover_loses_an_acknowledged_put_and_clients_follow(ha, namespace):

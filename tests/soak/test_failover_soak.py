@@ -91,8 +91,9 @@ def _consumer(url: str, ns: str, durable: str, stop, out) -> None:
                 claims.append((time.time(), list(meta.global_indexes), "ok"))
             elif stop.is_set() and client.check_consumption_status(TASK, PARTITION):
                 break
-        except NotDurable as exc:  # handed out, but the claim may not survive a failover
-            claims.append((time.time(), list(exc.result.global_indexes), "not_durable"))
+        except NotDurable as exc:  # a claim is handed back at once: nothing was handed out
+            assert exc.result is None or exc.result.size == 0, exc  # (or a claim that found nothing)
+            claims.append((time.time(), [], "not_durable"))
         except TQError as exc:
             claims.append((time.time(), [], f"error: {type(exc).__name__}: {str(exc)[:300]}"))
     out.put(("consumer", claims))

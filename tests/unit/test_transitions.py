@@ -150,6 +150,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
         transitions.settle(PK, "t", "extend", [3, 4], [1, 0], 500),
         ("t", "extend", 500, 3, 1, 4, 0),
     ),
+    "unclaim": (transitions.unclaim(PK, "t", [3, 4], [2, 0]), ("t", 3, 2, 4, 0)),
     "clear": (transitions.clear(PK, [3, 4]), (3, 4)),
     "drop_partition": (transitions.drop_partition(PK), ()),
     "trash_add": (transitions.trash_add(PK, [3, 1, 2], ["a"]), ("1-3", "a")),
