@@ -11,7 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.1.11.1"
+"""``<reference API level>.<release>``: the first three parts are the ``transferqueue`` release whose
+public API this release implements (:data:`REFERENCE_API_LEVEL`), the fourth counts tq-redis
+releases at that level. Code written for the reference gates features on its version (verl turns
+its TransferQueue checkpoints on only when ``Version(tq.__version__) >= Version("0.1.9")``), and
+``import tq_redis as tq`` must pass those gates as the API they test for. pyproject.toml reads the
+package version from here (one source of truth)."""
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -29,8 +35,8 @@ _EXPORTS = {
     "StreamingDataLoader": "tq_redis.dataloader",
     "StreamingDataset": "tq_redis.dataloader",
     "TransferQueueClient": "tq_redis.sync",
-    "load_checkpoint": "tq_redis.checkpoint",
-    "save_checkpoint": "tq_redis.checkpoint",
+    "load_checkpoint": "tq_redis.interface",
+    "save_checkpoint": "tq_redis.interface",
     "close": "tq_redis.runtime",
     "get_client": "tq_redis.runtime",
     "get_metrics_endpoint": "tq_redis.runtime",
@@ -103,7 +109,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.channel import Channel
-    from tq_redis.checkpoint import load_checkpoint, save_checkpoint
     from tq_redis.client import AsyncTransferQueueClient
     from tq_redis.compat import REFERENCE_API_LEVEL, install_transfer_queue_alias
     from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
@@ -122,6 +127,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         kv_clear,
         kv_list,
         kv_put,
+        load_checkpoint,
+        save_checkpoint,
     )
     from tq_redis.item_classes import register_item_class
     from tq_redis.metadata import BatchMeta, KVBatchMeta

@@ -1,4 +1,6 @@
-"""``save_checkpoint`` / ``load_checkpoint``: a namespace's state in a directory, and back.
+"""Checkpoints: a namespace's state in a directory, and back (:func:`save`, :func:`load`; the
+module-level ``tq_redis.save_checkpoint`` / ``load_checkpoint`` run them with ``init()``'s client,
+and ``TransferQueueClient.save_storage_checkpoint`` and its siblings with that client).
 
 What is saved: every Redis key of the namespace (partitions, production and consumption
 bitmaps, leases, tags, KV keys, channels, event streams), written type by type (not ``DUMP``, so a
@@ -281,19 +283,17 @@ def _channel_columns(r: Any, store: Any, ck: ChannelKeys) -> dict[str, dict[str,
     }
 
 
-def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | None = None,
-                    include_storage: bool = True) -> None:
-    """Save the namespace of the client ``tq_redis.init()`` created to ``checkpoint_dir``.
+def save(client: Any, checkpoint_dir: str | Path, *, metadata: dict[str, Any] | None = None,
+         include_storage: bool = True) -> None:
+    """Save the namespace of ``client`` (a :class:`~tq_redis.sync.TransferQueueClient`) to
+    ``checkpoint_dir`` (``tq_redis.save_checkpoint`` does it with ``init()``'s client).
 
     ``metadata`` (JSON-serialisable) is stored in ``metadata.json`` and returned by
-    :func:`load_checkpoint`. ``include_storage=False`` saves metadata only (for stores whose data
+    :func:`load`. ``include_storage=False`` saves metadata only (for stores whose data
     outlives the job); it has no effect with the ``redis`` store, whose bytes are Redis keys, nor
     with the ``dram`` store, whose nodes do not outlive the job (as the reference forces it for
     SimpleStorage: a metadata-only checkpoint of them could never be loaded).
     """
-    from tq_redis.runtime import get_client
-
-    client = get_client()
     final = Path(checkpoint_dir)
     tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
     if tmp.exists():
@@ -333,11 +333,9 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
         raise
 
 
-def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Replace the namespace's state with the checkpoint's; returns its user ``metadata``."""
-    from tq_redis.runtime import get_client
-
-    client = get_client()
+def load(client: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Replace the state of ``client``'s namespace with the checkpoint's; returns its user
+    ``metadata`` (``tq_redis.load_checkpoint`` does it with ``init()``'s client)."""
     final = Path(checkpoint_dir)
     old = final.with_name(final.name + ".old")
     if not final.exists() and old.exists():  # a save died between its two renames

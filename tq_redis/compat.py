@@ -16,8 +16,10 @@ Ways to install it:
   ``transfer_queue`` stub that installs the alias when imported.
   ``install_transfer_queue_alias(propagate=True)`` does that for the current process's children.
 
-The reference's own tests reach into its controller actor (``ray.get_actor("TransferQueueController",
-namespace="transfer_queue")``) to list, clear and inspect partitions. tq-redis has no controller, so
+The alias package's resources are ``tq_redis/alias_files`` (its ``config.yaml``: tq-redis's defaults
+in the reference's config shape). The reference's own tests, tutorial 06 and its Relax recipe reach
+into its controller actor (``ray.get_actor("TransferQueueController", namespace="transfer_queue")``)
+to read the config and to list, clear and inspect partitions. tq-redis has no controller, so
 when the alias's ``init()`` runs in a Ray driver it starts :class:`ControllerInspector` under that
 name: a read-only window onto the Redis state (plus ``clear_partition``), never on the data path.
 The alias's ``close()`` kills it.
@@ -25,8 +27,11 @@ The alias's ``close()`` kills it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
@@ -35,6 +40,7 @@ import threading
 import types
 from typing import Any
 
+from tq_redis import __version__
 from tq_redis.errors import ConfigError
 
 __all__ = [
@@ -49,10 +55,12 @@ __all__ = [
     "init",
     "install_transfer_queue_alias",
     "partition_snapshot",
+    "reference_config",
 ]
 
-REFERENCE_API_LEVEL = "0.1.11"
-"""The ``transferqueue`` release whose public API the alias implements (its ``__version__``)."""
+REFERENCE_API_LEVEL = ".".join(__version__.split(".")[:3])
+"""The ``transferqueue`` release whose public API tq-redis implements (the alias's ``__version__``):
+the first three parts of ``tq_redis.__version__``."""
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
@@ -70,8 +78,8 @@ _INTERFACE = {
     "close": "tq_redis.compat:close",
     "get_client": "tq_redis.runtime:get_client",
     "get_metrics_endpoint": "tq_redis.runtime:get_metrics_endpoint",
-    "save_checkpoint": "tq_redis.checkpoint:save_checkpoint",
-    "load_checkpoint": "tq_redis.checkpoint:load_checkpoint",
+    "save_checkpoint": "tq_redis.interface:save_checkpoint",
+    "load_checkpoint": "tq_redis.interface:load_checkpoint",
     **{
         name: f"tq_redis.interface:{name}"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
@@ -117,12 +125,19 @@ ALIAS_MODULES: dict[str, dict[str, str]] = {
         "StreamingDataLoader": "tq_redis.dataloader:StreamingDataLoader",
     },
     "transfer_queue.storage": {"StorageKeyNotFoundError": "tq_redis.errors:StorageKeyNotFoundError"},
+    "transfer_queue.utils": {},
+    "transfer_queue.utils.logging_utils": {"get_logger": "tq_redis.logs:get_logger"},
+    # the named actor's class (NeMo-RL's adapter sets its .options); the alias's init starts it
+    "transfer_queue.controller": {"TransferQueueController": "tq_redis.compat:TransferQueueController"},
 }
 """Submodule -> {public name: ``"module:attribute"`` of tq-redis} (``transfer_queue`` itself maps
 every name of ``tq_redis.__all__`` plus the alias's ``init``/``close``)."""
 
 # packages in the reference (their other submodules are internals the alias does not provide)
-_PACKAGES = {"transfer_queue.storage", "transfer_queue.sampler", "transfer_queue.dataloader"}
+_PACKAGES = {"transfer_queue.storage", "transfer_queue.sampler", "transfer_queue.dataloader", "transfer_queue.utils"}
+
+# the alias package's files (its config.yaml), found by importlib.resources.files("transfer_queue")
+_FILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alias_files")
 
 _install_lock = threading.Lock()
 
@@ -169,9 +184,20 @@ def _top_level_table() -> dict[str, str]:
     return table
 
 
+def _files_spec() -> importlib.machinery.ModuleSpec:
+    """A package spec whose resources are the files of ``tq_redis/alias_files`` (its loader reads
+    files beside a nonexistent ``__init__.py``; the alias module itself is never loaded from it)."""
+    spec = importlib.util.spec_from_file_location(
+        "transfer_queue", os.path.join(_FILES_DIR, "__init__.py"), submodule_search_locations=[]
+    )
+    assert spec is not None
+    return spec
+
+
 def _build_modules() -> dict[str, types.ModuleType]:
     top = _lazy_module("transfer_queue", _top_level_table(), package=True)
     top.__version__ = REFERENCE_API_LEVEL  # type: ignore[attr-defined]
+    top.__spec__ = _files_spec()
     mods = {"transfer_queue": top}
     for name, table in ALIAS_MODULES.items():
         is_package = name in _PACKAGES or any(other.startswith(name + ".") for other in ALIAS_MODULES)
@@ -315,20 +341,46 @@ def close() -> None:
 
 
 def _shareable_conf(cfg: dict[str, Any]) -> dict[str, Any]:
-    """What a worker needs to attach: URL, namespace and the client-side settings."""
-    out = {"redis": {"url": cfg["redis"]["url"]}, "namespace": cfg["namespace"]}
-    for key in ("compat", "codec"):
-        if key in cfg:
-            out[key] = json.loads(json.dumps(cfg[key], default=str))
-    if isinstance(cfg.get("sampler"), str):
-        out["sampler"] = cfg["sampler"]
+    """The effective config, as the reference's controller keeps the one ``init`` was given (the
+    user's own sections too): ``init(conf)`` with it attaches another process to this system."""
+    out = {key: copy.deepcopy(value) for key, value in cfg.items()}
+    out["redis"] = {**dict(cfg.get("redis") or {}), "url": cfg["redis"]["url"]}
+    out["namespace"] = cfg["namespace"]
     return out
+
+
+def reference_config(conf: dict[str, Any]) -> Any:
+    """``conf`` as the reference's ``get_config`` returns it: an OmegaConf ``DictConfig`` (items
+    also by attribute: ``conf.controller``) when OmegaConf is installed, else the dict."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return conf
+    return OmegaConf.create(conf, flags={"allow_objects": True})
+
+
+def _controller_class() -> Any:
+    """The Ray actor class of :class:`ControllerInspector`, made once per process: what the alias
+    serves as ``transfer_queue.controller.TransferQueueController`` and what ``init`` starts, so
+    code that adjusts that class's ``options`` (NeMo-RL's adapter) adjusts the actor it gets."""
+    made = _state.get("controller_class")
+    if made is None:
+        import ray
+
+        made = _state.setdefault("controller_class", ray.remote(num_cpus=0)(ControllerInspector))
+    return made
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the actor class needs Ray, imported on first use only
+    if name == "TransferQueueController":
+        return _controller_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _start_inspector(ray: Any, cfg: dict[str, Any]) -> None:
     if _state.get("inspector") is not None or _existing_controller(ray) is not None:
         return
-    actor_cls = ray.remote(num_cpus=0)(ControllerInspector)
+    actor_cls = _controller_class()
     try:
         actor = actor_cls.options(name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE).remote(_shareable_conf(cfg))
     except ValueError:  # another driver registered the name between our check and now
@@ -439,9 +491,16 @@ class ControllerInspector:
         """True once the actor is up."""
         return True
 
-    def get_config(self) -> dict[str, Any]:
-        """What another process needs to attach: Redis URL, namespace, client settings."""
-        return dict(self._conf)
+    def get_config(self) -> Any:
+        """The config ``init`` ran with, what another process passes to ``init`` to attach: its
+        Redis URL, namespace, client settings and every other section given (a ``DictConfig``
+        as the reference's, see :func:`reference_config`)."""
+        return reference_config(self._conf)
+
+    def get_partition_index_range(self, partition_id: str) -> list[int]:
+        """The global indexes of the partition's live samples, ascending ([] when it does not exist)."""
+        snap = self.get_partition_snapshot(partition_id)
+        return [] if snap is None else sorted(snap.global_indexes)
 
     def list_partitions(self) -> list[str]:
         """Partition ids, oldest first."""

@@ -1,4 +1,4 @@
-"""The reference system's module-level KV API (``tq.kv_put`` ...), on the default client.
+"""The reference system's module-level KV API (``tq.kv_put`` ...) and checkpoints, on the default client.
 
 Each function runs the same operation as the client method of the same name on the client
 ``tq_redis.init()`` created (:func:`tq_redis.runtime.get_client`). Each ``async_<name>``
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from tensordict import TensorDict
 
+from tq_redis import checkpoint
 from tq_redis.data_parser import DataParser
 from tq_redis.metadata import KVBatchMeta
 from tq_redis.runtime import get_client
@@ -26,6 +28,22 @@ R = TypeVar("R")
 def _client() -> TransferQueueClient:
     """The default client; it has the ``async_*`` coroutines too (one Redis pool per loop)."""
     return get_client()
+
+
+def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | None = None,
+                    include_storage: bool = True) -> None:
+    """Save the namespace of the client ``tq_redis.init()`` created to ``checkpoint_dir``.
+
+    ``metadata`` (JSON-serialisable) is stored with it and returned by :func:`load_checkpoint`.
+    ``include_storage=False`` saves metadata only (for stores whose data outlives the job); see
+    :func:`tq_redis.checkpoint.save`.
+    """
+    checkpoint.save(_client(), checkpoint_dir, metadata=metadata, include_storage=include_storage)
+
+
+def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Replace the namespace's state with the checkpoint's; returns its user ``metadata``."""
+    return checkpoint.load(_client(), checkpoint_dir)
 
 
 def kv_put(

@@ -6,13 +6,14 @@ client does), so the same object also offers every ``async_*`` coroutine.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from tq_redis import kv, ops, streaming
+from tq_redis import checkpoint, kv, ops, streaming
 from tq_redis.client import AsyncTransferQueueClient, lease_task
 from tq_redis.client_methods import blocking
 from tq_redis.driver import SyncDriver
@@ -52,6 +53,42 @@ class TransferQueueClient(AsyncTransferQueueClient):
     def redis(self):
         """The underlying redis-py client (for inspection and tools)."""
         return self._driver.redis
+
+    # -- the reference client's checkpoint calls. tq-redis keeps no controller state apart from
+    # Redis, so each writes (or reads) a whole checkpoint of this client's namespace in a directory
+    # (tq_redis.checkpoint): the "controller" ones without a store's bytes where the store allows.
+
+    def save_controller_checkpoint(self, path: str) -> None:
+        """Save the namespace's metadata to the directory ``path`` (``include_storage=False``)."""
+        checkpoint.save(self, path, include_storage=False)
+
+    def load_controller_checkpoint(self, path: str) -> None:
+        """Replace the namespace's state with the checkpoint in ``path``."""
+        checkpoint.load(self, path)
+
+    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Save the namespace, its stored bytes included, to the directory ``checkpoint_dir``."""
+        checkpoint.save(self, checkpoint_dir)
+
+    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Replace the namespace's state (bytes included) with the checkpoint in ``checkpoint_dir``."""
+        checkpoint.load(self, checkpoint_dir)
+
+    async def async_save_controller_checkpoint(self, path: str) -> None:
+        """:meth:`save_controller_checkpoint`, off the event loop."""
+        await asyncio.to_thread(self.save_controller_checkpoint, path)
+
+    async def async_load_controller_checkpoint(self, path: str) -> None:
+        """:meth:`load_controller_checkpoint`, off the event loop."""
+        await asyncio.to_thread(self.load_controller_checkpoint, path)
+
+    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """:meth:`save_storage_checkpoint`, off the event loop."""
+        await asyncio.to_thread(self.save_storage_checkpoint, checkpoint_dir)
+
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """:meth:`load_storage_checkpoint`, off the event loop."""
+        await asyncio.to_thread(self.load_storage_checkpoint, checkpoint_dir)
 
     # the parameters of get_meta and put are their operations' (written once, there); get_meta's
     # from timeout= on are keyword-only (tq-redis's additions to the reference's)

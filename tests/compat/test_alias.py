@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from tensordict import TensorDict
 
 import tq_redis
 from tests.conftest import make_client
-from tq_redis import compat
+from tq_redis import compat, config
 from tq_redis.errors import ConfigError
 
 
@@ -83,13 +85,16 @@ def test_stub_on_pythonpath_installs_the_alias_in_a_child_process(clean_modules,
 
 def test_inspector_reads_partitions_keys_tags_and_production(server, namespace):
     writer = make_client(server.url, namespace)
-    inspector = compat.ControllerInspector({"redis": {"url": server.url}, "namespace": namespace})
+    given = {"redis": {"url": server.url}, "namespace": namespace, "controller": {"relax_owner_token": "t1"}}
+    inspector = compat.ControllerInspector(compat._shareable_conf(given))
     try:
         writer.kv_batch_put(keys=["a", "b"], partition_id="p", tags=[{"step": 0, "tags": ["x"]}, {}],
                             fields=TensorDict({"ids": torch.arange(4).reshape(2, 2)}, batch_size=[2]))
         writer.kv_put(key="b", partition_id="p", fields={"extra": torch.ones(3)})
         assert inspector.list_partitions() == ["p"]
-        assert inspector.get_config()["namespace"] == namespace
+        conf = inspector.get_config()  # a DictConfig, as the reference's: Relax reads conf.controller
+        assert conf["namespace"] == namespace and conf.controller.relax_owner_token == "t1"
+        assert conf.redis.url == server.url
         snap = inspector.get_partition_snapshot("p")
         ga, gb = snap.keys_mapping["a"], snap.keys_mapping["b"]
         assert sorted(snap.global_indexes) == sorted([ga, gb])
@@ -99,6 +104,8 @@ def test_inspector_reads_partitions_keys_tags_and_production(server, namespace):
         assert snap.production_status[gb, col] == 1 and snap.production_status[ga, col] == 0
         assert snap.production_status[ga, snap.field_name_mapping["ids"]] == 1
         assert snap.revert_keys_mapping[ga] == "a"
+        assert inspector.get_partition_index_range("p") == sorted([ga, gb])
+        assert inspector.get_partition_index_range("nothing") == []
         writer.kv_clear(keys=["a"], partition_id="p")
         assert "a" not in inspector.get_partition_snapshot("p").keys_mapping
         inspector.clear_partition("p")
@@ -106,3 +113,44 @@ def test_inspector_reads_partitions_keys_tags_and_production(server, namespace):
         assert inspector.list_partitions() == [] and inspector.get_partition_snapshot("p") is None
     finally:
         writer.close()
+
+
+def test_alias_serves_the_modules_the_reference_recipes_import(clean_modules, monkeypatch):
+    import importlib.resources
+
+    from omegaconf import OmegaConf
+
+    tq_redis.install_transfer_queue_alias()
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.utils.logging_utils import get_logger
+
+    monkeypatch.setenv("TQ_LOGGING_LEVEL", "INFO")
+    log = get_logger("tq-alias-test", default_level="ERROR")
+    assert log.level == logging.INFO and log.hasHandlers()
+    monkeypatch.setenv("TQ_LOGGING_LEVEL", "LOUD")
+    with pytest.raises(ConfigError, match="TQ_LOGGING_LEVEL='LOUD' is not a logging level"):
+        get_logger("tq-alias-test")
+    conf = OmegaConf.load(importlib.resources.files("transfer_queue") / "config.yaml")
+    conf = OmegaConf.merge(conf, {"backend": {"SimpleStorage": {"num_data_storage_units": 3}}})
+    effective = config.load(conf)  # what init() makes of it
+    assert effective["storage"]["units"] == 3 and effective["storage"]["backend"] == "dram"
+    assert effective["sampler"] == "SequentialSampler"
+    assert hasattr(TransferQueueController, "options") and TransferQueueController is compat.TransferQueueController
+    with pytest.raises(ModuleNotFoundError):
+        import transfer_queue.storage.simple_storage  # noqa: F401  - an internal of the reference
+
+
+def test_client_checkpoint_calls_of_the_reference(server, namespace, tmp_path):
+    client = make_client(server.url, namespace)
+    try:
+        meta = client.put(TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3]), partition_id="p")
+        client.save_storage_checkpoint(str(tmp_path / "storage"))
+        client.save_controller_checkpoint(str(tmp_path / "controller.pkl"))
+        client.clear_partition("p")
+        assert client.get_partition_list() == []
+        client.load_storage_checkpoint(str(tmp_path / "storage"))
+        assert torch.equal(client.get_data(meta)["x"], torch.arange(6).reshape(3, 2))
+        asyncio.run(client.async_load_controller_checkpoint(str(tmp_path / "controller.pkl")))
+        assert client.get_partition_list() == ["p"]
+    finally:
+        client.close()
