@@ -2,21 +2,29 @@
 # Creates .venv (if missing) and installs tq-redis with its test extras into it.
 # torch is installed first and pinned, so pip never pulls a multi-GB CUDA build by accident;
 # set TORCH_SPEC to choose another build (e.g. TORCH_SPEC="torch==2.13.0+cu126").
+# VENV=DIR builds another environment (default .venv); CONSTRAINTS=FILE applies a pip constraints
+# file to every install (CI builds .venv-oldest with .ci/oldest-constraints.txt: the lowest versions
+# of tensordict, torch, numpy and Ray that pyproject.toml allows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv with $($PY --version)"
-  "$PY" -m venv .venv
+VENV=${VENV:-.venv}
+pip_args=(-q)
+if [ -n "${CONSTRAINTS:-}" ]; then
+  pip_args+=(-c "$CONSTRAINTS")
 fi
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
-  .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  "$VENV/bin/pip" install "${pip_args[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
 # tq_redis._copy (the data plane's batched copies) and tq_redis._scan (a batch's sizes and key
 # hashes) are compiled at install: they need a C compiler and Python's headers. Without them the
 # install still works, with the same work done, more slowly, in Python.
-headers=$(.venv/bin/python -c "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))")
+headers=$("$VENV/bin/python" -c "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))")
 build_deps=()
 command -v cc >/dev/null 2>&1 || build_deps+=(gcc libc6-dev)
 [ "$headers" = True ] || build_deps+=(python3-dev)
@@ -28,10 +36,11 @@ if [ ${#build_deps[@]} -gt 0 ]; then
     echo "[setup] note: ${build_deps[*]} missing; tq_redis._copy and tq_redis._scan will not build and their work runs in Python"
   fi
 fi
-stamp=.venv/.tq-installed
+stamp=$VENV/.tq-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+    || { [ -n "${CONSTRAINTS:-}" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; } \
     || [ -n "$(find tq_redis -name '*.c' -newer "$stamp")" ]; then
-  echo "[setup] installing tq-redis (editable) with test extras"
-  .venv/bin/pip install -q -e ".[test]"
+  echo "[setup] installing tq-redis (editable) with test extras into $VENV"
+  "$VENV/bin/pip" install "${pip_args[@]}" -e ".[test]"
   touch "$stamp"
 fi

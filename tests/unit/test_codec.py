@@ -580,7 +580,9 @@ def test_tensordict_roundtrip_all_kinds() -> None:
             "logp": random_tensor(torch.bfloat16, (n, 2)),
             "ints": [1, 2, 3, 4],  # tensordict turns this into an int64 tensor
             "prompt": ["a", "b", "c", "d"],
-            "ragged": [[1], [2, 3], [], [4, 5, 6]],  # NonTensorStack of tensors
+            # a NonTensorStack of tensors (tensordict >= 0.11 makes one of [[1], [2, 3], [], [4, 5, 6]] by itself;
+            # 0.10 refuses a list holding [], so it is built as every tensordict version takes it)
+            "ragged": NonTensorStack(*[NonTensorData(torch.tensor(r)) for r in ([1], [2, 3], [], [4, 5, 6])]),
             "info": [{"i": i} for i in range(n)],
             "resp": torch.nested.as_nested_tensor(
                 [torch.arange(k, dtype=torch.float32) for k in (1, 3, 2, 4)], layout=torch.jagged
