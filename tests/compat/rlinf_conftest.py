@@ -1,0 +1,31 @@
+# --- tq-redis's part for RLinf's test_channel.py (appended to alias_conftest.py's by tests/compat/user_suites.py)
+"""RLinf's channel tests with tq-redis's Channel in place of RLinf's.
+
+Before the test module imports ``rlinf.scheduler``, ``rlinf.scheduler.Channel`` (and the names it is
+re-exported under) becomes :class:`tq_redis.Channel`, on an embedded Valkey this process starts; its
+URL goes to the environment, so the Ray workers RLinf's ``Cluster`` starts attach to it. Every
+dataclass and NamedTuple the test modules define is registered (``tq_redis.register_item_class``,
+what an RLinf user adds once), so the channels the tests create carry them without pickle.
+"""
+
+import atexit as _atexit
+import os as _os
+
+import rlinf.scheduler as _rlinf_scheduler
+import rlinf.scheduler.channel as _rlinf_channel
+
+import tq_redis as _tq
+from tq_redis.item_classes import record_kind as _record_kind
+
+_cfg = _tq.init()
+_os.environ["TQ_REDIS_URL"], _os.environ["TQ_NAMESPACE"] = _cfg["redis"]["url"], _cfg["namespace"]
+_atexit.register(_tq.close)
+for _module in (_rlinf_scheduler, _rlinf_channel):
+    _module.Channel = _tq.Channel
+
+
+def pytest_itemcollected(item):
+    module = getattr(item, "module", None)
+    for value in list(vars(module).values()) if module is not None else ():
+        if isinstance(value, type) and value.__module__ == module.__name__ and _record_kind(value):
+            _tq.register_item_class(value)

@@ -1,0 +1,52 @@
+"""The runner of verl's and RLinf's own tests (``user_suites.py``): what it copies, what it checks.
+
+The suites themselves need a checkout of each project at its pinned commit, which no artifact CI
+can reach carries (see ``SUITES[...].unreachable``); ``python -m tests.compat.user_suites`` runs them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.compat import user_suites
+from tests.compat.user_suites import SUITES
+
+
+def test_each_suite_is_pinned_and_its_deselections_name_its_files_with_reasons():
+    for suite in SUITES.values():
+        assert len(suite.commit) >= 9 and suite.unreachable and suite.files
+        for node, reason in suite.deselected.items():
+            assert reason.strip() and node.split("::", 1)[0] in suite.files
+
+
+def _checkout(tmp_path, files):
+    src = tmp_path / "src"
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    return src, head
+
+
+def test_files_are_copied_unchanged_beside_our_conftests_and_the_commit_is_checked(tmp_path):
+    test_text = "import transfer_queue\n\ndef test_x():\n    assert transfer_queue\n"
+    src, head = _checkout(tmp_path, {"tests/unit_tests/test_channel.py": test_text, "rlinf/__init__.py": ""})
+    suite = user_suites.UserSuite("rlinf", "RLinf/RLinf", head[:9], ("tests/unit_tests/test_channel.py",),
+                                  "TQ_RLINF_SRC", ("alias_conftest.py", "rlinf_conftest.py"), {}, "none")
+    assert user_suites.checked_commit(src, suite) == head
+    run_dir = user_suites.prepare(suite, src, tmp_path / "run")
+    assert (run_dir / "tests/unit_tests/test_channel.py").read_text() == test_text
+    conftest = (run_dir / "conftest.py").read_text()
+    assert "install_transfer_queue_alias(propagate=True)" in conftest and "_module.Channel = _tq.Channel" in conftest
+    other = user_suites.UserSuite(**{**suite.__dict__, "commit": "0123456789"})
+    with pytest.raises(RuntimeError, match="not rlinf's pinned commit 0123456789"):
+        user_suites.checked_commit(src, other)
+    missing = user_suites.UserSuite(**{**suite.__dict__, "files": ("tests/nothing.py",)})
+    with pytest.raises(RuntimeError, match="has no"):
+        user_suites.prepare(missing, src, tmp_path / "run2")

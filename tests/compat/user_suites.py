@@ -1,0 +1,171 @@
+"""verl's and RLinf's own tests of their TransferQueue / Channel integration, run unchanged on tq-redis.
+
+Each suite is pinned to a commit of its project and never vendored: the runner copies the named
+test files, unchanged, out of a checkout of that commit into a fresh directory, puts a conftest of
+ours beside them and runs pytest in a subprocess, as :mod:`tests.compat.reference_suite` does with
+the reference's wheel. verl's tests import ``transfer_queue``, which the conftest makes tq-redis (the
+alias); RLinf's test gets :class:`tq_redis.Channel` in place of RLinf's ``Channel`` (see
+``rlinf_conftest.py``). Every failure outside the suite's short deselect list fails the run.
+
+Where the files come from. No artifact CI can reach (PyPI, Debian, npm) carries them, so the
+runner needs a checkout (``--src DIR``, or ``TQ_VERL_SRC`` / ``TQ_RLINF_SRC``); see
+:data:`SUITES` for the evidence per suite. The Python running it needs the project's own CPU
+dependencies (verl: transformers, hydra-core, codetiming, orjson, datasets, cachetools, fastapi,
+uvicorn, torchdata, peft; RLinf: none beyond tq-redis's test extras).
+
+Stand-alone: ``python -m tests.compat.user_suites verl --src /path/to/verl`` (prints each outcome
+and the counts; exit 1 on any failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.compat.reference_suite import SuiteResult, _read_report
+
+_HERE = Path(__file__).resolve().parent
+_REPO = _HERE.parent.parent
+RUN_TIMEOUT_S = 1800
+
+
+@dataclasses.dataclass(frozen=True)
+class UserSuite:
+    """One project's test files, pinned, and how they run on tq-redis."""
+
+    name: str
+    repository: str
+    commit: str
+    files: tuple[str, ...]
+    env_var: str
+    conftests: tuple[str, ...]  # ours, concatenated into the run directory's conftest.py
+    deselected: dict[str, str]
+    unreachable: str  # why CI cannot fetch the files (what was checked)
+    env: tuple[tuple[str, str], ...] = ()  # the project's own settings for the run ("{src}": the checkout)
+
+
+SUITES: dict[str, UserSuite] = {
+    "verl": UserSuite(
+        name="verl",
+        repository="verl-project/verl",
+        commit="1dda039b9",
+        files=("tests/trainer/ppo/v1/test_replay_buffer_on_cpu.py",
+               "tests/trainer/ppo/v1/test_reissue_inflight_on_cpu.py"),
+        env_var="TQ_VERL_SRC",
+        conftests=("alias_conftest.py",),
+        deselected={},
+        unreachable=(
+            "verl 0.9.1, the newest release on PyPI: its wheel and sdist (pip download --no-deps verl==0.9.1, "
+            "with and without --no-binary :all:) ship tests/ but no tests/trainer/ppo/v1/ (the files were "
+            "added on verl's main branch on 2026-07-08 and 2026-07-14, after the 0.9 release branch)"
+        ),
+    ),
+    "rlinf": UserSuite(
+        name="rlinf",
+        repository="RLinf/RLinf",
+        commit="a3816b596",
+        files=("tests/unit_tests/test_channel.py",),
+        env_var="TQ_RLINF_SRC",
+        conftests=("alias_conftest.py", "rlinf_conftest.py"),
+        deselected={
+            "tests/unit_tests/test_channel.py::TestChannel::test_memory":
+                "reads the private state of RLinf's channel actor (its queue objects), which tq-redis has not",
+        },
+        unreachable=(
+            "rlinf 0.3.0, the newest release on PyPI (0.2 has no files there): its wheel and sdist ship no "
+            "tests at all"
+        ),
+        # RLinf's own switch that ships its package to the Ray workers its Cluster starts
+        env=(("RLINF_CODE_WORKING_DIR", "{src}"),),
+    ),
+}
+
+
+def checked_commit(src: Path, suite: UserSuite) -> str:
+    """The checkout's commit when it is a git checkout at the pinned one; raises otherwise."""
+    if not (src / ".git").exists():
+        return "unverified (not a git checkout)"
+    head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    if not head.startswith(suite.commit):
+        raise RuntimeError(f"{src} is at {head[:12]}, not {suite.name}'s pinned commit {suite.commit}; "
+                           f"git -C {src} checkout {suite.commit}")
+    return head
+
+
+def prepare(suite: UserSuite, src: Path, run_dir: Path) -> Path:
+    """Copy the suite's files, unchanged, from ``src`` into ``run_dir``, with our conftest and ini."""
+    missing = [f for f in suite.files if not (src / f).is_file()]
+    if missing:
+        raise RuntimeError(f"{src} has no {missing}: is it a checkout of {suite.repository} at {suite.commit}?")
+    for rel in suite.files:
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, run_dir / rel)
+    (run_dir / "conftest.py").write_text(
+        "\n\n".join((_HERE / name).read_text(encoding="utf-8") for name in suite.conftests), encoding="utf-8"
+    )
+    (run_dir / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
+    return run_dir
+
+
+def run(suite: UserSuite, src: Path, run_dir: Path, extra_args: tuple[str, ...] = ()) -> SuiteResult:
+    """Run the suite's files from checkout ``src`` in ``run_dir``; the outcomes come back as JSON lines."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare(suite, src, run_dir)
+    deselect_file, report = run_dir / "deselected.json", run_dir / "report.jsonl"
+    deselect_file.write_text(json.dumps(sorted(suite.deselected)), encoding="utf-8")
+    report.unlink(missing_ok=True)
+    stub = subprocess.run([sys.executable, "-m", "tq_redis.compat", "--pythonpath"], cwd=_REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TQ_REDIS_URL", "TQ_NAMESPACE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "TQ_TEST_BACKEND")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", TQ_COMPAT_DESELECT=str(deselect_file),
+               TQ_COMPAT_REPORT=str(report),
+               # the alias stub, then the project's sources, then this checkout's tq_redis
+               PYTHONPATH=os.pathsep.join(p for p in (stub, str(src), str(_REPO), env.get("PYTHONPATH", "")) if p))
+    env.update({name: value.format(src=src) for name, value in suite.env})
+    cmd = [sys.executable, "-m", "pytest", "-c", str(run_dir / "pytest.ini"), "--rootdir", str(run_dir),
+           "-p", "no:cacheprovider", "-q", "-rN", *suite.files, *extra_args]
+    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    outcomes, messages, collected = _read_report(report)
+    deselected = [n for n in collected if n in suite.deselected or n.split("[", 1)[0] in suite.deselected]
+    return SuiteResult(outcomes, messages, collected, deselected, proc.returncode, proc.stdout + proc.stderr)
+
+
+def summary(suite: UserSuite, result: SuiteResult, commit: str) -> str:
+    c = result.counts()
+    return (f"{suite.name} tests ({suite.repository}@{commit[:12]}): {c['passed']} passed, "
+            f"{c['failed'] + c['error']} failed, {c['skipped']} skipped, {c['deselected']} deselected")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.compat.user_suites", description=__doc__.split("\n\n")[0])
+    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("--src", help="a checkout of the project at the pinned commit (default: $TQ_<NAME>_SRC)")
+    args, extra = parser.parse_known_args(argv)
+    suite = SUITES[args.suite]
+    src = args.src or os.environ.get(suite.env_var)
+    if not src:
+        parser.error(f"give --src or {suite.env_var}: a checkout of {suite.repository} at {suite.commit} "
+                     f"(no artifact on PyPI carries the files: {suite.unreachable})")
+    commit = checked_commit(Path(src), suite)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"tq-{suite.name}-"))
+    result = run(suite, Path(src), run_dir, tuple(extra))
+    for node in sorted(result.outcomes):
+        print(f"{result.outcomes[node]:8s} {node}  {result.messages.get(node, '')}")
+    for node in result.deselected:
+        print(f"deselect {node}  ({suite.deselected.get(node) or suite.deselected.get(node.split('[', 1)[0])})")
+    print(summary(suite, result, commit))
+    print(f"run directory: {run_dir}")
+    return 1 if result.failures() or not result.outcomes else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
