@@ -6,6 +6,11 @@ re-exported under) becomes :class:`tq_redis.Channel`, on an embedded Valkey this
 URL goes to the environment, so the Ray workers RLinf's ``Cluster`` starts attach to it. Every
 dataclass and NamedTuple the test modules define is registered (``tq_redis.register_item_class``,
 what an RLinf user adds once), so the channels the tests create carry them without pickle.
+
+The test file's ``DistributedChannel`` subclass builds itself RLinf's private way (``cls()``, then
+``_initialize(...)`` with channel actors it launched on one node), so the class put in place also
+takes that way: it makes the Redis channel of that name, and records the actors as RLinf does
+(a channel in Redis needs none: every node reaches it).
 """
 
 import atexit as _atexit
@@ -20,8 +25,26 @@ from tq_redis.item_classes import record_kind as _record_kind
 _cfg = _tq.init()
 _os.environ["TQ_REDIS_URL"], _os.environ["TQ_NAMESPACE"] = _cfg["redis"]["url"], _cfg["namespace"]
 _atexit.register(_tq.close)
+
+
+class _Channel(_tq.Channel):
+    """tq_redis.Channel, also built in RLinf's two steps."""
+
+    def __init__(self, *args, **kwargs):
+        if args or kwargs:
+            super().__init__(*args, **kwargs)
+
+    def _initialize(self, channel_name, channel_worker_group=None, channel_worker_actor=None, current_worker=None,
+                    local_channel=None, maxsize=0, channel_actors=None):
+        made = _tq.Channel.create.__func__(_Channel, channel_name, maxsize, local=local_channel is not None)
+        self.__dict__.update(made.__dict__)
+        self._exec = None  # this object opens its own connections; made's close with it
+        self._distributed = channel_actors is not None and len(channel_actors) > 1
+        self._channel_actors_by_rank = dict(channel_actors or {})
+
+
 for _module in (_rlinf_scheduler, _rlinf_channel):
-    _module.Channel = _tq.Channel
+    _module.Channel = _Channel
 
 
 def pytest_itemcollected(item):

@@ -43,7 +43,7 @@ def test_files_are_copied_unchanged_beside_our_conftests_and_the_commit_is_check
     run_dir = user_suites.prepare(suite, src, tmp_path / "run")
     assert (run_dir / "tests/unit_tests/test_channel.py").read_text() == test_text
     conftest = (run_dir / "conftest.py").read_text()
-    assert "install_transfer_queue_alias(propagate=True)" in conftest and "_module.Channel = _tq.Channel" in conftest
+    assert "install_transfer_queue_alias(propagate=True)" in conftest and "_module.Channel = _Channel" in conftest
     other = user_suites.UserSuite(**{**suite.__dict__, "commit": "0123456789"})
     with pytest.raises(RuntimeError, match="not rlinf's pinned commit 0123456789"):
         user_suites.checked_commit(src, other)
