@@ -6,9 +6,15 @@ Storage nodes (``backends/dram_server.py``) register themselves in Redis under
 Design, in short:
 
 * **Placement** is rendezvous (highest-random-weight) hashing of each key over the live nodes
-  (registered, heartbeat fresh by Redis's clock), so adding a node moves ~1/(n+1) of the keys. A
-  get that misses on a key's first-ranked node also asks the second-ranked one (the node that held
-  the key while the first was out of the ring), and deletes go to both.
+  (registered, heartbeat fresh by Redis's clock), so adding a node moves ~1/(n+1) of the keys.
+  A put returns the id of the ring it used, after recording that ring's members in Redis; the
+  metadata plane records the ring id with the values' bits (``lua/includes/placement.lua``), so
+  a read or a delete reaches the node a value was put on after nodes joined, left or restarted
+  under new ids (:meth:`DramStore.read` / :meth:`~DramStore.get_placed` / :meth:`~DramStore.delete`).
+  If that node is gone, the error names it, its address and the keys. A plain :meth:`get` (no
+  record at hand) asks a key's first-ranked node, then its second-ranked one.
+* **Deletes a node misses** (it is unreachable, or its heartbeat is stale) are recorded in Redis
+  (:func:`~tq_redis.keys.pending_deletes_key`); the node runs them when it is back.
 * **Transport** is a small length-prefixed binary protocol over plain sockets: a 16-byte header,
   a msgpack header map and the raw concatenated values, written with ``sendmsg`` straight from the
   caller's buffers and read with ``recv_into`` straight into the node's memory (no per-value
@@ -47,11 +53,13 @@ this one: the store (put / get / delete, stats).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 from tq_redis.backends.batches import ValueTable
 from tq_redis.backends.dram_discovery import NodeDiscovery
@@ -95,12 +103,15 @@ from tq_redis import buffers
 from tq_redis.config import parse_size
 from tq_redis.errors import (
     ConfigError,
+    ConnectionFailed,
     DataMissing,
     InvalidArgument,
     StorageAuthError,
     StorageError,
     StorageUnavailable,
 )
+from tq_redis.keys import pending_deletes_key, pending_nodes_key
+from tq_redis.redact import redact
 
 # format_size and parse_size were defined here before the split; importable from here still.
 __all__ = ["DramStore", "StorageAuthError", "format_size", "parse_size"]
@@ -138,6 +149,7 @@ class DramStore(NodeDiscovery):
     """
 
     name = "dram"
+    places_keys = True  # put returns the ring it used; reads and deletes take the recorded rings
 
     def __init__(
         self,
@@ -192,22 +204,25 @@ class DramStore(NodeDiscovery):
         return cls(ctx.redis_url, ctx.namespace, **options)
 
     # -- StorageClient ------------------------------------------------------------------------
-    def put(self, keys: Sequence[str], values: Sequence[Segments]) -> None:
+    def put(self, keys: Sequence[str], values: Sequence[Segments]) -> str | None:
         """Store ``values[i]`` (the concatenation of its segments) under ``keys[i]``, overwriting.
 
         All-or-nothing when a node refuses (``StorageFull``): nothing of the batch is stored.
+        Returns the id of the ring the values went to (recorded in Redis before any byte was
+        sent); pass it to the metadata plane so readers find them whatever the ring is later.
         """
         if len(keys) != len(values):
             raise InvalidArgument(f"put got {len(keys)} keys but {len(values)} values")
         if not len(keys):
-            return
+            return None
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("put got the same key twice in one batch")
         vals = PutValues(values)
-        self._with_retry(lambda ring: self._put(ring, keys, vals))
+        return self._with_retry(lambda ring: self._put(ring, keys, vals))
 
-    def _put(self, ring: Ring, keys: list[str], vals: PutValues) -> None:
+    def _put(self, ring: Ring, keys: list[str], vals: PutValues) -> str:
+        self.record_ring(ring)
         groups = group_by_node(ring.owners(keys), len(ring.links))
         links = [ring.links[n] for n, _ in groups]
         conns = hold(links)
@@ -215,6 +230,7 @@ class DramStore(NodeDiscovery):
             self._put_on(links, conns, groups, keys, vals)
         finally:
             release(links, conns)
+        return ring.id
 
     def _put_on(self, links, conns, groups, keys: list[str], vals: PutValues) -> None:
         two_phase = len(groups) > 1
@@ -234,8 +250,9 @@ class DramStore(NodeDiscovery):
             plans.append((idx, gsizes, shm))
         replies, err = exchange(reqs, put_reply)
         txns = [
-            (link, conn, r["txn"]) for (link, conn, *_), r in zip(reqs, replies) if r and r.get("txn")
-        ]
+            (link, conn, r["txn"], len(meta["keys"])) for (link, conn, _op, meta, _), r in zip(reqs, replies)
+            if r and r.get("txn")
+        ]  # fmt: skip
         spilling = [k for k, r in enumerate(replies) if err is None and r and r.get("inline")]
         if spilling:
             # a full node that spills to its tier takes these values inline on the socket instead
@@ -244,7 +261,10 @@ class DramStore(NodeDiscovery):
             again = [(reqs[k][0], reqs[k][1], OP_PUT, {**reqs[k][3], "commit": not two_phase},
                       vals.payload(plans[k][0])) for k in spilling]  # fmt: skip
             more, err = exchange(again, put_reply)
-            txns += [(lk, c, r["txn"]) for (lk, c, *_), r in zip(again, more) if r and r.get("txn")]
+            txns += [
+                (lk, c, r["txn"], len(meta["keys"])) for (lk, c, _op, meta, _), r in zip(again, more)
+                if r and r.get("txn")
+            ]  # fmt: skip
             for k in spilling:
                 plans[k] = (plans[k][0], plans[k][1], False)
         if err is not None:
@@ -260,10 +280,11 @@ class DramStore(NodeDiscovery):
         if txns:
             self._end(txns, OP_COMMIT, check=True)
 
-    def _end(self, txns: list[tuple[Link, Conn, int]], op: int, check: bool = False) -> None:
-        """Commit or abort transactions on the connections that opened them."""
-        reqs = [(lk, c, op, {"txns": [t]}, ()) for lk, c, t in txns if not c.broken]
-        _res, err = exchange(reqs, check_reply)
+    def _end(self, txns: list[tuple[Link, Conn, int, int]], op: int, check: bool = False) -> None:
+        """Commit or abort transactions (with how many keys each holds) on the connections that opened them."""
+        live = [(lk, c, t, n) for lk, c, t, n in txns if not c.broken]
+        reqs = [(lk, c, op, {"txns": [t]}, ()) for lk, c, t, _n in live]
+        _res, err = exchange(reqs, check_reply, work=[n for *_, n in live])
         if check and err is not None:
             raise err
 
@@ -290,6 +311,10 @@ class DramStore(NodeDiscovery):
     def get(self, keys: Sequence[str]) -> Sequence[Buffer]:
         """Return every key's value, in order; ``DataMissing`` names the keys no node holds.
 
+        Without a record of where the values were put, a key is asked of its node in the live
+        ring, then of its second-ranked node (the one that held it while the first was out of the
+        ring); :meth:`get_placed` reads values put under any earlier ring.
+
         The values come back as a :class:`ValueTable`: a sequence of memoryviews that are slices
         of a few large buffers. On the same-host path those are read-only views of the node's
         memory, pinned there until every view (and the table) is released or this store is
@@ -304,7 +329,7 @@ class DramStore(NodeDiscovery):
     def _get(self, ring: Ring, keys: list[str]) -> ValueTable:
         out = Gathered(len(keys))
         owner = ring.owners(keys)
-        missing = self._get_from(ring, keys, np.arange(len(keys)), owner, out)
+        missing = self._get_from(_groups(ring, owner, np.arange(len(keys))), keys, out)
         if len(missing) and len(ring.links) > 1:
             # placed while its first-ranked node was out of the ring? ask the runner-up too
             asked = [ring.links[owner[p]].node_id for p in missing.tolist()]
@@ -318,24 +343,106 @@ class DramStore(NodeDiscovery):
                         alt.append(n)
                         break
             if pos:
-                still = self._get_from(ring, keys, np.array(pos), np.array(alt, dtype=np.intp), out)
+                still = self._get_from(_groups(ring, np.array(alt, dtype=np.intp), np.array(pos)), keys, out)
                 missing = np.union1d(np.setdiff1d(missing, pos), still)
         if len(missing):
-            names = [keys[i] for i in missing[:5].tolist()]
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            names = _some(keys, missing)
             raise DataMissing(
-                f"{len(missing)} of {len(keys)} key(s) are missing from the DRAM store: "
-                f"{', '.join(map(repr, names))}{more}. They were deleted, or the storage node that "
-                f"held them restarted and lost its memory."
+                f"{len(missing)} of {len(keys)} key(s) are missing from the DRAM store: {names}. They "
+                f"were deleted, or the storage node that held them restarted and lost its memory."
             )
         return out.table()
 
-    def _get_from(self, ring: Ring, keys, positions: np.ndarray, owner: np.ndarray, out: Gathered) -> np.ndarray:
-        """Fetch ``keys[positions]`` from their ``owner`` nodes into ``out``; return the still missing."""
-        groups = group_by_node(owner, len(ring.links))
-        links = [ring.links[n] for n, _ in groups]
+    def read(self, keys: Sequence[str]) -> tuple[ValueTable, str, np.ndarray]:
+        """First attempt of a read whose values' placement is checked afterwards: every key asked
+        of its node in the live ring. Returns the values (a missing one is an empty slice), the
+        ring's id and the positions of the missing keys; :meth:`misplaced` then says which values
+        to read again with :meth:`get_placed`."""
+        keys = list(keys)
+
+        def attempt(ring: Ring) -> tuple[ValueTable, str, np.ndarray]:
+            out = Gathered(len(keys))
+            missing = self._get_from(_groups(ring, ring.owners(keys), np.arange(len(keys))), keys, out)
+            return out.table(), ring.id, missing
+
+        return self._with_retry(attempt)
+
+    def misplaced(self, keys: Sequence[str], read_ring: str, rings: Sequence[str], index: np.ndarray) -> np.ndarray:
+        """Positions of the keys that :meth:`read` under ``read_ring`` did not ask of the node
+        their value was put on: key ``i`` was put under ring ``rings[index[i]]``."""
+        if all(r == read_ring for r in rings):
+            return np.empty(0, np.intp)
+        asked = self._owner_ids(self.recorded_ring(read_ring), keys, np.arange(len(keys)))
+        out: list[np.ndarray] = []
+        for r in np.unique(index).tolist():
+            if rings[r] == read_ring:
+                continue
+            pos = np.flatnonzero(index == r)
+            holder = self._owner_ids(self.recorded_ring(rings[r]), keys, pos)
+            out.append(pos[holder != asked[pos]])
+        return np.sort(np.concatenate(out)) if out else np.empty(0, np.intp)
+
+    @staticmethod
+    def _owner_ids(ring: Ring, keys: Sequence[str], pos: np.ndarray) -> np.ndarray:
+        """The node id (as an object array) owning each of ``keys[pos]`` under ``ring``."""
+        ids = np.array([lk.node_id for lk in ring.links], dtype=object)
+        return ids[ring.owners([keys[p] for p in pos.tolist()])]
+
+    def get_placed(self, keys: Sequence[str], rings: Sequence[str], index: np.ndarray) -> ValueTable:
+        """Every key's value, read from the node it was put on: key ``i`` under ring
+        ``rings[index[i]]`` (ids recorded by the metadata plane), whichever nodes are live now.
+
+        Raises ``DataMissing`` naming the node, its address and the keys when the node has left
+        (deregistered) or no longer holds them (deleted, or it restarted and lost its memory), and
+        ``StorageUnavailable`` naming them when it does not answer.
+        """
+        keys = list(keys)
+        out = Gathered(len(keys))
+        groups: dict[str, list[np.ndarray]] = {}
+        members: dict[str, str] = {}
+        for r in np.unique(index).tolist():
+            ring = self.recorded_ring(rings[r])
+            pos = np.flatnonzero(index == r)
+            holders = ring.owners([keys[p] for p in pos.tolist()])
+            for n, idx in group_by_node(holders, len(ring.links)):
+                member = ring.links[n]
+                members[member.node_id] = member.address
+                groups.setdefault(member.node_id, []).append(pos[idx])
+        reachable: list[tuple[Link, np.ndarray]] = []
+        for node_id, parts in groups.items():
+            pos = np.concatenate(parts)
+            link = self.link_of(node_id)
+            if link is None:
+                raise DataMissing(
+                    f"{len(pos)} of {len(keys)} key(s) were put on DRAM storage node {node_id!r} (at "
+                    f"{members[node_id]}), which has left: it is no longer registered in namespace "
+                    f"{self.namespace!r}, and its memory went with it: {_some(keys, pos)}"
+                )
+            reachable.append((link, pos))
+        try:
+            missing = self._get_from(reachable, keys, out)
+        except StorageUnavailable as exc:
+            raise StorageUnavailable(f"{exc} (reading {_held(reachable, keys)})") from None
+        if len(missing):
+            at = {lk.node_id: lk for lk, pos in reachable if np.isin(pos, missing).any()}
+            where = "; ".join(
+                f"{lk.label} (its current run started {_started(lk)}): "
+                f"{_some(keys, np.intersect1d(pos, missing))}"
+                for lk, pos in reachable if lk.node_id in at
+            )  # fmt: skip
+            raise DataMissing(
+                f"{len(missing)} of {len(keys)} key(s) are missing from the DRAM storage node(s) they "
+                f"were put on: {where}. They were deleted, or the node restarted and lost its memory."
+            )
+        table = out.table()
+        return table if self.zero_copy_get else private_copy(table)
+
+    def _get_from(self, groups: list[tuple[Link, np.ndarray]], keys: list[str], out: Gathered) -> np.ndarray:
+        """Fetch ``keys[positions]`` from each ``(link, positions)`` node into ``out``; return the
+        positions still missing."""
+        links = [lk for lk, _ in groups]
         missing: list[np.ndarray] = []
-        pos_of = [positions[idx] for _n, idx in groups]
+        pos_of = [pos for _, pos in groups]
 
         def on_reply(i, link, conn, code, meta, plen, fds):
             check_data_reply(i, link, conn, code, meta, plen, fds)
@@ -363,7 +470,7 @@ class DramStore(NodeDiscovery):
             run(reqs, on_reply, parallel_replies=True)
         finally:
             release(links, conns)
-        return np.concatenate(missing) if missing else np.empty(0, dtype=np.intp)
+        return np.sort(np.concatenate(missing)) if missing else np.empty(0, dtype=np.intp)
 
     def _views(
         self, link: Link, conn: Conn, meta: dict[str, Any], plen: int, pos: np.ndarray, out: Gathered
@@ -392,48 +499,96 @@ class DramStore(NodeDiscovery):
             mine = slice(None) if len(used) == 1 else sids == sid
             out.add(memoryview(arr), pos[mine], offs[mine], lens[mine])
 
-    def delete(self, keys: Sequence[str]) -> None:
-        """Remove keys from their nodes; absent keys are ignored (idempotent)."""
-        keys = list(keys)
-        if keys:
-            # a fresh ring: a key put by a client that already saw a new node must be found there
-            self._mark_stale()
-            self._with_retry(lambda ring: self._delete(ring, keys))
+    def delete(self, keys: Sequence[str], rings: Sequence[str] = ()) -> None:
+        """Remove keys from their nodes; absent keys are ignored (idempotent).
 
-    def _delete(self, ring: Ring, keys: list[str]) -> None:
-        n_nodes = len(ring.links)
-        rank = ring.ranked(keys, 2) if n_nodes > 1 else np.zeros((len(keys), 1), np.intp)
-        per_node: dict[int, list[str]] = {}
-        for col in range(rank.shape[1]):
-            for node, idx in group_by_node(rank[:, col], n_nodes):
-                per_node.setdefault(node, []).extend(keys[i] for i in idx.tolist())
-        primary = set(np.unique(rank[:, 0]).tolist())
-        links, conns = [], []
-        down: StorageUnavailable | None = None  # an unreachable node that is some key's home
+        A key is deleted on its node in the live ring and that node's runner-up, and on its node
+        under each ring of ``rings`` (the rings its partition's values were put under). A node
+        that should get deletes but is unreachable, or whose heartbeat is stale, gets them later:
+        they are recorded in Redis (:func:`~tq_redis.keys.pending_deletes_key`) and the node runs
+        them when it is back. Raises ``ConnectionFailed`` only if that record cannot be written.
+        """
+        keys = list(keys)
+        if not keys:
+            return
+        # a fresh ring: a key put by a client that already saw a new node must be found there
+        self._mark_stale()
+        targets = self._delete_targets(keys, rings)
+        live, later = [], {}
+        for node_id, pos in targets.items():
+            link = self._by_id.get(node_id)
+            if link is None or link.closed:
+                continue  # not registered (any more): its memory, and the keys in it, are gone
+            if link.heartbeat_age > self.dead_after_s:
+                later[node_id] = pos  # paused or dead: a connection would wait timeout_s for nothing
+            else:
+                live.append((link, pos))
+        for link, pos in self._delete_on(live, keys):
+            later[link.node_id] = pos
+        if later:
+            self._defer_deletes({node_id: [keys[p] for p in pos.tolist()] for node_id, pos in later.items()})
+
+    def _delete_targets(self, keys: list[str], rings: Sequence[str]) -> dict[str, np.ndarray]:
+        """Node id -> positions of the keys it may hold: their node and runner-up in the live
+        ring, and their node under each recorded ring."""
+        per_node: dict[str, list[np.ndarray]] = {}
+        placements: list[tuple[Ring, np.ndarray]] = []
         try:
-            for node in per_node:
+            ring = self._current_ring()
+        except StorageUnavailable:
+            if not rings:  # no node is live and no record says where the keys are: say so
+                raise
+        else:
+            depth = min(2, len(ring.links))
+            rank = ring.ranked(keys, depth) if depth > 1 else np.zeros((len(keys), 1), np.intp)
+            placements += [(ring, rank[:, col]) for col in range(rank.shape[1])]
+        for ring_id in dict.fromkeys(rings):
+            recorded = self.recorded_ring(ring_id)
+            placements.append((recorded, recorded.owners(keys)))
+        for placed, owner in placements:
+            for n, idx in group_by_node(owner, len(placed.links)):
+                per_node.setdefault(placed.links[n].node_id, []).append(idx)
+        return {node_id: np.unique(np.concatenate(parts)) for node_id, parts in per_node.items()}
+
+    def _delete_on(self, targets: list[tuple[Link, np.ndarray]], keys: list[str]) -> list[tuple[Link, np.ndarray]]:
+        """Send each node its deletes; returns the ``(link, positions)`` of those that failed."""
+        failed, links, conns, sent = [], [], [], []
+        try:
+            for link, pos in targets:
                 try:
-                    conns.append(ring.links[node].acquire())
-                    links.append(ring.links[node])
-                except StorageUnavailable as exc:
-                    # The reachable nodes still get their deletes; a runner-up only holds keys
-                    # placed during a ring change, so missing one is not an error.
-                    if node in primary:
-                        down = down or exc
+                    conns.append(link.acquire())
+                except StorageUnavailable:
+                    failed.append((link, pos))
+                    continue
+                links.append(link)
+                sent.append(pos)
             reqs = [
-                (lk, c, OP_DEL, {"keys": per_node[ring.links.index(lk)]}, ()) for lk, c in zip(links, conns)
+                (lk, c, OP_DEL, {"keys": [keys[p] for p in pos.tolist()]}, ()) for lk, c, pos in zip(links, conns, sent)
             ]
             _res, err = exchange(reqs, check_reply)
-            if err is not None:
-                failed_primary = any(
-                    c.broken and ring.links.index(lk) in primary for lk, c in zip(links, conns)
-                )
-                if failed_primary or not isinstance(err, StorageUnavailable):
-                    raise err
-            if down is not None:
-                raise down
+            if err is not None and not isinstance(err, StorageUnavailable):
+                raise err
+            failed += [(lk, pos) for lk, c, pos in zip(links, conns, sent) if c.broken]
         finally:
             release(links, conns)
+        return failed
+
+    def _defer_deletes(self, per_node: dict[str, list[str]]) -> None:
+        """Record deletes for nodes that could not take them now (they run them when back)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for node_id, keys in per_node.items():
+            pipe.sadd(pending_nodes_key(self.namespace), node_id)
+            pending = pending_deletes_key(self.namespace, node_id)
+            for start in range(0, len(keys), PENDING_ENTRY_KEYS):
+                pipe.rpush(pending, "\n".join(keys[start : start + PENDING_ENTRY_KEYS]))
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            nodes = ", ".join(map(repr, per_node))
+            raise ConnectionFailed(
+                f"DRAM storage node(s) {nodes} could not take deletes now, and recording them for later "
+                f"in Redis at {redact(self.redis_url)} failed too ({exc}); the next clear retries them"
+            ) from exc
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per live node: used / capacity bytes, key and slab counts, pins and open transactions."""
@@ -481,3 +636,33 @@ class DramStore(NodeDiscovery):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: keys per entry of a node's pending-deletes list
+PENDING_ENTRY_KEYS = 10_000
+
+
+def _groups(ring: Ring, owner: np.ndarray, positions: np.ndarray) -> list[tuple[Link, np.ndarray]]:
+    """``(link, positions)`` per node of ``ring`` that owns some of ``positions`` (``owner``: the
+    node index of each)."""
+    return [(ring.links[n], positions[idx]) for n, idx in group_by_node(owner, len(ring.links))]
+
+
+def _some(keys: Sequence[str], positions: np.ndarray, limit: int = 5) -> str:
+    """A few of ``keys[positions]`` for a message, and how many more there are."""
+    names = ", ".join(repr(keys[p]) for p in positions[:limit].tolist())
+    more = len(positions) - limit
+    return names + (f" and {more} more" if more > 0 else "")
+
+
+def _held(groups: list[tuple[Link, np.ndarray]], keys: Sequence[str]) -> str:
+    """Which node was asked for which keys, for a message."""
+    return "; ".join(f"{lk.label}: {_some(keys, pos, 3)}" for lk, pos in groups)
+
+
+def _started(link: Link) -> str:
+    """When the node's current run started (its registration's clock), for a message."""
+    started = link.info.get("started")
+    if not isinstance(started, (int, float)):
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))

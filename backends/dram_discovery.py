@@ -10,6 +10,10 @@ ones (heartbeat fresh), trusted for ``refresh_s``. While Redis is unreachable th
 serves; while every registered node looks dead it re-reads for up to ``registry_wait_s``. It holds
 the options links connect with (token, timeouts, shared memory, TLS, ``max_frame``), starts afresh
 after ``fork()``, and retries an operation once on a fresh ring when a node restarted or left.
+
+Rings a put used are recorded in Redis (:func:`~tq_redis.keys.storage_rings_key`: ring id -> its
+members) before the put's bytes are sent, so any process can later place a key under a ring it
+never saw live (:meth:`NodeDiscovery.recorded_ring`) and reach the node that holds it.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ import weakref
 from typing import Any
 
 import redis
-from tq_redis.backends.dram_placement import Ring
+from tq_redis.backends.dram_placement import Member, Ring
 from tq_redis.backends.dram_pool import Link
 
 from tq_redis import transitions
 from tq_redis.driver import SyncDriver
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable, TQError
-from tq_redis.keys import storage_nodes_key
+from tq_redis.keys import storage_nodes_key, storage_rings_key
 from tq_redis.redact import public_registration, redact
 
 log = logging.getLogger("tq_redis.backends.dram")
@@ -100,8 +104,12 @@ class NodeDiscovery:
         )  # fmt: skip
         self._redis = self._driver.redis
         self._key = storage_nodes_key(namespace)
+        self._rings_key = storage_rings_key(namespace)
         self._lock = threading.Lock()
         self._links: dict[tuple[str, str], Link] = {}
+        self._by_id: dict[str, Link] = {}  # node id -> the link of its current registration (live or not)
+        self._recorded: dict[str, Ring] = {}  # ring id -> ring, for rings known to be in Redis
+        self._seen: dict[str, Ring] = {}  # ring id -> members, of every live ring this process used
         self._ring: Ring | None = None
         self._fetched = 0.0
         self._stale = True
@@ -171,6 +179,7 @@ class NodeDiscovery:
             link.idle = []
             link.closed = True
         self._links.clear()  # the same dict: the finaliser holds it
+        self._by_id = {}
         self._ring = None
         self._lock = threading.Lock()
         self.client_id = uuid.uuid4().hex
@@ -207,6 +216,7 @@ class NodeDiscovery:
                     f"--redis URL --namespace {self.namespace} ...` or `tq-redis up`"
                 )
             self._ring = Ring(live)
+            self._seen.setdefault(self._ring.id, Ring([Member(lk.node_id, lk.address) for lk in self._ring.links]))
             self._seen_live = True
             self._fetched = time.monotonic()
             self._stale = False
@@ -232,6 +242,7 @@ class NodeDiscovery:
         """Links for the registered nodes (new ones made, departed ones closed); the live ones."""
         live: list[Link] = []
         seen = set()
+        by_id: dict[str, Link] = {}
         for node_id, info in sorted(nodes.items()):
             info.setdefault("node_id", node_id)
             try:
@@ -248,11 +259,61 @@ class NodeDiscovery:
                 link = self._links[key] = Link(info, self)
             else:
                 link.info = info
+            link.heartbeat_age = rnow - heartbeat
+            by_id[node_id] = link
             if rnow - heartbeat <= self.dead_after_s:
                 live.append(link)
         for key in [k for k in self._links if k not in seen]:
             self._links.pop(key).close()  # deregistered or restarted as a new instance
+        self._by_id = by_id
         return live
+
+    # -- rings recorded in Redis ----------------------------------------------------------------
+    def record_ring(self, ring: Ring) -> None:
+        """Make sure ``ring``'s members are in Redis under its id (once per ring and process), so a
+        value put under it can be found by any process whatever the live ring is by then."""
+        if ring.id in self._recorded:
+            return
+        members = json.dumps([[lk.node_id, lk.address] for lk in ring.links])
+        try:
+            self._redis.hsetnx(self._rings_key, ring.id, members)
+        except redis.RedisError as exc:
+            raise ConnectionFailed(
+                f"cannot record the DRAM storage nodes of a put in Redis at {redact(self.redis_url)} ({exc}); "
+                f"check that Redis is running"
+            ) from exc
+        self._recorded[ring.id] = Ring([Member(lk.node_id, lk.address) for lk in ring.links])
+
+    def recorded_ring(self, ring_id: str) -> Ring:
+        """The ring a value was put under, or this process read under, from its id (read from
+        Redis once per process)."""
+        ring = self._recorded.get(ring_id) or self._seen.get(ring_id)
+        if ring is not None:
+            return ring
+        try:
+            raw = self._redis.hget(self._rings_key, ring_id)
+        except redis.RedisError as exc:
+            raise ConnectionFailed(
+                f"cannot read where DRAM values were put from Redis at {redact(self.redis_url)} ({exc}); "
+                f"check that Redis is running"
+            ) from exc
+        try:
+            members = [Member(str(node_id), str(address)) for node_id, address in json.loads(raw)]
+        except (TypeError, ValueError) as exc:
+            raise StorageError(
+                f"the DRAM node ring {ring_id!r} that values were put under is not recorded in Redis "
+                f"({self._rings_key}: {'missing' if raw is None else 'unreadable'}); the values cannot be located"
+            ) from exc
+        ring = self._recorded[ring_id] = Ring(members)
+        return ring
+
+    def link_of(self, node_id: str) -> Link | None:
+        """The link of ``node_id``'s current registration (live or not); None: it is not registered."""
+        try:
+            self._current_ring()  # the registry as read at most refresh_s ago
+        except StorageUnavailable:
+            pass  # no node is live: the registrations read on the way still say who is registered
+        return self._by_id.get(node_id)
 
     def nodes(self) -> list[dict[str, Any]]:
         """Registration of every live node (address, capacity, used bytes, heartbeat ...), without its access key."""

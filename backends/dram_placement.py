@@ -4,19 +4,23 @@ Each key scores every node with a stable 64-bit hash of (key, node id); the high
 key. Adding a node moves only the keys it now wins (about 1/(n+1) of them), and a key's
 second-ranked node is the one that held it while the first was out of the ring. Hashes are the
 same in every process (``zlib.crc32`` and ``blake2b``, never Python's salted ``hash``).
+
+A ring is named by :func:`ring_id` of its node ids, so any process can place a key under a ring it
+never saw live, knowing only that name's members (the ``<ns>:storage:rings`` table in Redis): that
+is how a value put before nodes joined or left is found where it was put.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from tq_redis.batchscan import crc32_keys
 
-__all__ = ["Ring", "group_by_node", "key_hashes"]
+__all__ = ["Member", "Ring", "group_by_node", "key_hashes", "ring_id"]
 
 
 class _Member(Protocol):
@@ -46,19 +50,34 @@ def _seed(node_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=8).digest(), "little")
 
 
+def ring_id(node_ids: Sequence[str]) -> str:
+    """The name of the ring of these node ids (any order): 16 hex digits, the same in every process."""
+    joined = "\n".join(sorted(node_ids)).encode()
+    return hashlib.blake2b(joined, digest_size=8).hexdigest()
+
+
+class Member(NamedTuple):
+    """A node of a recorded ring: its id and the address it had when the ring was recorded."""
+
+    node_id: str
+    address: str
+
+
 def key_hashes(keys: Sequence[str]) -> np.ndarray:
     """Stable 64-bit hashes of keys (identical in every process, unlike ``hash``)."""
     return _mix64(crc32_keys(keys))
 
 
 class Ring(Generic[M]):
-    """An immutable snapshot of the live nodes (``links``, in a fixed order), for placement."""
+    """An immutable set of nodes (``links``, sorted by node id), for placement: the live nodes'
+    links, or the :class:`Member` list of a ring recorded in Redis."""
 
-    __slots__ = ("links", "seeds")
+    __slots__ = ("links", "seeds", "id")
 
     def __init__(self, links: list[M]) -> None:
-        self.links = links
-        self.seeds = np.array([_seed(lk.node_id) for lk in links], dtype=np.uint64)
+        self.links = sorted(links, key=lambda lk: lk.node_id)
+        self.seeds = np.array([_seed(lk.node_id) for lk in self.links], dtype=np.uint64)
+        self.id = ring_id([lk.node_id for lk in self.links])
 
     def scores(self, keys: Sequence[str]) -> np.ndarray:
         """Each key's score on each node, shape ``(len(keys), len(links))``."""

@@ -61,6 +61,12 @@ __all__ = [
 _HOSTNAME = socket.gethostname()
 #: how long a node that timed out moments ago is waited on for a new connection (see Link.unavailable)
 PROBE_S = 0.1
+#: a node's reply to a request of many keys or bytes is waited for longer than ``timeout_s``: this
+#: much more per key (a node indexes a million keys in 5-20 s on a busy 2-core host) and per byte
+SLOW_KEY_S = 50e-6
+SLOW_BYTE_S = 1 / 100e6
+#: below this much extra time a request waits ``timeout_s`` like any other (no socket option change)
+SLOW_MIN_S = 0.1
 
 
 class LinkOwner(Protocol):
@@ -178,6 +184,7 @@ class Link:
         self.local_ok: bool | None = None  # None: not tried yet
         self.closed = False
         self.down_until = 0.0  # monotonic time until which a node that just timed out is not waited on again
+        self.heartbeat_age = 0.0  # seconds since its last heartbeat, by Redis's clock, at the last registry read
 
     @property
     def label(self) -> str:
@@ -342,8 +349,9 @@ class Link:
             )
         return Conn(s, local, bool(reply.get("shm")), gen, min(max_frame, self.store.max_frame))
 
-    def unavailable(self, exc: BaseException) -> StorageUnavailable:
-        """The error for a node whose connection failed with ``exc``.
+    def unavailable(self, exc: BaseException, work: tuple[int, int, float] | None = None) -> StorageUnavailable:
+        """The error for a node whose connection failed with ``exc``; ``work``: the keys, bytes and
+        extra seconds of a large request whose reply was waited for longer than ``timeout_s``.
 
         A node that timed out is not waited on again for ``timeout_s``: a new connection to it
         gets a short probe (``PROBE_S``) instead, so the cleanup after a failed put does not wait
@@ -351,9 +359,20 @@ class Link:
         """
         if isinstance(exc, StorageUnavailable):
             return exc
+        timeout = self.store.timeout_s
+        if isinstance(exc, (TimeoutError, BlockingIOError)) and work is not None:
+            self.down_until = time.monotonic() + timeout
+            keys, nbytes, extra = work
+            return StorageUnavailable(
+                f"DRAM storage node {self.label} did not answer a request of {keys:,} key(s) and "
+                f"{format_size(nbytes)} within {timeout + extra:.1f} s ({timeout:g} s, plus {extra:.1f} s "
+                f"allowed for its size): it may be alive but too slow (a busy host, or too much in one "
+                f"request) rather than down; split the batch, check the node's CPU, or raise the store "
+                f"option timeout_s"
+            )
         if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO expired
-            self.down_until = time.monotonic() + self.store.timeout_s
-            what = f"did not answer within {self.store.timeout_s:g} s"
+            self.down_until = time.monotonic() + timeout
+            what = f"did not answer within {timeout:g} s"
         else:
             what = f"is unreachable ({exc})"
         return StorageUnavailable(
@@ -496,7 +515,7 @@ def check_put_size(conn: Conn, link: Link, nbytes: int) -> None:
 
 
 def exchange(
-    reqs: Sequence[Request], handle: Handler, *, parallel_replies: bool = False
+    reqs: Sequence[Request], handle: Handler, *, parallel_replies: bool = False, work: Sequence[int] | None = None
 ) -> tuple[list[Any], BaseException | None]:
     """Send every request, then read every reply with ``handle(i, link, conn, code, meta, plen, fds)``.
 
@@ -511,6 +530,11 @@ def exchange(
     time, one thread per node. ``parallel_replies=True`` reads the replies at the same time too:
     only for a ``handle`` that is safe to call from several threads at once (each call gets its
     own link and connection).
+
+    A node is given ``timeout_s`` to start its reply, plus time for the size of a large request
+    (:data:`SLOW_KEY_S` per key, :data:`SLOW_BYTE_S` per byte): a live node indexing a million
+    keys is slow, not dead. ``work``: the keys each request makes the node handle, where its
+    header map does not list them (a commit of a reservation); by default, its ``keys``.
     """
     sent = [False] * len(reqs)
     results: list[Any] = [None] * len(reqs)
@@ -523,7 +547,9 @@ def exchange(
         framed.append(((link, conn, op, meta, payload), unpins))
 
     sizes = [sum(map(len, req[4])) for req, _ in framed]
-    sends = [_sender(req, size) for (req, _), size in zip(framed, sizes, strict=True)]
+    counts = work if work is not None else [len(req[3].get("keys") or ()) for req, _ in framed]
+    works = [_allowance(n, size) for n, size in zip(counts, sizes, strict=True)]
+    sends = [_sender(req, size, w) for (req, _), size, w in zip(framed, sizes, works, strict=True)]
     large = sum(size >= PARALLEL_MIN_BYTES for size in sizes)
     outcomes = concurrently(sends) if large > 1 else [send() for send in sends]
     for i, ((link, conn, *_), unpins) in enumerate(framed):
@@ -534,11 +560,11 @@ def exchange(
         link.unpins.extend(unpins)
         if isinstance(exc, OSError):
             link.fail(conn)
-            first_err = first_err or link.unavailable(exc)
+            first_err = first_err or link.unavailable(exc, works[i])
         else:
             first_err = first_err or exc
 
-    receives = [_receiver(i, req, handle) for i, (req, _) in enumerate(framed) if sent[i]]
+    receives = [_receiver(i, req, handle, works[i]) for i, (req, _) in enumerate(framed) if sent[i]]
     if parallel_replies and len(receives) > 1:
         replies = concurrently(receives)
     else:
@@ -550,13 +576,17 @@ def exchange(
     return results, first_err
 
 
-def _sender(req: Request, size: int) -> Callable[[], BaseException | None]:
-    """Sending one request: returns the ``OSError`` or ``InvalidArgument`` it met, else ``None``."""
+def _sender(req: Request, size: int, work: tuple[int, int, float] | None = None) -> Callable[[], BaseException | None]:
+    """Sending one request: returns the ``OSError`` or ``InvalidArgument`` it met, else ``None``.
+    ``work``: a large request's size: the node may take longer to read it too (and the reply's
+    wait keeps the longer timeout, see :func:`_receiver`)."""
     link, conn, op, meta, payload = req
 
     def send() -> BaseException | None:
         try:
             _check_request(conn, link, meta)
+            if work is not None:
+                set_blocking_timeout(conn.sock, link.store.timeout_s + work[2])
             send_frame(conn.sock, op, meta, payload, size)
         except (OSError, InvalidArgument) as exc:
             return exc
@@ -565,17 +595,32 @@ def _sender(req: Request, size: int) -> Callable[[], BaseException | None]:
     return send
 
 
-def _receiver(i: int, req: Request, handle: Handler) -> Callable[[], tuple[int, Any, BaseException | None]]:
+def _allowance(keys: int, nbytes: int) -> tuple[int, int, float] | None:
+    """``(keys, bytes, extra seconds)`` of a request large enough to be waited on longer."""
+    extra = keys * SLOW_KEY_S + nbytes * SLOW_BYTE_S
+    return (keys, nbytes, extra) if extra >= SLOW_MIN_S else None
+
+
+def _receiver(
+    i: int, req: Request, handle: Handler, work: tuple[int, int, float] | None = None
+) -> Callable[[], tuple[int, Any, BaseException | None]]:
     """Reading request ``i``'s reply: ``(i, what handle returned, the error it met or None)``.
 
     A broken connection (its node unreachable, or a reply that breaks the protocol) is failed
-    here, so a thread reading one node's reply only touches that node's link."""
+    here, so a thread reading one node's reply only touches that node's link. ``work``: a large
+    request's size, whose reply is waited for longer (see :func:`exchange`)."""
     link, conn = req[0], req[1]
+
+    def first_bytes() -> tuple[int, int, int, list[int]]:
+        header = recv_header(conn.sock, conn.local)  # with the sender's longer timeout, if large
+        if work is not None:
+            set_blocking_timeout(conn.sock, link.store.timeout_s)
+        return header
 
     def receive() -> tuple[int, Any, BaseException | None]:
         fds: list[int] = []
         try:
-            code, mlen, plen, fds = recv_header(conn.sock, conn.local)
+            code, mlen, plen, fds = first_bytes()
             what = f"DRAM storage node {link.label}"
             check_lengths(mlen, plen, conn.max_header, link.store.max_frame, what)
             meta = recv_meta(conn.sock, mlen, conn.max_header, what)
@@ -583,7 +628,7 @@ def _receiver(i: int, req: Request, handle: Handler) -> Callable[[], tuple[int, 
             return i, handle(i, link, conn, code, meta, plen, got), None
         except OSError as exc:
             link.fail(conn)
-            return i, None, link.unavailable(exc)
+            return i, None, link.unavailable(exc, work)
         except TQError as exc:
             if isinstance(exc, ProtocolError):
                 link.fail(conn)

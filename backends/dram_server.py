@@ -2,7 +2,9 @@
 
 Run one with ``python -m tq_redis.backends.dram_server --redis URL --capacity 4GiB`` (or
 ``tq-redis storage-unit``). It registers itself in Redis (``<ns>:storage:nodes``), heartbeats
-every second with its used bytes, and deregisters on SIGTERM / SIGINT.
+every second with its used bytes, and deregisters on SIGTERM / SIGINT. With each heartbeat it runs
+the deletes clients recorded for it while it was unreachable (``<ns>:storage:pending:<node id>``),
+so a clear that ran while the node was paused or cut off frees its memory once it is back.
 
 Same-host clients connect over an abstract Unix socket and receive slab fds (``SCM_RIGHTS``); they
 write values straight into reserved extents and read them in place. Remote clients use TCP, and
@@ -56,7 +58,7 @@ from tq_redis.backends.dram_session import Admission, Limits, Session
 
 from tq_redis import connections
 from tq_redis.config import parse_size
-from tq_redis.keys import storage_nodes_key
+from tq_redis.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key
 from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis.dram_server")
@@ -116,6 +118,7 @@ class _Server:
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
         self.registered = False
+        self._drain_failed = False
         self._sessions: dict[Session, threading.Thread] = {}
         self._sessions_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -145,12 +148,36 @@ class _Server:
         }
 
     def beat(self) -> dict[str, Any]:
-        """Write the registration (with Redis's clock, so clients on other hosts agree on staleness)."""
+        """Write the registration (with Redis's clock, so clients on other hosts agree on staleness),
+        then run the deletes recorded for this node while it was unreachable."""
         sec, usec = self.redis.time()
         info = self.info(sec + usec / 1e6)
         self.redis.hset(self.key, self.node.node_id, json.dumps(info))
         self.registered = True
+        try:
+            self.drain_pending()
+        except redis.RedisError as exc:  # e.g. an ACL user from before pending deletes: keep beating
+            if not self._drain_failed:
+                log.warning("cannot run the deletes recorded for this node in Redis (%s); its cleared "
+                            "values stay in memory until it restarts", exc)
+            self._drain_failed = True
         return info
+
+    def drain_pending(self) -> int:
+        """Delete the keys clients could not delete here while this node was unreachable; returns
+        how many were present. Each entry is taken off the list before its keys are deleted: if
+        the node dies in between, its memory (and those values) is gone anyway."""
+        pending = pending_deletes_key(self.args.namespace, self.node.node_id)
+        deleted = 0
+        while True:
+            entries = self.redis.lpop(pending, PENDING_BATCH)
+            if not entries:
+                return deleted
+            for entry in entries:
+                keys = entry.decode(errors="replace").split("\n")
+                deleted += self.node.delete(keys)
+            if deleted:
+                log.info("ran %d delete(s) recorded while this node was unreachable", deleted)
 
     def start(self, parent_fd: int | None = None) -> None:
         """Start the heartbeat and accept threads (and the parent watch when ``parent_fd`` is given)."""
@@ -198,12 +225,16 @@ class _Server:
                 session.end(now=True)
 
     def _deregister(self) -> None:
+        """Leave the registry (if no newer run of this node id took the entry over), and drop the
+        deletes recorded for this node: its memory goes with it."""
         if not self.registered:
             return
         try:
             raw = self.redis.hget(self.key, self.node.node_id)
             if raw and json.loads(raw).get("instance") == self.node.instance:
                 self.redis.hdel(self.key, self.node.node_id)
+                self.redis.delete(pending_deletes_key(self.args.namespace, self.node.node_id))
+                self.redis.srem(pending_nodes_key(self.args.namespace), self.node.node_id)
         except (redis.RedisError, ValueError) as exc:
             log.warning("could not deregister from Redis: %s", exc)
 
@@ -292,6 +323,8 @@ class _Server:
 
 #: while Redis is unreachable, the heartbeat is retried this often
 RETRY_S = 0.1
+#: entries of the pending-deletes list taken per LPOP
+PENDING_BATCH = 16
 
 
 def _peer(addr: Any, local: bool) -> str:

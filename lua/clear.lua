@@ -7,14 +7,16 @@
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1..]                    sample ids
   Output:
-    {cleared_ids, fields, older} ids that were alive (their data must be deleted), the
-                                 partition's registered field names, and how many ids were in
-                                 the trash before (bytes an earlier delete left behind)
+    {cleared_ids, fields, older, rings}
+                                 ids that were alive (their data must be deleted), the
+                                 partition's registered field names, how many ids were in the
+                                 trash before (bytes an earlier delete left behind), and the ids
+                                 of the rings its store values were put under (their holders)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>
-    <p>:trash  <p>:trashfields  <p>:inline
+    <p>:trash  <p>:trashfields  <p>:inline  <p>:rings
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
@@ -28,7 +30,8 @@
 local function clear(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local older = redis.call('BITCOUNT', prefix .. 'trash')
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}, older} end
+  local rings = redis.call('HKEYS', prefix .. 'rings')
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {{}, {}, older, rings} end
   local ids = {}
   for i = 1, #ARGV do ids[i] = tonumber(ARGV[i]) end
   local bits = get_bits(prefix .. 'alive', ids)
@@ -37,7 +40,7 @@ local function clear(KEYS, ARGV)
     if bits[i] == 1 then alive[#alive + 1] = ids[i] end
   end
   local fields = redis.call('HKEYS', prefix .. 'fields')
-  if #alive == 0 then return {{}, fields, older} end
+  if #alive == 0 then return {{}, fields, older, rings} end
 
   set_bits(prefix .. 'alive', alive, 0)
   inline_drop(prefix, alive, fields) -- inline values go with the bits; store bytes via the trash
@@ -62,5 +65,5 @@ local function clear(KEYS, ARGV)
   end
   redis.call('HINCRBY', KEYS[1], 'samples', -#alive)
   emit(prefix, 'cleared', 'count', #alive)
-  return {alive, fields, older}
+  return {alive, fields, older, rings}
 end

@@ -1,24 +1,28 @@
 --[[
   drop_partition: delete every metadata key of a partition except its id counter (so ids stay
-  unique if the partition id is used again) and its trash: the alive samples move to the trash,
-  which the client empties (trash_done) once their bytes are deleted. Idempotent.
+  unique if the partition id is used again), its trash and the rings its values were put under:
+  the alive samples move to the trash, which the client empties (trash_done) once their bytes are
+  deleted from their holders. A sealed partition stays closed (<p>:closed): a late writer's put
+  is refused until reopen_partition. Idempotent.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
+    ARGV[1]  now_ms              when it was cleared (recorded in <p>:closed if it was sealed)
   Output:
-    {alive_bitmap, fields, older, in_store}
+    {alive_bitmap, fields, older, in_store, rings}
                                  the alive bitmap as it was, the registered field names ({false,
                                  {}} if unknown), how many ids were in the trash before (an earlier
                                  delete's leftovers), and 1 if the samples may have bytes in the
                                  store (the client deletes those), 0 if every value the partition
                                  ever held was inline (`inlineonly`, see insert.lua): the alive
-                                 samples then go nowhere, their values went with <p>:inline
+                                 samples then go nowhere, their values went with <p>:inline;
+                                 and the ids of the rings its store values were put under
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx
     <p>:kv  <p>:kvkeys  <p>:inline
-    <p>:trash  <p>:trashfields
+    <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
@@ -30,7 +34,9 @@
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local older = redis.call('BITCOUNT', prefix .. 'trash')
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1} end
+  local rings = redis.call('HKEYS', prefix .. 'rings')
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1, rings} end
+  if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then redis.call('SET', prefix .. 'closed', ARGV[1]) end
   local alive = redis.call('GET', prefix .. 'alive')
   local fields = redis.call('HKEYS', prefix .. 'fields')
   local in_store = redis.call('HGET', KEYS[1], 'inlineonly') ~= '1'
@@ -41,7 +47,10 @@ local function drop_partition(KEYS, ARGV)
   local doomed = {KEYS[1], prefix .. 'alive', prefix .. 'fields', prefix .. 'tasks', prefix .. 'tagnames',
                   prefix .. 'groups', prefix .. 'groupidx', prefix .. 'kv', prefix .. 'kvkeys', prefix .. 'events',
                   prefix .. 'inline'}
-  for i = 1, #fields do doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i] end
+  for i = 1, #fields do
+    doomed[#doomed + 1] = prefix .. 'prod:' .. fields[i]
+    doomed[#doomed + 1] = prefix .. 'loc:' .. fields[i]
+  end
   local tasks = redis.call('SMEMBERS', prefix .. 'tasks')
   for i = 1, #tasks do
     doomed[#doomed + 1] = prefix .. 'cons:' .. tasks[i]
@@ -65,5 +74,5 @@ local function drop_partition(KEYS, ARGV)
   -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')
   redis.call('PEXPIRE', prefix .. 'events', 60000)
-  return {alive or false, fields, older, in_store and 1 or 0}
+  return {alive or false, fields, older, in_store and 1 or 0, rings}
 end

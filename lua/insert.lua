@@ -6,38 +6,44 @@
     <p>:inline in the same atomic step as the bits, so a small put is one round trip.
   A partition created by an inline put is marked `inlineonly` in its meta hash until a put
   through `reserve` (values in the store) arrives: clearing it then needs no store round trip.
+  A store that places keys itself names the ring it put them under (see includes/placement.lua).
+  A partition that was sealed and then cleared stays closed (<p>:closed) until reopen_partition.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  first_id            from `reserve`, or '' to allocate the ids here (inline values)
     ARGV[2]  count
     ARGV[3]  now_ms              creation time for a new partition
-    ARGV[4]  nfields
-    ARGV[5..4+2*nfields]         nfields pairs: field name, canonical schema JSON
-    ARGV[5+2*nfields..]          with first_id '': count x nfields values, field-major (every
+    ARGV[4]  ring                the store's ring the values were put under, '' if none
+    ARGV[5]  nfields
+    ARGV[6..5+2*nfields]         nfields pairs: field name, canonical schema JSON
+    ARGV[6+2*nfields..]          with first_id '': count x nfields values, field-major (every
                                  sample's value of the first field, then of the next field)
   Output:
     {1, first_id}                samples alive, fields marked produced, `insert` event emitted
     {0, field, registered}       a field's schema conflicts (with `reserve`: appeared since); nothing written
     {-3}                         the partition is sealed; nothing written
+    {-4}                         the partition was sealed and cleared (closed); nothing written
   Touches:
     <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
-    <p>:groups
+    <p>:groups  <p>:closed  <p>:rings  <p>:loc:<field>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
 -- @include bits
 -- @include events
 -- @include inline
+-- @include placement
 -- @include prefix
 -- @include schemas
 
 local function insert(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local count = tonumber(ARGV[2])
-  local nfields = tonumber(ARGV[4])
-  local pairs_ = {unpack(ARGV, 5, 4 + 2 * nfields)}
+  local nfields = tonumber(ARGV[5])
+  local pairs_ = {unpack(ARGV, 6, 5 + 2 * nfields)}
   if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then return {-3} end
+  if redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
   local conflict = schema_conflict(prefix, pairs_)
   if conflict then return {0, conflict[1], conflict[2]} end
 
@@ -49,7 +55,9 @@ local function insert(KEYS, ARGV)
     first = redis.call('INCRBY', prefix .. 'seq', count) - count
     local ids = {}
     for i = 1, count do ids[i] = first + i - 1 end
-    inline_put(prefix, ids, names, ARGV, 5 + 2 * nfields)
+    inline_put(prefix, ids, names, ARGV, 6 + 2 * nfields)
+  else
+    place_range(prefix, ARGV[4], names, first, count)
   end
   register_schemas(prefix, pairs_)
   set_bit_range(prefix .. 'alive', first, count)

@@ -19,8 +19,10 @@
       tags                       flat {tag name, {JSON value or false per key}, ...}
     {0, field, registered}       a field's schema conflicts with the registered one; nothing written
     {-1}                         the partition does not exist (create = '0')
+    {-4}                         the partition was sealed and cleared (closed until reopen_partition);
+                                 nothing written (create = '1')
   Touches:
-    <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>
+    <p>:closed  <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>
     <p>:tagnames  <p>:tag:<name>
     <p>:kv  <p>:kvkeys
 ]]
@@ -38,6 +40,7 @@ local function kv_resolve(KEYS, ARGV)
   for i = 1, nkeys do keys[i] = ARGV[3 + i] end
   for i = 4 + nkeys, #ARGV do schemas[#schemas + 1] = ARGV[i] end
   if redis.call('EXISTS', KEYS[1]) == 0 and not create then return {-1} end
+  if create and redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
   if create then
     local conflict = schema_conflict(prefix, schemas)
     if conflict then return {0, conflict[1], conflict[2]} end

@@ -4,13 +4,15 @@
 
   Small values may come inline (see includes/inline.lua): stored in <p>:inline in this same
   atomic step. Values written to a store instead replace any inline value the samples had, and
-  the partition is no longer `inlineonly` (see insert.lua).
+  the partition is no longer `inlineonly` (see insert.lua), and the ring a store that places keys
+  itself put them under is recorded (see includes/placement.lua).
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
-    ARGV[1]  nfields
-    ARGV[2..1+2*nfields]         field name, canonical schema JSON pairs
-    ARGV[2+2*nfields]            nids
+    ARGV[1]  ring                the store's ring the values were put under, '' if none (or inline)
+    ARGV[2]  nfields
+    ARGV[3..2+2*nfields]         field name, canonical schema JSON pairs
+    ARGV[3+2*nfields]            nids
     then                         nids sample ids
     then                         optional: nids x nfields inline values, field-major
   Output:
@@ -19,7 +21,7 @@
     {-2, id...}                  these ids are not alive (never inserted or cleared); nothing written
     {0, field, registered}       a field's schema conflicts; nothing written
   Touches:
-    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline
+    <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline  <p>:rings  <p>:loc:<field>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
@@ -27,15 +29,16 @@
 -- @include bits
 -- @include events
 -- @include inline
+-- @include placement
 -- @include prefix
 -- @include schemas
 
 local function produce(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
-  local nfields = tonumber(ARGV[1])
-  local pairs_ = {unpack(ARGV, 2, 1 + 2 * nfields)}
-  local at = 2 + 2 * nfields
+  local nfields = tonumber(ARGV[2])
+  local pairs_ = {unpack(ARGV, 3, 2 + 2 * nfields)}
+  local at = 3 + 2 * nfields
   local nids = tonumber(ARGV[at])
   local ids = {}
   for i = 1, nids do ids[i] = tonumber(ARGV[at + i]) end
@@ -57,6 +60,7 @@ local function produce(KEYS, ARGV)
   else
     inline_drop(prefix, ids, names) -- the store holds the new values: no stale inline copy
     redis.call('HDEL', KEYS[1], 'inlineonly')
+    place_ids(prefix, ARGV[1], names, ids)
   end
   for i = 1, #names do set_bits(prefix .. 'prod:' .. names[i], ids, 1) end
   emit(prefix, 'produced', 'count', #ids, 'fields', table.concat(names, ','))

@@ -1,6 +1,7 @@
 --[[
   trash_done: the bytes of these samples are deleted from the stores; take them out of the trash
-  (and drop the trash keys once it is empty).
+  (and drop the trash keys once it is empty, and the partition's rings too once the partition is
+  gone: no bytes of it are left to find).
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
@@ -8,7 +9,7 @@
   Output:
     number of ids still in the trash
   Touches:
-    <p>:trash  <p>:trashfields
+    <p>:meta  <p>:trash  <p>:trashfields  <p>:rings
   Flags:
     allow-oom  it only deletes: emptying the trash must work when Redis is full
 ]]
@@ -19,6 +20,9 @@ local function trash_done(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   set_ranges(prefix .. 'trash', ARGV[1], 0)
   local left = redis.call('BITCOUNT', prefix .. 'trash')
-  if left == 0 then redis.call('DEL', prefix .. 'trash', prefix .. 'trashfields') end
+  if left == 0 then
+    redis.call('DEL', prefix .. 'trash', prefix .. 'trashfields')
+    if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', prefix .. 'rings') end
+  end
   return left
 end

@@ -12,8 +12,10 @@ loaded by an admin: ``tq-redis load-library``), no ``CONFIG``, ``FLUSHALL``/``FL
 checked against the caller's rules too, a function called with a namespace's keys cannot reach
 another namespace's.
 
-A storage node (``tq-redis storage-unit``) only registers itself: role ``storage-node`` may read
-and write the key ``<ns>:storage:nodes`` (``HSET``/``HGET``/``HDEL``, ``TIME`` for the heartbeat).
+A storage node (``tq-redis storage-unit``) only registers itself and runs the deletes recorded for
+it: role ``storage-node`` may read and write the key ``<ns>:storage:nodes`` (``HSET``/``HGET``/
+``HDEL``, ``TIME`` for the heartbeat) and take its entries off ``<ns>:storage:pending:*`` (``LPOP``,
+and ``DEL``/``SREM`` of them and ``<ns>:storage:pendingnodes`` when it stops).
 
 ``tq-redis acl NAMESPACE`` prints the ``ACL SETUSER`` line; ``--apply --redis URL`` (as an admin
 user) runs it on the server (every primary of a cluster). :func:`setuser_args` builds it.
@@ -64,7 +66,7 @@ CONNECTION_COMMANDS: tuple[str, ...] = (
 CLIENT_COMMANDS: tuple[str, ...] = CLIENT_DATA_COMMANDS + CONNECTION_COMMANDS
 
 #: a storage node: its registration in ``<ns>:storage:nodes``
-STORAGE_NODE_COMMANDS: tuple[str, ...] = ("hset", "hget", "hdel", *CONNECTION_COMMANDS)
+STORAGE_NODE_COMMANDS: tuple[str, ...] = ("hset", "hget", "hdel", "lpop", "del", "srem", *CONNECTION_COMMANDS)
 
 #: never granted to a namespace's user (the unit tests check none slips in)
 FORBIDDEN: frozenset[str] = frozenset({
@@ -84,7 +86,7 @@ def key_patterns(namespace: str, role: str = "client") -> list[str]:
     if role == "client":
         return [f"~{ns}:*"]
     if role == "storage-node":
-        return [f"~{ns}:storage:nodes"]
+        return [f"~{ns}:storage:nodes", f"~{ns}:storage:pending:*", f"~{ns}:storage:pendingnodes"]
     raise ConfigError(f"ACL role {role!r} is not known: use one of {', '.join(ROLES)}")
 
 

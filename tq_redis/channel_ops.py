@@ -115,7 +115,9 @@ def store_item(ctx: ops.Context, ck: ChannelKeys, enc: _Encoded) -> Op:
     first = (yield Cmd(("INCRBY", ck.seq, enc.rows))) - enc.rows
     ref = dict(enc.ref, ids=list(range(first, first + enc.rows)))
     store = yield from _storage(ctx)
-    yield Offload(store.put, (_data_keys(ctx, ck), ref["ids"], enc.fields))
+    ring = yield Offload(store.put, (_data_keys(ctx, ck), ref["ids"], enc.fields))
+    if ring is not None:  # where a placing store put the bytes: read and deleted there, whatever joins
+        ref["ring"] = ring
     return _REF + objects.encode_object(ref, allow_pickle=ctx.allow_pickle)
 
 
@@ -155,9 +157,10 @@ def load_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes], consume:
         store = yield from _storage(ctx)
         names = [f"f{j}" for j in range(len(ref["paths"]))]
         pk = _data_keys(ctx, ck)
-        got = yield Offload(store.get, (pk, ref["ids"], names))
+        rings = [ref["ring"]] if ref.get("ring") else []
+        got = yield Offload(store.get, (pk, ref["ids"], names, item_placement(rings)))
         if consume:
-            yield Offload(store.delete, (pk, ref["ids"], names))
+            yield Offload(store.delete, (pk, ref["ids"], names, rings))
         values = [
             codec.decode_field(n, got[n], allow_pickle=ctx.allow_pickle, nested_output=ctx.nested_output)
             for n in names
@@ -178,28 +181,51 @@ def _tensordict(batch_size: list[int], paths: list[list[str]], values: list[Any]
     return td
 
 
-def stored_parts(entry: bytes) -> tuple[list[int], list[str]]:
-    """The sample ids and field names of the channel's hidden partition that a queue entry's
-    bytes live under (none for an object kept in the entry itself)."""
+def item_placement(rings: list[str]) -> transitions.Placement | None:
+    """Where a placing store put an item's bytes: all of them under one ring (None: not recorded)."""
+    return transitions.Placement(rings, {}) if rings else None
+
+
+def without_ring(entry: bytes) -> bytes:
+    """A queue entry without the ring its bytes were put under (a checkpoint's copy: loading it
+    puts the bytes wherever the loading namespace's nodes are)."""
     tag, body = _payload(entry)
     if tag != _REF:
-        return [], []
+        return entry
+    try:
+        ref = objects.decode_object(body, allow_pickle=False)
+    except TQError:
+        return entry
+    if not isinstance(ref, dict) or "ring" not in ref:
+        return entry
+    del ref["ring"]
+    head = entry[: entry.index(b"|") + 1]
+    return head + _REF + objects.encode_object(ref, allow_pickle=False)
+
+
+def stored_parts(entry: bytes) -> tuple[list[int], list[str], list[str]]:
+    """The sample ids and field names of the channel's hidden partition that a queue entry's
+    bytes live under (none for an object kept in the entry itself), and the ring a placing store
+    put them under (none: not recorded)."""
+    tag, body = _payload(entry)
+    if tag != _REF:
+        return [], [], []
     try:
         ref = objects.decode_object(body, allow_pickle=False)
     except TQError:  # a "td-inline" entry holding pickled values: it has no bytes elsewhere
-        return [], []
+        return [], [], []
     if not isinstance(ref, dict) or not ref.get("ids"):
-        return [], []
-    return list(ref["ids"]), [f"f{j}" for j in range(len(ref["paths"]))]
+        return [], [], []
+    return list(ref["ids"]), [f"f{j}" for j in range(len(ref["paths"]))], [ref["ring"]] if ref.get("ring") else []
 
 
 def drop_items(ctx: ops.Context, ck: ChannelKeys, entries: list[bytes]) -> Op:
     """Delete the data-plane bytes of entries that will never be read."""
     for entry in entries:
-        ids, names = stored_parts(entry)
+        ids, names, rings = stored_parts(entry)
         if ids:
             store = yield from _storage(ctx)
-            yield Offload(store.delete, (_data_keys(ctx, ck), ids, names))
+            yield Offload(store.delete, (_data_keys(ctx, ck), ids, names, rings))
 
 
 # ------------------------------------------------------------------ operations (Redis)

@@ -12,8 +12,10 @@ namespace (``a:b`` beside ``a``) is never read or touched, and the multi-key del
 grouped per hash slot, so both work on a Redis Cluster. The sampler caches ``rank:``/``bal:``
 (which expire within seconds) are not saved. Keys relative to the namespace are stored without it, so a checkpoint
 loads into another namespace too. Not saved: ``<ns>:config`` and ``<ns>:storage:*`` (the
-store and the storage nodes are whatever the loading process's ``init`` set up), and, with a
-store other than ``redis``, tensor items still queued in a ``Channel``.
+store and the storage nodes are whatever the loading process's ``init`` set up), where a placing
+store put each value (``<p>:rings``, ``<p>:loc:*``, a queued item's ring: the load puts the bytes
+where the loading namespace's nodes are and records that instead), and, with a store other than
+``redis``, tensor items still queued in a ``Channel``.
 
 Call both between steps, while no process writes to the namespace: the keys are read one by one,
 not as one snapshot. ``load_checkpoint`` replaces the namespace's state: keys not in the
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tq_redis import bitmaps, channel_ops, names, objects, ops
+from tq_redis import bitmaps, channel_ops, names, objects, ops, transitions
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.keys import ChannelKeys, PartitionKeys, by_slot, channels_key, kept_partitions_key, partitions_key
 
@@ -71,8 +73,9 @@ def _partition_keys(r: Any, pk: PartitionKeys, with_data: bool) -> list[str]:
     fields = [_text(f) for f in fields]
     keys = [pk.meta, pk.seq, pk.alive, pk.fields, pk.tasks, pk.tagnames, pk.groups, pk.groupidx, pk.kv,
             pk.kvkeys, pk.events, pk.waittasks, pk.trash, pk.trash_fields, pk.inline, pk.dock, pk.dockstate,
-            pk.dockmetrics]
+            pk.dockmetrics, pk.closed, pk.rings]
     keys += [pk.prod(f) for f in fields]
+    keys += [pk.loc(f) for f in fields]
     for task in sorted(map(_text, tasks)):
         keys += [pk.cons(task), pk.lease(task), pk.deliveries(task), pk.poison(task)]
     for task in sorted(map(_text, waiting)):
@@ -97,7 +100,7 @@ def _channel_keys(r: Any, ck: ChannelKeys, with_data: bool) -> list[str]:
         data = ck.data_keys()
         for entries in pipe.execute():
             for entry in entries:
-                ids, fields = channel_ops.stored_parts(entry)
+                ids, fields, _ = channel_ops.stored_parts(entry)
                 keys += [data.data(i, f) for i in ids for f in fields]
     return keys
 
@@ -252,7 +255,8 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
         for field in (_text(f) for f in r.hkeys(pk.fields)):
             ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive and f"{i}:{field}" not in inline]
             if ids:
-                values = store.get(pk, ids, [field])[field]
+                where = client.run(transitions.check_visible(pk, ids, [field], placement=True).call()).placement
+                values = store.get(pk, ids, [field], where)[field]
                 columns[field] = {"ids": ids, "values": [bytes(v) for v in values]}
                 saved += len(ids)
         if columns:
@@ -270,17 +274,18 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
 
 def _channel_columns(r: Any, store: Any, ck: ChannelKeys) -> dict[str, dict[str, list]]:
     """``{field: {"ids", "values"}}`` of the tensor items queued in channel ``ck``."""
-    wanted: dict[str, list[int]] = {}
+    columns: dict[str, dict[str, list]] = {}
+    pk = ck.data_keys()
     for queue in channel_ops.queue_keys(ck, r.hkeys(ck.meta)):
         for entry in r.lrange(queue, 0, -1):
-            ids, fields = channel_ops.stored_parts(entry)
-            for field in fields:
-                wanted.setdefault(field, []).extend(ids)
-    pk = ck.data_keys()
-    return {
-        field: {"ids": ids, "values": [bytes(v) for v in store.get(pk, ids, [field])[field]]}
-        for field, ids in wanted.items()
-    }
+            ids, fields, rings = channel_ops.stored_parts(entry)
+            if ids:
+                got = store.get(pk, ids, fields, channel_ops.item_placement(rings))
+                for field in fields:
+                    column = columns.setdefault(field, {"ids": [], "values": []})
+                    column["ids"].extend(ids)
+                    column["values"].extend(bytes(v) for v in got[field])
+    return columns
 
 
 def save(client: Any, checkpoint_dir: str | Path, *, metadata: dict[str, Any] | None = None,
@@ -309,7 +314,9 @@ def save(client: Any, checkpoint_dir: str | Path, *, metadata: dict[str, Any] | 
         r, ns = client.redis, client.namespace
         keys = _namespace_keys(r, ns, with_data=store.backend == "redis")
         records = [
-            [portable(key[len(ns) + 1 :], ns), kind, value, ttl] for key, kind, value, ttl in _read_keys(r, keys)
+            [portable(key[len(ns) + 1 :], ns), kind, _unplaced(key, kind, value), ttl]
+            for key, kind, value, ttl in _read_keys(r, keys)
+            if not _is_placement(key)
         ]
         (tmp / KEYS_FILE).write_bytes(objects.encode_object(records))
         info = {
@@ -350,13 +357,17 @@ def load(client: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
     data_files = sorted((final / DATA_DIR).glob("*.msgpack"))
     if data_files and store.backend == "redis":
         raise ConfigError(f"the checkpoint holds {info['backend']} store data but this namespace uses the redis store")
+    placements = []  # where a placing store put each partition's fields: recorded with the bits
     for path in data_files:  # data first, then the bits that make it visible
         part = objects.decode_object(path.read_bytes())
         pid = part["partition"]  # a channel's hidden partition carries the reserved prefix
         internal = pid.startswith(names.RESERVED_PARTITION_PREFIX)
         pk = PartitionKeys.internal(ns, pid) if internal else client.context.keys(pid)
+        rings = {}
         for field, column in part["columns"].items():
-            store.put(pk, column["ids"], {field: [[v] for v in column["values"]]})
+            rings[field] = store.put(pk, column["ids"], {field: [[v] for v in column["values"]]}), column["ids"]
+        if not internal:
+            placements.append((pk, rings))
     records = _registries(ns, objects.decode_object((final / KEYS_FILE).read_bytes()))
     records = [[placed(suffix, ns), *rest] for suffix, *rest in records]
     keep = {f"{ns}:{suffix}" for suffix, *_ in records}
@@ -364,5 +375,35 @@ def load(client: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
     pipe = r.pipeline(transaction=False)
     for suffix, kind, value, ttl_ms in records:
         _write_key(pipe, f"{ns}:{suffix}", kind, value, ttl_ms)
+    for pk, rings in placements:
+        _write_placement(pipe, pk, rings)
     pipe.execute()
     return info["user_metadata"]
+
+
+def _is_placement(key: str) -> bool:
+    """Whether ``key`` records where a placing store put values (``<p>:rings``, ``<p>:loc:<field>``):
+    not saved, since a load puts the bytes wherever the loading namespace's nodes are."""
+    tail = key.split("}:", 1)[1] if "}:" in key else ""
+    return tail == "rings" or tail.startswith("loc:")
+
+
+def _unplaced(key: str, kind: str, value: Any) -> Any:
+    """A channel queue's entries without the ring their bytes were put under (see _is_placement)."""
+    if kind != "list" or "}:q:" not in key or not key.split(":", 1)[1].startswith("chan:{"):
+        return value
+    return [channel_ops.without_ring(entry) for entry in value]
+
+
+def _write_placement(pipe: Any, pk: PartitionKeys, rings: dict[str, tuple[str | None, list[int]]]) -> None:
+    """Record where the load put each field of a partition (lua/includes/placement.lua's layout)."""
+    index: dict[str, int] = {}
+    for field, (ring, ids) in rings.items():
+        if ring is None:
+            continue
+        k = index.setdefault(ring, len(index))
+        pipe.hset(pk.rings, ring, k)
+        if k:
+            code = bytes((k % 256, k // 256))
+            for i in ids:
+                pipe.setrange(pk.loc(field), 2 * i, code)

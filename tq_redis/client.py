@@ -212,6 +212,10 @@ class AsyncTransferQueueClient:
         """See :meth:`tq_redis.TransferQueueClient.seal_partition`."""
         return await self.arun(streaming.seal_partition(self._ctx, partition_id))
 
+    async def async_reopen_partition(self, partition_id: str) -> bool:
+        """See :meth:`tq_redis.TransferQueueClient.reopen_partition`."""
+        return await self.arun(streaming.reopen_partition(self._ctx, partition_id))
+
     async def async_close(self) -> None:
         """Close this event loop's Redis pool and the store connections."""
         driver = self._async_drivers.pop(asyncio.get_running_loop(), None)

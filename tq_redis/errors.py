@@ -50,6 +50,12 @@ class PartitionSealed(InvalidArgument):
     """Samples were inserted into a partition its producers sealed (no more data was promised)."""
 
 
+class PartitionClosed(PartitionSealed):
+    """A put (or KV write) named a partition that was sealed and then cleared: its producers were
+    done and its data is gone, so a late writer must not bring it back. ``reopen_partition(id)``
+    lets it be created again on purpose. Nothing of the refused call was written."""
+
+
 class ChannelNotFound(TQError, KeyError):
     """A channel was connected to (or used) that nobody created, or that was deleted."""
 

@@ -15,6 +15,11 @@ key                                type    holds
 ``ns:channels``                    SET     channel names (what ``Channel.create`` made)
 ``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
 ``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
+``ns:storage:rings``               HASH    ring id -> JSON list of [node id, address]: every set of
+                                           DRAM nodes a value was put under (see ``<p>:rings``)
+``ns:storage:pending:<node>``      LIST    deletes a DRAM node missed while unreachable (newline-
+                                           joined keys per entry); the node drains it when back
+``ns:storage:pendingnodes``        SET     node ids that have a ``pending:`` list
 ``ns:{p}:meta``                    HASH    partition info: created_ms, samples, sealed, inlineonly
                                            (and ``dock_cursor``: next free row of a GRPOTransferDock)
 ``ns:{p}:seq``                     STRING  next sample id (survives clears: ids never reused)
@@ -45,6 +50,13 @@ key                                type    holds
 ``ns:{p}:wakebudget:<task>``       STRING  wakes left for waiters passing on unused samples (expires)
 ``ns:{p}:trash``                   BITMAP  bit i set while sample i's bytes still await deletion
 ``ns:{p}:trashfields``             SET     fields the trashed samples may hold bytes for
+``ns:{p}:rings``                   HASH    ring id -> index (0, 1, ...): the node sets (``storage:rings``)
+                                           this partition's store values were put under; kept
+                                           after a clear until its trash is empty
+``ns:{p}:loc:<field>``             STRING  per sample id, 2 bytes (little-endian): the index of the
+                                           ring its value of ``field`` was put under (none: 0)
+``ns:{p}:closed``                  STRING  set when a sealed partition is cleared (its time, ms):
+                                           puts are refused until ``reopen_partition``
 ``ns:{p}:inline``                   HASH    ``<id>:<field>`` -> bytes of values put inline (at most
                                            ``storage.inline_max_bytes`` each), written with the bits
 ``ns:{p}:d:<id>:<field>``          STRING  tensor bytes (only with the ``redis`` store)
@@ -106,6 +118,21 @@ def config_key(ns: str) -> str:
 def storage_nodes_key(ns: str) -> str:
     """HASH of registered storage nodes: node id -> JSON description (see ``backends/dram``)."""
     return f"{names.namespace(ns)}:storage:nodes"
+
+
+def storage_rings_key(ns: str) -> str:
+    """HASH of every DRAM node ring a value was put under: ring id -> JSON ``[[node id, address], ...]``."""
+    return f"{names.namespace(ns)}:storage:rings"
+
+
+def pending_deletes_key(ns: str, node_id: str) -> str:
+    """LIST of deletes DRAM node ``node_id`` missed while unreachable (it drains them when back)."""
+    return f"{names.namespace(ns)}:storage:pending:{node_id}"
+
+
+def pending_nodes_key(ns: str) -> str:
+    """SET of the node ids that have a :func:`pending_deletes_key` list (so nothing needs a SCAN)."""
+    return f"{names.namespace(ns)}:storage:pendingnodes"
 
 
 def by_slot(items: Iterable[Any], key: Callable[[Any], str | bytes] | None = None) -> dict[int, list[Any]]:
@@ -194,6 +221,9 @@ class PartitionKeys(_Tagged):
     wake = _KeyOf("wake:")
     wakebudget = _KeyOf("wakebudget:")
     trash = _Key("trash", "Bitmap of samples whose bytes are still to be deleted from the stores.")
+    rings = _Key("rings", "Hash of the node rings this partition's store values were put under: ring id -> index.")
+    loc = _KeyOf("loc:")
+    closed = _Key("closed", "Set once a sealed partition is cleared: puts are refused until it is reopened.")
     inline = _Key("inline", "Hash of small values kept in the metadata plane: ``<id>:<field>`` -> bytes.")
     trash_fields = _Key("trashfields", "Set of the field names the trashed samples may hold bytes for.")
     dock = _Key("dock", "A GRPOTransferDock's shape (prompts_num, n_samples_per_prompt).")

@@ -41,6 +41,7 @@ from tq_redis.errors import (
     BatchSizeMismatch,
     DataNotReady,
     InvalidArgument,
+    PartitionClosed,
     SampleNotFound,
     UnknownKey,
     UnsupportedValue,
@@ -163,9 +164,14 @@ def resolve(
     (``create=False``). ``schemas`` (field -> schema JSON) are checked before creating."""
     call = transitions.kv_resolve(pk, keys, create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema)
     if create:
-        got, _ = yield from transitions.pipeline(
-            call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
-        )
+        try:
+            got, _ = yield from transitions.pipeline(
+                call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
+            )
+        except PartitionClosed:
+            # the ZADD ran after the refusal: take out what it listed (the clear had unlisted it)
+            yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
+            raise
     else:
         got = yield from call.call()
     return None if got is None else Resolved(*got)
@@ -277,7 +283,7 @@ def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -
     cleared, _ = yield from transitions.pipeline(transitions.clear(pk, ids), transitions.kv_unmap(pk, pairs))
     if cleared.ids:
         store = yield from ops.storage(ctx)
-        yield from ops.delete_bytes(store, pk, cleared.ids, cleared.fields)
+        yield from ops.delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
 
 
 # ------------------------------------------------------------------ get, list, clear

@@ -4,10 +4,15 @@ Bits are cleared *before* bytes are deleted: the script that clears a sample's b
 the partition's trash (``ns:{p}:trash``), and the id leaves the trash only once the store has
 deleted its bytes. So when a store is unreachable, or the client dies, in between, the bytes wait
 in the trash and the next clear of those samples (or of the partition) deletes them; a put that
-fails after writing part of its batch cleans up the same way (:func:`discard_bytes`).
+fails after writing part of its batch cleans up the same way (:func:`discard_bytes`). Deletes go
+to every node the partition's values were put on (the rings the scripts return), wherever the
+store's live ring is now; a node unreachable at that moment gets them when it is back (the store
+records them in Redis).
 """
 
 from __future__ import annotations
+
+import time
 
 from tq_redis import arguments, bitmaps, transitions
 from tq_redis.driver import Cmd, Offload, Pipe
@@ -32,7 +37,7 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
         ids = [metadata.global_indexes[i] for i in positions]
         cleared = yield from transitions.clear(pk, ids).call()
         if cleared.ids:
-            yield from delete_bytes(store, pk, cleared.ids, cleared.fields)
+            yield from delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
         elif cleared.older:  # a repeated clear: finish what an earlier one could not
             yield from empty_trash(store, pk)
 
@@ -40,7 +45,8 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
 def clear_partition(ctx: Context, partition_id: str) -> Op:
     """Remove a partition and its data. Idempotent; its sample ids are never reused.
 
-    Bytes an earlier clear could not delete (a store was unreachable) are deleted too.
+    Bytes an earlier clear could not delete (a store was unreachable) are deleted too. A sealed
+    partition stays closed: later puts into it raise ``PartitionClosed`` until ``reopen_partition``.
     """
     pk = ctx.keys(partition_id)
     store = yield from storage(ctx)
@@ -49,7 +55,8 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     keep = Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id))
     try:
         _, dropped, _ = yield from transitions.pipeline(
-            keep, transitions.drop_partition(pk), Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
+            keep, transitions.drop_partition(pk, now_ms=int(time.time() * 1000)),
+            Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
         )
     except RedisOutOfMemory:
         # Redis is full: the drop (allow-oom) and the ZREM ran, the SADD was refused. The dropped
@@ -63,36 +70,44 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
         return
     ids = dropped.alive_ids() if dropped.in_store else []  # inline values went with the partition
     if ids:
-        yield from delete_bytes(store, pk, ids, dropped.fields)
+        yield from delete_bytes(store, pk, ids, dropped.fields, dropped.rings)
 
 
-def delete_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
-    """Delete the bytes of samples already in the partition's trash, then take them out of it."""
-    yield Offload(store.delete, (pk, ids, fields))
+def delete_bytes(
+    store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str], rings: list[str]
+) -> Op:
+    """Delete the bytes of samples already in the partition's trash (from their holders under
+    ``rings``), then take them out of it."""
+    yield Offload(store.delete, (pk, ids, fields, rings))
     yield from transitions.trash_done(pk, ids).call()
 
 
 def empty_trash(store: KVStorageManager, pk: PartitionKeys) -> Op:
     """Delete every sample's bytes waiting in the partition's trash."""
-    raw, fields = yield Pipe((Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields))))
+    raw, fields, rings = yield Pipe(
+        (Cmd(("GET", pk.trash)), Cmd(("SMEMBERS", pk.trash_fields)), Cmd(("HKEYS", pk.rings)))
+    )
     ids = bitmaps.set_ids(raw)
     if ids:
-        yield from delete_bytes(store, pk, ids, sorted(text(f) for f in fields))
+        yield from delete_bytes(store, pk, ids, sorted(text(f) for f in fields), [text(r) for r in rings])
 
 
-def discard_bytes(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
-    """Delete bytes written for samples that will never become visible (a put that failed).
+def discard_bytes(
+    store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str], ring: str | None = None
+) -> Op:
+    """Delete bytes written for samples that will never become visible (a put that failed, or
+    lost a race with a clear); ``ring``: where a placing store put them.
 
     They go into the trash first, so if the delete fails they are retried by a later clear. Runs
     while the caller handles the put's error, which is the one to raise: returns None when the
     bytes are gone, else a note for that error saying what is left and why.
     """
     try:
-        yield from transitions.trash_add(pk, ids, fields).call()
+        yield from transitions.trash_add(pk, ids, fields, ring).call()
     except Exception as exc:
         return f"the bytes this put wrote may remain in the store: they could not be recorded for deletion ({exc})"
     try:
-        yield from delete_bytes(store, pk, ids, fields)
+        yield from delete_bytes(store, pk, ids, fields, [ring] if ring else [])
     except Exception as exc:
         return (
             f"the bytes this put wrote are not deleted yet ({exc}); the next clear of partition "

@@ -3,7 +3,13 @@ ones), ``get_meta(mode="insert")``'s allocation of empty samples, per-sample tag
 
 Order of work follows the invariants of the architecture: a put stores the bytes *before* the
 script that makes them visible flips their bits, and ``get_data`` re-reads the bits *after*
-reading the bytes, so a sample cleared concurrently is never returned.
+reading the bytes, so a sample cleared concurrently is never returned. A store that places keys
+itself names the ring a put used; the script that flips the bits records it, and the re-read of
+the bits after a store read brings that record back, so values are read again from the node they
+were put on if the store's live ring has changed since (:func:`read_store`).
+
+A put whose bits are refused after its bytes were stored (a clear won the race, the partition was
+sealed and cleared) deletes what it wrote (:func:`~tq_redis.ops_clear.discard_bytes`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from tq_redis.errors import (
     DataNotReady,
     EmptyBatch,
     InvalidArgument,
+    PartitionClosed,
     SampleNotFound,
     UnknownPartition,
     UnsupportedValue,
@@ -35,7 +42,7 @@ from tq_redis.keys import PartitionKeys, partitions_key
 from tq_redis.metadata import BatchMeta
 from tq_redis.ops_clear import discard_bytes
 from tq_redis.ops_context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
-from tq_redis.storage import INLINE_MAX_BATCH_BYTES, KVStorageManager
+from tq_redis.storage import INLINE_MAX_BATCH_BYTES, KVStorageManager, by_field
 from tq_redis.transitions import text
 
 # ------------------------------------------------------------------ put
@@ -152,22 +159,36 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
         )  # fmt: skip
     first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
     ids = list(range(first, first + n))
+    ring: str | None = None
     try:
         # A put that fails may still have written part of the batch (on the nodes that took it).
-        yield Offload(store.put, (pk, ids, values))
-        yield from transitions.pipeline(
-            transitions.insert(pk, first, n, schemas, ctx.strict_schema),
-            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
-        )
+        ring = yield Offload(store.put, (pk, ids, values))
+        yield from _insert_written(ctx, pk, first, n, schemas, ring)
     except Exception as exc:
         # Leave no orphaned bytes; if even that fails they wait in the trash for the next clear.
-        note = yield from discard_bytes(store, pk, ids, list(schemas))
+        note = yield from discard_bytes(store, pk, ids, list(schemas), ring)
         if note:
             exc.add_note(note)
         raise
     return BatchMeta.from_columns(
         ids, partition_id, batchmeta_schema(schemas), production_status=np.ones(n, dtype=np.int8)
     )
+
+
+def _insert_written(
+    ctx: Context, pk: PartitionKeys, first: int, n: int, schemas: dict[str, str], ring: str | None
+) -> Op:
+    """Flip the bits of an insert whose bytes are stored, listing the partition in the same round
+    trip; a partition that turned out closed (sealed and cleared) is not listed again."""
+    try:
+        yield from transitions.pipeline(
+            transitions.insert(pk, first, n, schemas, ctx.strict_schema, ring=ring),
+            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),
+        )
+    except PartitionClosed:
+        # the ZADD ran after the refusal: take out what it listed (the drop had unlisted it)
+        yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
+        raise
 
 
 def _nbytes(buffer: Any) -> int:
@@ -257,12 +278,47 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         ids = [metadata.global_indexes[i] for i in positions]
         part = {name: [vals[i] for i in positions] for name, vals in values.items()}
         part_inline = inline_payload(part, store.inline_max_bytes) if inline is not None else None
+        ring = None
         if part_inline is None:
-            yield Offload(store.put, (pk, ids, part))
+            ring = yield Offload(store.put, (pk, ids, part))
         tags = [tag_writes[pid]] if pid in tag_writes else []
-        produce = transitions.produce(pk, ids, schemas, ctx.strict_schema, part_inline or ())
-        yield from transitions.pipeline(*tags, produce)
+        produce = transitions.produce(pk, ids, schemas, ctx.strict_schema, part_inline or (), ring=ring)
+        try:
+            yield from transitions.pipeline(*tags, produce)
+        except (UnknownPartition, SampleNotFound) as exc:
+            if part_inline is None:  # a clear won the race: what this put stored must not outlive it
+                note = yield from _discard_cleared(store, pk, ids, list(schemas), ring)
+                if note:
+                    exc.add_note(note)
+            raise
     return _with_fields(metadata, schemas)
+
+
+def _discard_cleared(
+    store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str], ring: str | None
+) -> Op:
+    """After a rewrite's bits were refused because a clear ran since the checks: delete the bytes
+    it stored that nothing will ever read. Those of samples that are gone go through the trash (a
+    later clear retries them); those of live samples only where the field was not produced for
+    them (elsewhere the bytes replaced the value the bits point at). Returns a note for the
+    caller's error if some could not be deleted."""
+    visible = yield from transitions.check_visible(pk, ids).call()
+    gone = set(visible.not_alive)  # the reply lists every id not alive
+    notes = []
+    cleared = [i for i in ids if i in gone]
+    if cleared:
+        notes.append((yield from discard_bytes(store, pk, cleared, fields, ring)))
+    alive = [i for i in ids if i not in gone]
+    checks = [transitions.check_visible(pk, alive, [f]) for f in fields] if alive else []
+    per_field = (yield from transitions.pipeline(*checks)) if checks else []
+    for field, produced in zip(fields, per_field):
+        unread = produced.not_produced  # every alive id lacking the field
+        if unread:
+            try:
+                yield Offload(store.delete, (pk, unread, [field], [ring] if ring else []))
+            except Exception as exc:  # the caller's error is the one to raise
+                notes.append(f"the bytes this put wrote for field {field!r} of samples {unread[:10]} remain ({exc})")
+    return "; ".join(n for n in notes if n) or None
 
 
 def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
@@ -344,12 +400,35 @@ def decode_batch(ctx: Context, fields: list[str], per_field: dict[str, list], n:
 def _read_store_first(store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
     """Read from the store, then check the bits; ``None`` when the store lacks a value (it may be
     inline: the caller reads with :func:`_read_inline_first` then)."""
-    try:
-        got = yield Offload(store.get, (pk, ids, fields))
-    except DataMissing:
+    return (yield from read_store(store, pk, ids, fields, maybe_inline=True))
+
+
+def read_store(
+    store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str], *, maybe_inline: bool = False
+) -> Op:
+    """The values of ``ids`` x ``fields`` from the store (field -> values aligned with ids), proved
+    by the bits read *after* them: bits are cleared before bytes are deleted, so bits still set
+    prove the bytes belong to live, produced samples (ids are never reused).
+
+    The same check returns where a placing store's values were put; values the first read did
+    not get from that node (nodes joined or left since) are read again from it, and proved again.
+    ``maybe_inline``: return None instead of raising when the store lacks a value.
+    """
+    first = yield Offload(store.read, (pk, ids, fields))
+    if maybe_inline and len(first.missing) and not store.places_keys:
         return None
-    # Bits are cleared before bytes are deleted, so reading the bits after the bytes proves
-    # the bytes belong to live, produced samples (ids are never reused).
+    visible = yield from transitions.check_visible(pk, ids, fields, placement=store.places_keys).call()
+    _raise_invisible(pk, visible)
+    if store.settled(first, visible.placement):
+        return by_field(first.values, fields, len(ids))
+    if maybe_inline and len(first.missing) and not (visible.placement and visible.placement.rings):
+        return None  # nothing recorded where they were put: they may be inline values
+    try:
+        got = yield Offload(store.settle, (pk, ids, fields, first, visible.placement))
+    except DataMissing:
+        if maybe_inline:
+            return None
+        raise
     yield from _verify_visible(pk, ids, fields)
     return got
 
@@ -368,7 +447,8 @@ def _read_inline_first(
 
 def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], got: dict[str, list]) -> Op:
     """``got`` (field -> value per id of ``ids``, None where not read yet) with its Nones read
-    from the store, each read checked against the bits afterwards (bytes before bits)."""
+    from the store, each read checked against the bits afterwards (bytes before bits). A value
+    the store lacks raises the store's ``DataMissing``, which names the keys, node and cause."""
     lacking = {f: [i for i, v in zip(ids, column) if v is None] for f, column in got.items()}
     lacking = {f: missing for f, missing in lacking.items() if missing}
     if not lacking:
@@ -377,13 +457,7 @@ def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], 
     reads = [(ids, whole)] if whole else []
     reads += [(missing, [f]) for f, missing in lacking.items() if f not in whole]
     for read_ids, read_fields in reads:
-        try:
-            part = yield Offload(store.get, (pk, read_ids, read_fields))
-        except DataMissing:
-            part = None
-        yield from _verify_visible(pk, read_ids, read_fields)
-        if part is None:
-            raise DataMissing(f"data of partition {pk.partition!r} is missing from the store although marked produced")
+        part = yield from read_store(store, pk, read_ids, read_fields)
         for name in read_fields:
             if len(read_ids) == len(ids):
                 got[name] = list(part[name])

@@ -36,6 +36,14 @@ def seal_partition(ctx: ops.Context, partition_id: str) -> Op:
     return sealed
 
 
+def reopen_partition(ctx: ops.Context, partition_id: str) -> Op:
+    """Let a partition that was sealed and then cleared be created again (by the next put): until
+    then puts into it raise ``PartitionClosed``. True if it was closed; a no-op otherwise."""
+    pk = ctx.keys(partition_id)
+    removed = yield Cmd(("DEL", pk.closed))
+    return bool(removed)
+
+
 def progress(ctx: ops.Context, partition_id: str, task_name: str, fields: Sequence[str] = ()) -> Op:
     """The partition's :class:`Progress` for ``task_name`` reading ``fields``."""
     check_name("task_name", task_name)

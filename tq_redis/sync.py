@@ -221,6 +221,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
         Returns True if this call sealed it (False: it was sealed already)."""
         return self.run(streaming.seal_partition(self._ctx, partition_id))
 
+    def reopen_partition(self, partition_id: str) -> bool:
+        """Let a partition that was sealed and then cleared be created again: until this call, a
+        put into it raises ``PartitionClosed`` (a late writer must not bring its data back).
+        Returns True if it was closed."""
+        return self.run(streaming.reopen_partition(self._ctx, partition_id))
+
     def close(self) -> None:
         """Close the Redis pools and store connections."""
         self._driver.close()

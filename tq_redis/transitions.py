@@ -43,6 +43,7 @@ from tq_redis.driver import Cmd, FCall, Pipe, WaitThenCall, WaitToken
 from tq_redis.errors import (
     InvalidArgument,
     LibraryNotLoaded,
+    PartitionClosed,
     PartitionSealed,
     SampleNotFound,
     UnknownPartition,
@@ -213,6 +214,14 @@ def _sealed(partition: str) -> PartitionSealed:
     )
 
 
+def _closed(partition: str) -> PartitionClosed:
+    return PartitionClosed(
+        f"partition {partition!r} was sealed and then cleared, so nothing may be put into it again "
+        f"(a late writer would bring back data nobody clears); write to a new partition, or call "
+        f"reopen_partition({partition!r}) first to create it again on purpose"
+    )
+
+
 def _missing_partition(partition: str) -> UnknownPartition:
     return UnknownPartition(f"partition {partition!r} does not exist (cleared, or never created)")
 
@@ -250,12 +259,36 @@ class ReadySet(NamedTuple):
     next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
 
 
+class Placement(NamedTuple):
+    """Where a batch's store values were put (``lua/includes/placement.lua``): the rings of the
+    partition by index, and per field the ring index of each id (ascending ids; None: every value
+    of the field went to ring 0). No rings: nothing was recorded (not a placing store)."""
+
+    rings: list[str]  # ring id by index
+    index: dict[str, np.ndarray | None]  # field -> ring index per id (uint16), None: all 0
+
+    def ring_of(self, field: str, n: int) -> np.ndarray:
+        """The ring index of each of ``n`` ids' value of ``field`` (ascending ids)."""
+        column = self.index.get(field)
+        return np.zeros(n, np.uint16) if column is None else column
+
+
+def _read_placement(fields: Sequence[str], reply: Sequence[Any]) -> Placement:
+    flat = reply[0]
+    rings: list[str] = [""] * (len(flat) // 2)
+    for ring, index in zip(flat[::2], flat[1::2]):
+        rings[int(index)] = text(ring)
+    index = {f: None if raw is None else np.frombuffer(raw, "<u2") for f, raw in zip(fields, reply[1:])}
+    return Placement(rings, index)
+
+
 class Visibility(NamedTuple):
     """``lua/check_visible.lua``: which ids were not alive, or which lack a field."""
 
     not_alive: list[int]
     field: str | None  # the first field not produced for some alive id
     not_produced: list[int]  # the ids lacking ``field``
+    placement: Placement | None = None  # where the values were put, when asked for
 
     @property
     def ok(self) -> bool:
@@ -270,11 +303,13 @@ class Settled(NamedTuple):
 
 
 class Cleared(NamedTuple):
-    """``lua/clear.lua``: ids that were alive, the partition's fields, the trash's earlier size."""
+    """``lua/clear.lua``: ids that were alive, the partition's fields, the trash's earlier size,
+    the rings the partition's store values were put under."""
 
     ids: list[int]
     fields: list[str]
     older: int
+    rings: list[str] = []
 
 
 class Dropped(NamedTuple):
@@ -285,6 +320,7 @@ class Dropped(NamedTuple):
     fields: list[str]
     older: int
     in_store: bool
+    rings: list[str] = []  # the rings its store values were put under
 
     def alive_ids(self) -> list[int]:
         return bitmaps.set_ids(self.alive)
@@ -351,10 +387,13 @@ class ChannelPop(NamedTuple):
 
 
 def _read_insert(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
-    """``{1, ...}`` done, ``{0, field, registered}`` a schema conflict, ``{-3}`` sealed."""
+    """``{1, ...}`` done, ``{0, field, registered}`` a schema conflict, ``{-3}`` sealed, ``{-4}``
+    sealed and cleared."""
     code = int(reply[0])
     if code == -3:
         raise _sealed(partition)
+    if code == -4:
+        raise _closed(partition)
     if code == 0:
         _conflict(reply, schemas)
 
@@ -368,22 +407,23 @@ def reserve(
     pk: PartitionKeys, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False
 ) -> Transition[int]:
     """``lua/reserve.lua``: allocate ``count`` new ids (the first one is the result) after checking
-    the offered ``{field: canonical schema JSON}``. Raises ``PartitionSealed`` or the conflict."""
+    the offered ``{field: canonical schema JSON}``. Raises ``PartitionSealed`` (``PartitionClosed``
+    once sealed and cleared) or the conflict."""
     args = (count, *_flat_schemas(schemas, strict))
     return Transition(FCall("reserve", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
 def insert(
     pk: PartitionKeys, first_id: int | None, count: int, schemas: Mapping[str, str] = NO_SCHEMAS,
-    strict: bool = False, *, values: Sequence[bytes] = (), now_ms: int | None = None,
+    strict: bool = False, *, values: Sequence[bytes] = (), now_ms: int | None = None, ring: str | None = None,
 ) -> Transition[int]:  # fmt: skip
     """``lua/insert.lua``: make ``count`` new samples alive with the fields of ``schemas`` produced;
     the first id is the result. Either ids ``first_id..`` from ``reserve`` whose bytes are stored
-    already, or (``first_id`` None) small ``values`` (``count`` per field, field-major) stored inline
-    with the bits while the ids are allocated, in one step. Raises ``PartitionSealed`` or the schema
-    conflict."""
+    already (under the store's ``ring``, if it places keys itself), or (``first_id`` None) small
+    ``values`` (``count`` per field, field-major) stored inline with the bits while the ids are
+    allocated, in one step. Raises ``PartitionSealed``, ``PartitionClosed`` or the schema conflict."""
     start = "" if first_id is None else first_id
-    args = (start, count, _now(now_ms), len(schemas), *_flat_schemas(schemas, strict), *values)
+    args = (start, count, _now(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
     return Transition(FCall("insert", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
@@ -400,12 +440,13 @@ def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]
 
 def produce(
     pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False,
-    inline_values: Sequence[bytes] = (),
+    inline_values: Sequence[bytes] = (), ring: str | None = None,
 ) -> Transition[None]:  # fmt: skip
-    """``lua/produce.lua``: mark fields of existing samples produced: their bytes are stored, or
-    come here as ``inline_values`` (``len(ids)`` per field of ``schemas``, field-major). Raises
-    ``UnknownPartition``, ``SampleNotFound`` or the schema conflict."""
-    args = (len(schemas), *_flat_schemas(schemas, strict), len(ids), *ids, *inline_values)
+    """``lua/produce.lua``: mark fields of existing samples produced: their bytes are stored (under
+    the store's ``ring``, if it places keys itself), or come here as ``inline_values`` (``len(ids)``
+    per field of ``schemas``, field-major). Raises ``UnknownPartition``, ``SampleNotFound`` or the
+    schema conflict."""
+    args = (ring or "", len(schemas), *_flat_schemas(schemas, strict), len(ids), *ids, *inline_values)
     return Transition(FCall("produce", (pk.meta,), args), partial(_read_write, pk.partition, schemas))
 
 
@@ -423,18 +464,24 @@ def set_tags(
     return Transition(FCall("set_tags", (pk.meta,), tuple(args)), partial(_read_write, pk.partition, NO_SCHEMAS))
 
 
-def _read_visible(reply: Sequence[Any]) -> Visibility:
+def _read_visible(reply: Sequence[Any], fields: Sequence[str] = ()) -> Visibility:
     code = int(reply[0])
     if code == -1:
         return Visibility([int(i) for i in reply[1:]], None, [])
     if code == -2:
         return Visibility([], text(reply[1]), [int(i) for i in reply[2:]])
-    return Visibility([], None, [])
+    placement = _read_placement(fields, reply[1]) if len(reply) > 1 else None
+    return Visibility([], None, [], placement)
 
 
-def check_visible(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str] = ()) -> Transition[Visibility]:
-    """``lua/check_visible.lua``: whether ``ids`` are alive and have every one of ``fields``."""
-    return Transition(FCall("check_visible", (pk.meta,), (id_ranges(ids), *fields)), _read_visible)
+def check_visible(
+    pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str] = (), *, placement: bool = False
+) -> Transition[Visibility]:
+    """``lua/check_visible.lua``: whether ``ids`` are alive and have every one of ``fields``; with
+    ``placement``, also where their store values were put (``Visibility.placement``, for ids in
+    ascending order)."""
+    args = (id_ranges(ids), "1" if placement else "", *fields)
+    return Transition(FCall("check_visible", (pk.meta,), args), partial(_read_visible, fields=list(fields)))
 
 
 class InlineRead(NamedTuple):
@@ -594,8 +641,8 @@ def unclaim(pk: PartitionKeys, task: str, ids: Sequence[int], fences: Sequence[i
 
 
 def _read_clear(reply: Sequence[Any]) -> Cleared:
-    cleared, fields, older = reply
-    return Cleared([int(i) for i in cleared], [text(f) for f in fields], int(older))
+    cleared, fields, older, rings = reply
+    return Cleared([int(i) for i in cleared], [text(f) for f in fields], int(older), [text(r) for r in rings])
 
 
 def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
@@ -604,19 +651,20 @@ def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
 
 
 def _read_drop(reply: Sequence[Any]) -> Dropped:
-    alive, fields, older, in_store = reply
-    return Dropped(alive or None, [text(f) for f in fields], int(older), bool(int(in_store)))
+    alive, fields, older, in_store, rings = reply
+    return Dropped(alive or None, [text(f) for f in fields], int(older), bool(int(in_store)), [text(r) for r in rings])
 
 
-def drop_partition(pk: PartitionKeys) -> Transition[Dropped]:
-    """``lua/drop_partition.lua``: delete the partition's metadata; alive samples go to the trash."""
-    return Transition(FCall("drop_partition", (pk.meta,), ()), _read_drop)
+def drop_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[Dropped]:
+    """``lua/drop_partition.lua``: delete the partition's metadata; alive samples go to the trash;
+    a sealed partition stays closed (``PartitionClosed`` for later puts)."""
+    return Transition(FCall("drop_partition", (pk.meta,), (_now(now_ms),)), _read_drop)
 
 
-def trash_add(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[int]:
-    """``lua/trash_add.lua``: record samples whose bytes (of ``fields``) must be deleted; the
-    result is how many ids the trash holds now."""
-    return Transition(FCall("trash_add", (pk.meta,), (id_ranges(ids), *fields)), int)
+def trash_add(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str], ring: str | None = None) -> Transition[int]:
+    """``lua/trash_add.lua``: record samples whose bytes (of ``fields``, put under the store's
+    ``ring`` if it places keys itself) must be deleted; the result is how many ids the trash holds now."""
+    return Transition(FCall("trash_add", (pk.meta,), (id_ranges(ids), ring or "", *fields)), int)
 
 
 def trash_done(pk: PartitionKeys, ids: Sequence[int]) -> Transition[int]:
@@ -651,10 +699,12 @@ def progress(pk: PartitionKeys, task: str, fields: Sequence[str] = ()) -> Transi
 # ------------------------------------------------------------------ the KV API
 
 
-def _read_resolve(schemas: Mapping[str, str], reply: Sequence[Any]) -> KeyResolution | None:
+def _read_resolve(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> KeyResolution | None:
     code = int(reply[0])
     if code == -1:
         return None
+    if code == -4:
+        raise _closed(partition)
     if code == 0:
         _conflict(reply, schemas)
     _, ids, created, common, tags = reply
@@ -667,9 +717,9 @@ def kv_resolve(
 ) -> Transition[KeyResolution | None]:  # fmt: skip
     """``lua/kv_resolve.lua``: the sample id of each user key, fresh ids for unknown keys with
     ``create`` (after checking ``schemas``); None when the partition does not exist (look-up
-    only). Raises the schema conflict."""
+    only). Raises the schema conflict, or ``PartitionClosed`` (creating in a sealed, cleared one)."""
     args = (1 if create else 0, _now(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
-    return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, schemas))
+    return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, pk.partition, schemas))
 
 
 def kv_unmap(pk: PartitionKeys, pairs: Sequence[tuple[str, int]]) -> Transition[int]:

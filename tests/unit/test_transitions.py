@@ -25,6 +25,7 @@ from tq_redis.driver import Cmd, FCall, Pipe
 from tq_redis.errors import (
     DTypeConflict,
     InvalidArgument,
+    PartitionClosed,
     PartitionSealed,
     SampleNotFound,
     UnknownPartition,
@@ -125,14 +126,14 @@ def input_spec(name: str) -> tuple[int, int, bool]:
 # A worked example per script: the wrapper's effect and the ARGV the header prescribes for it.
 EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "reserve": (transitions.reserve(PK, 4, {"a": F32}, strict=True), (4, "a", "!" + F32)),
-    "insert": (transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW), (10, 4, NOW, 1, "a", F32)),
-    "produce": (transitions.produce(PK, [3, 5], {"a": F32}), (1, "a", F32, 2, 3, 5)),
+    "insert": (transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW, ring="r1"), (10, 4, NOW, "r1", 1, "a", F32)),
+    "produce": (transitions.produce(PK, [3, 5], {"a": F32}), ("", 1, "a", F32, 2, 3, 5)),
     "read_inline": (transitions.read_inline(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
     "set_tags": (
         transitions.set_tags(PK, [3, 5], ["len", "uid"], [{"len": 7}, {"uid": "x"}]),
         (2, 3, 5, "len", "7", "", "uid", "", '"x"'),
     ),
-    "check_visible": (transitions.check_visible(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
+    "check_visible": (transitions.check_visible(PK, [5, 0, 1, 2], ["a"], placement=True), ("0-2,5", "1", "a")),
     "claim": (
         transitions.claim(
             PK, "t", SamplerPlan("grpo", 8, (("n", "4"),)), ["a", "b"],
@@ -152,8 +153,8 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     ),
     "unclaim": (transitions.unclaim(PK, "t", [3, 4], [2, 0]), ("t", 3, 2, 4, 0)),
     "clear": (transitions.clear(PK, [3, 4]), (3, 4)),
-    "drop_partition": (transitions.drop_partition(PK), ()),
-    "trash_add": (transitions.trash_add(PK, [3, 1, 2], ["a"]), ("1-3", "a")),
+    "drop_partition": (transitions.drop_partition(PK, now_ms=NOW), (NOW,)),
+    "trash_add": (transitions.trash_add(PK, [3, 1, 2], ["a"], "r1"), ("1-3", "r1", "a")),
     "trash_done": (transitions.trash_done(PK, [7]), ("7",)),
     "reset_consumption": (transitions.reset_consumption(PK), ("",)),
     "seal_partition": (transitions.seal_partition(PK, now_ms=NOW), (NOW,)),
@@ -191,7 +192,7 @@ def test_wrapper_builds_the_arguments_its_script_header_names(name: str):
 
 def test_input_spec_reads_fixed_and_variadic_headers():
     assert input_spec("wait") == (1, 4, False)
-    assert input_spec("drop_partition") == (1, 0, False)
+    assert input_spec("drop_partition") == (1, 1, False)
     assert input_spec("claim") == (1, 6, True)
     assert input_spec("reserve") == (1, 1, True)
     assert input_spec("kv_unmap") == (1, 0, True)
@@ -204,7 +205,7 @@ def test_optional_arguments_take_their_documented_defaults():
     claim = transitions.claim(PK, "t", SamplerPlan("sequential", 2, ()), ["a"])
     assert claim.effect.args == ("t", 2, 0, 0, "sequential", 0, 1, "a")  # no lease, no waiter
     assert transitions.reserve(PK, 3).effect.args == (3,)
-    assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, 0)
+    assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", 0)  # no ring: not placed
     now = transitions.seal_partition(PK).effect.args[0]
     assert abs(now - transitions.clock_ms()) < 60_000
 
@@ -283,6 +284,10 @@ def test_insert_reads_first_id_sealed_and_conflict():
     assert read("insert", [1, 10]) == 10
     with pytest.raises(PartitionSealed):
         read("insert", [-3])
+    with pytest.raises(PartitionClosed, match="reopen_partition"):
+        read("insert", [-4])
+    with pytest.raises(PartitionClosed):
+        read("reserve", [-4])
     with pytest.raises(DTypeConflict):
         read("insert", [0, b"a", I64])
 
@@ -298,9 +303,9 @@ def test_writes_read_done_missing_partition_and_cleared_samples(name: str):
 
 def test_inline_writes_append_their_values_field_major():
     insert = transitions.insert(PK, None, 2, {"a": F32, "b": F32}, values=[b"a0", b"a1", b"b0", b"b1"], now_ms=NOW)
-    assert insert.effect.args == ("", 2, NOW, 2, "a", F32, "b", F32, b"a0", b"a1", b"b0", b"b1")
+    assert insert.effect.args == ("", 2, NOW, "", 2, "a", F32, "b", F32, b"a0", b"a1", b"b0", b"b1")
     produce = transitions.produce(PK, [7, 9], {"a": F32}, inline_values=[b"x", b"y"])
-    assert produce.effect.args == (1, "a", F32, 2, 7, 9, b"x", b"y")
+    assert produce.effect.args == ("", 1, "a", F32, 2, 7, 9, b"x", b"y")
 
 
 def test_read_inline_maps_values_to_ids_and_fields():
@@ -331,6 +336,15 @@ def test_check_visible_reads_each_code():
     assert gone == Visibility([4, 9], None, []) and not gone.ok
     unproduced = read("check_visible", [-2, b"a", 2, 3])
     assert unproduced == Visibility([], "a", [2, 3]) and not unproduced.ok
+
+
+def test_check_visible_reads_the_placement():
+    none = read("check_visible", [0, [[]]]).placement
+    assert none.rings == [] and none.ring_of("a", 3).tolist() == [0, 0, 0]
+    placed = read("check_visible", [0, [[b"r1", b"1", b"r0", b"0"], b"\x01\x00\x00\x00\x01\x00"]]).placement
+    assert placed.rings == ["r0", "r1"] and placed.ring_of("a", 3).tolist() == [1, 0, 1]
+    all_first = read("check_visible", [0, [[b"r0", b"0"], None]]).placement
+    assert all_first.ring_of("a", 2).tolist() == [0, 0]
 
 
 CLAIM_REPLY = [
@@ -380,13 +394,14 @@ def test_settle_reads_count_and_not_held():
 
 
 def test_clear_and_drop_read_ids_fields_and_leftovers():
-    assert read("clear", [[3, 4], [b"a", b"b"], 0]) == Cleared([3, 4], ["a", "b"], 0)
-    assert read("clear", [[], [], 5]) == Cleared([], [], 5)
-    dropped = read("drop_partition", [b"\x60", [b"a"], 2, 1])
+    assert read("clear", [[3, 4], [b"a", b"b"], 0, [b"r1"]]) == Cleared([3, 4], ["a", "b"], 0, ["r1"])
+    assert read("clear", [[], [], 5, []]) == Cleared([], [], 5)
+    dropped = read("drop_partition", [b"\x60", [b"a"], 2, 1, [b"r1", b"r2"]])
     assert (dropped.alive_ids(), dropped.fields, dropped.older, dropped.in_store) == ([1, 2], ["a"], 2, True)
-    unknown = read("drop_partition", [None, [], 0, 1])
+    assert dropped.rings == ["r1", "r2"]
+    unknown = read("drop_partition", [None, [], 0, 1, []])
     assert (unknown.alive_ids(), unknown.fields, unknown.older, unknown.in_store) == ([], [], 0, True)
-    assert read("drop_partition", [b"\x60", [b"a"], 0, 0]).in_store is False
+    assert read("drop_partition", [b"\x60", [b"a"], 0, 0, []]).in_store is False
 
 
 def test_counting_replies_read_as_numbers_and_flags():
