@@ -62,7 +62,7 @@ import numpy as np
 import redis
 from tq_redis.backends.base import Buffer, Segments, StoreContext
 from tq_redis.backends.batches import ValueTable
-from tq_redis.backends.dram_discovery import NodeDiscovery
+from tq_redis.backends.dram_discovery import DEFAULT_FORGET_AFTER_S, NodeDiscovery
 from tq_redis.backends.dram_placement import Ring, group_by_node
 from tq_redis.backends.dram_pool import (
     Conn,
@@ -137,6 +137,9 @@ class DramStore(NodeDiscovery):
         registry_wait_s: when every registered node looks dead (e.g. just after a Redis outage,
             before the nodes' next heartbeat), how long to keep re-reading the registry before
             ``StorageUnavailable``. Not waited when no node was ever registered.
+        forget_after_s: a registration whose heartbeat is older than this is removed from Redis
+            (with the deletes recorded for its node), and at once one of this host whose process
+            is gone; its node, and the values it held, are gone.
         tls: ``None`` (default): TLS to the nodes whose registration says they serve it
             (``--tls-cert``); ``True``: TLS to every node over TCP (refuses plain ones);
             ``False``: never (a TLS node's handshake then fails). The same-host shared-memory
@@ -164,6 +167,7 @@ class DramStore(NodeDiscovery):
         refresh_s: float = 2.0,
         dead_after_s: float = 10.0,
         registry_wait_s: float = 2.0,
+        forget_after_s: float = DEFAULT_FORGET_AFTER_S,
         tls: bool | None = None,
         tls_ca: str | None = None,
         tls_check_hostname: bool = True,
@@ -171,11 +175,13 @@ class DramStore(NodeDiscovery):
     ) -> None:
         try:
             bad = not (timeout_s > 0 and refresh_s >= 0 and dead_after_s > 0 and registry_wait_s >= 0)
+            bad = bad or not forget_after_s >= dead_after_s
         except TypeError:
             bad = True
         if bad:
             raise ConfigError(
-                "timeout_s and dead_after_s must be positive numbers, refresh_s and registry_wait_s non-negative"
+                "timeout_s and dead_after_s must be positive numbers, refresh_s and registry_wait_s non-negative, "
+                "forget_after_s at least dead_after_s"
             )
         if tls not in (None, True, False):
             raise ConfigError(f"the dram store option tls must be true, false or null, not {tls!r}")
@@ -186,7 +192,7 @@ class DramStore(NodeDiscovery):
         super().__init__(
             redis_url, namespace, token=token, timeout_s=timeout_s, shm=shm, max_frame=max_frame,
             refresh_s=refresh_s, dead_after_s=dead_after_s, registry_wait_s=registry_wait_s,
-            tls=tls, tls_ca=tls_ca, tls_check_hostname=tls_check_hostname,
+            forget_after_s=forget_after_s, tls=tls, tls_ca=tls_ca, tls_check_hostname=tls_check_hostname,
         )  # fmt: skip
 
     @classmethod
@@ -194,7 +200,7 @@ class DramStore(NodeDiscovery):
         """Build from the store options of the tq config (keys: the keyword arguments of ``__init__``)."""
         allowed = {
             "token", "timeout_s", "shm", "zero_copy_get", "inline_threshold", "refresh_s",
-            "dead_after_s", "registry_wait_s", "tls", "tls_ca", "tls_check_hostname", "max_frame",
+            "dead_after_s", "registry_wait_s", "forget_after_s", "tls", "tls_ca", "tls_check_hostname", "max_frame",
         }  # fmt: skip
         unknown = set(options) - allowed
         if unknown:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import ssl
 import threading
 import time
@@ -35,12 +36,63 @@ from tq_redis.backends.dram_pool import Link
 from tq_redis import transitions
 from tq_redis.driver import SyncDriver
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable, TQError
-from tq_redis.keys import storage_nodes_key, storage_rings_key
+from tq_redis.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key, storage_rings_key
 from tq_redis.redact import public_registration, redact
 
 log = logging.getLogger("tq_redis.backends.dram")
 
-__all__ = ["NodeDiscovery"]
+__all__ = ["DEFAULT_FORGET_AFTER_S", "NodeDiscovery", "forget_nodes", "forgettable"]
+
+#: a storage-node registration whose heartbeat is older than this is removed (its node is gone)
+DEFAULT_FORGET_AFTER_S = 600.0
+_HOST = socket.gethostname()
+
+
+def forgettable(
+    registrations: dict[str, Any], now_s: float, dead_after_s: float, forget_after_s: float
+) -> list[str]:
+    """The node ids whose registration belongs to a node that is gone: no heartbeat for
+    ``forget_after_s``, or (on this host) no heartbeat for ``dead_after_s`` and no process with
+    its pid. ``registrations``: node id -> its JSON (str, bytes or already read)."""
+    gone = []
+    for node_id, raw in registrations.items():
+        try:
+            info = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+            age = now_s - float(info.get("heartbeat", 0))
+        except (TypeError, ValueError, AttributeError):
+            continue  # not ours to judge; the reader logs it
+        if age > forget_after_s or (age > dead_after_s and info.get("host") == _HOST and not _running(info.get("pid"))):
+            gone.append(node_id)
+    return gone
+
+
+def _running(pid: Any) -> bool:
+    """Whether a process with this pid exists on this host (one we may not signal counts)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # cannot tell: keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not reaped yet) is not running either
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def forget_nodes(r: Any, namespace: str, node_ids: list[str]) -> None:
+    """Remove the registrations of gone nodes, and the deletes recorded for them (their memory is gone)."""
+    if not node_ids:
+        return
+    pipe = r.pipeline(transaction=False)
+    pipe.hdel(storage_nodes_key(namespace), *node_ids)
+    pipe.srem(pending_nodes_key(namespace), *node_ids)
+    for node_id in node_ids:
+        pipe.delete(pending_deletes_key(namespace, node_id))
+    pipe.execute()
 
 #: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
 _REGISTRY_POLL_S = 0.05
@@ -78,6 +130,7 @@ class NodeDiscovery:
         refresh_s: float,
         dead_after_s: float,
         registry_wait_s: float,
+        forget_after_s: float = DEFAULT_FORGET_AFTER_S,
         tls: bool | None,
         tls_ca: str | None,
         tls_check_hostname: bool,
@@ -95,6 +148,7 @@ class NodeDiscovery:
         self.shm = bool(shm)
         self.refresh_s = float(refresh_s)
         self.dead_after_s = float(dead_after_s)
+        self.forget_after_s = float(forget_after_s)
         self.client_id = uuid.uuid4().hex
         # no reconnect loop of its own: while Redis is away the last known node list serves; the
         # driver checks (and loads, where allowed) the library before the first call, as clients do
@@ -233,10 +287,24 @@ class NodeDiscovery:
         deadline = time.monotonic() + self.registry_wait_s
         while True:
             rnow, nodes = self._read_registry()
+            nodes = self._without_gone(rnow, nodes)
             live = self._update_links(rnow, nodes)
             if live or not (nodes or self._seen_live) or time.monotonic() >= deadline:
                 return live
             time.sleep(_REGISTRY_POLL_S)
+
+    def _without_gone(self, rnow: float, nodes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The registrations less those of nodes that are gone, which are removed from Redis
+        (``forget_after_s``; at once for a node of this host whose process is gone)."""
+        gone = forgettable(nodes, rnow, self.dead_after_s, self.forget_after_s)
+        if not gone:
+            return nodes
+        try:
+            forget_nodes(self._redis, self.namespace, gone)
+        except redis.RedisError as exc:  # the next read tries again; the nodes stay out of the ring anyway
+            log.warning("could not remove the registrations of gone storage nodes %s: %s", gone, exc)
+        log.info("removed the registrations of storage nodes that are gone: %s", ", ".join(gone))
+        return {k: v for k, v in nodes.items() if k not in gone}
 
     def _update_links(self, rnow: float, nodes: dict[str, dict[str, Any]]) -> list[Link]:
         """Links for the registered nodes (new ones made, departed ones closed); the live ones."""

@@ -116,6 +116,11 @@ def _namespace_keys(r: Any, ns: str, with_data: bool) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def namespace_keys(r: Any, ns: str, with_data: bool) -> list[str]:
+    """Every key of namespace ``ns`` its registries name (see :func:`_namespace_keys`)."""
+    return _namespace_keys(r, ns, with_data)
+
+
 def portable(suffix: str, ns: str) -> str:
     """A key (less ``<ns>:``) as checkpoints keep it: without the namespace in its hash tag
     (``{ns/p}:meta`` -> ``{p}:meta``), so a checkpoint loads into any namespace and into either

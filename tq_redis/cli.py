@@ -1,5 +1,6 @@
 """The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``, ``demo``, and the admin steps of a shared
-Redis: ``acl`` (a namespace's ACL user) and ``load-library`` (the function library)."""
+Redis: ``acl`` (a namespace's ACL user), ``load-library`` (the function library), ``namespace``
+and ``cleanup`` (abandoned state: :mod:`tq_redis.cli_namespaces`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from collections.abc import Sequence
 
 import redis
+
+from tq_redis import cli_namespaces
 
 
 def _start_redis(args: argparse.Namespace, password: str):
@@ -63,14 +66,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from tq_redis import acl, connections
+    from tq_redis import acl, connections, leftovers, namespaces
     from tq_redis.backends.dram_launcher import start_local_nodes
 
     if args.cluster and args.port is not None:
         print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
               file=sys.stderr)
         return 2
+    for directory in leftovers.remove_abandoned():  # what jobs killed with SIGKILL left behind
+        print(f"tq-redis up: removed {directory} (left by a killed job)", file=sys.stderr, flush=True)
     server = _start_redis(args, acl.new_password())
+    if args.data_dir is not None:  # namespaces kept from earlier runs: drop those past their TTL
+        for ns in namespaces.gc(server.url)["dropped"]:
+            print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", file=sys.stderr, flush=True)
     private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
     nodes = None
     stop = threading.Event()
@@ -303,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     acl_cmd.add_argument("--apply", action="store_true", help="run ACL SETUSER on the server (an admin's URL)")
     acl_cmd.add_argument("--redis", default=None, help="Redis URL for --apply (default: $TQ_REDIS_URL)")
     acl_cmd.set_defaults(func=_cmd_acl)
+    cli_namespaces.register(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tq_redis import arguments, kv, ops, streaming
+from tq_redis import arguments, kv, liveness, ops, streaming
 from tq_redis.client_methods import awaiting
 from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
@@ -57,6 +57,9 @@ class AsyncTransferQueueClient:
         strict_schema: raise ``ShapeConflict``/``DTypeConflict`` when a put's shape or dtype
             differs from the field's first put, instead of making the field jagged (the
             reference's behaviour, the default).
+        live: count this process as a live client of the namespace while the client is open
+            (a heartbeat thread per process and namespace, see :mod:`tq_redis.liveness`);
+            False for admin tools that must not keep a namespace in use.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class AsyncTransferQueueClient:
         allow_pickle: bool = False,
         nested_output: bool = True,
         strict_schema: bool = False,
+        live: bool = True,
     ) -> None:
         self.redis_url = redis_url
         self.namespace = namespace
@@ -80,6 +84,11 @@ class AsyncTransferQueueClient:
             weakref.WeakKeyDictionary()
         )
         self._open()
+        # this process counts as a live client of the namespace while a client is open (a
+        # heartbeat thread per process and namespace: tq-redis namespace list / drop read it)
+        self._attached = live
+        if live:
+            liveness.attach(redis_url, namespace)
 
     def _open(self) -> None:
         """Open the connections this client needs before its first call: none here (a driver is
@@ -223,9 +232,15 @@ class AsyncTransferQueueClient:
             await driver.close()
         if self._ctx.storage is not None:
             self._ctx.storage.close()
+        if getattr(self, "_attached", False):
+            self._attached = False
+            liveness.detach(self.redis_url, self.namespace)
 
     def close(self) -> None:
         """Drop the store connections (each Redis pool closes with its event loop)."""
         self._async_drivers.clear()
         if self._ctx.storage is not None:
             self._ctx.storage.close()
+        if getattr(self, "_attached", False):
+            self._attached = False
+            liveness.detach(self.redis_url, self.namespace)

@@ -16,6 +16,8 @@ Our own shape (every key optional)::
                 durable: none,           # none | replicas[:N] | aof[:N]: WAIT / WAITAOF after every write
                 durable_timeout_ms: 1000}  #   (TQ_REDIS_DURABLE[_TIMEOUT_MS]; see tq_redis.durability)
     namespace: tq                        # two jobs on one Redis use two namespaces
+    namespace_ttl: null                  # seconds: `tq-redis namespace gc` drops the namespace once no
+                                         #   client has touched it for that long (null: never)
     storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {},
                 inline_max_bytes: 4KiB}  # spill: fsspec URL the embedded nodes overflow to
                                          # inline_max_bytes: a put whose every value is at most this
@@ -52,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "redis": {"url": None, "cluster": None, "on_eviction": None, "load_library": None,
               "sentinel": None, "durable": None, "durable_timeout_ms": None},
     "namespace": "tq",
+    "namespace_ttl": None,
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {},
                 "inline_max_bytes": "4KiB"},
     "sampler": "SequentialSampler",
@@ -181,6 +184,11 @@ def load(conf: Any = None) -> dict[str, Any]:
     out["storage"]["inline_max_bytes"] = parse_size(out["storage"]["inline_max_bytes"], allow_zero=True)
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
+    ttl = out["namespace_ttl"]
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf")):
+        raise ConfigError(
+            f"namespace_ttl must be a positive number of seconds (or null: never dropped), got {ttl!r}"
+        )
     return out
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import redis
 
-from tq_redis import connections, spawner
+from tq_redis import connections, leftovers, spawner
 from tq_redis.errors import ConfigError, ConnectionFailed
 from tq_redis.redact import redact
 
@@ -108,9 +108,11 @@ class EmbeddedServer:
         self.host = host
         self.password = password
         self.port = port or free_port(host)
-        self._tmp = None if data_dir else tempfile.mkdtemp(prefix="tq-valkey-")
+        self._tmp = None if data_dir else tempfile.mkdtemp(prefix=leftovers.PREFIX)
         self.data_dir = Path(data_dir or self._tmp)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self._tmp:  # a SIGKILLed owner cannot remove it: say whose it is (tq_redis.leftovers)
+            leftovers.claim(self._tmp)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.binary = binary or valkey_binary()
@@ -180,6 +182,8 @@ class EmbeddedServer:
             start_new_session=not self.die_with_parent,
         )
         atexit.register(self.stop)
+        if self._tmp:
+            leftovers.claim(self._tmp, self.process.pid)
         # a plain client that fails at once: the server may not even listen yet, and a cluster-mode
         # node answers PING before it is part of a cluster
         client = connections.sync_client(self.url, cluster=False, reconnect=False, socket_connect_timeout=0.2)

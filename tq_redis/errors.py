@@ -56,6 +56,11 @@ class PartitionClosed(PartitionSealed):
     lets it be created again on purpose. Nothing of the refused call was written."""
 
 
+class NamespaceInUse(TQError, RuntimeError):
+    """A namespace was to be dropped while a client or storage node of it is alive; the message
+    names them (``tq-redis namespace drop --force`` drops it anyway)."""
+
+
 class ChannelNotFound(TQError, KeyError):
     """A channel was connected to (or used) that nobody created, or that was deleted."""
 

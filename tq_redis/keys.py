@@ -13,7 +13,10 @@ key                                type    holds
 ``ns:partitions:kept``             SET     partition ids whose keys outlive their place in ``partitions``
                                            (a cleared partition keeps ``seq`` and its trash)
 ``ns:channels``                    SET     channel names (what ``Channel.create`` made)
-``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler)
+``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler,
+                                           ``ttl_s``) and its life: ``created_ms``, ``touched_ms``
+``ns:clients``                     ZSET    live client processes: ``host:pid:id`` -> when it counts as
+                                           gone (ms, Redis's clock); expires with the last one
 ``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
 ``ns:storage:rings``               HASH    ring id -> JSON list of [node id, address]: every set of
                                            DRAM nodes a value was put under (see ``<p>:rings``)
@@ -113,6 +116,11 @@ def channels_key(ns: str) -> str:
 
 def config_key(ns: str) -> str:
     return f"{names.namespace(ns)}:config"
+
+
+def clients_key(ns: str) -> str:
+    """ZSET of the namespace's live client processes: client id -> when it counts as gone (ms)."""
+    return f"{names.namespace(ns)}:clients"
 
 
 def storage_nodes_key(ns: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from tq_redis import acl, connections, durability, metrics, ray_discovery, samplers, server_policy
+from tq_redis import acl, connections, durability, leftovers, metrics, ray_discovery, samplers, server_policy
 from tq_redis import config as config_mod
 from tq_redis.embedded import EmbeddedServer
 from tq_redis.errors import ConnectionFailed, TQError
@@ -116,6 +116,8 @@ def _record_settings(client: TransferQueueClient, cfg: dict[str, Any], conf: Any
             client.redis.hset(key, "sampler", sampler)
         else:  # an argument-less init (a worker attaching) keeps the job's sampler
             client.redis.hsetnx(key, "sampler", sampler)
+        if cfg.get("namespace_ttl") is not None:  # read by `tq-redis namespace gc` (tq_redis.namespaces)
+            client.redis.hset(key, "ttl_s", repr(float(cfg["namespace_ttl"])))
     except redis.RedisError as exc:
         typed = server_policy.typed_error(url, exc)
         if typed is not None:
@@ -153,6 +155,7 @@ def _start_embedded(cfg: dict[str, Any]) -> tuple[EmbeddedServer, Any]:
     storage = cfg["storage"]
     # private to this user: a random password (in the URL other processes attach with) on every
     # connection, TCP or its socket file (itself in a 0700 directory); see tq_redis.embedded
+    leftovers.remove_abandoned()  # what earlier jobs killed with SIGKILL left in the temp directory
     server = EmbeddedServer(unix_socket=True, password=acl.new_password()).start()
     cfg["redis"]["url"] = _served_url(server)
     nodes = None

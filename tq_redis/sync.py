@@ -37,6 +37,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
             one shape comes back dense.
         strict_schema: raise on a put whose shape/dtype differs from the field's first put
             instead of making the field jagged (the default, as the reference does).
+        live: count this process as a live client of the namespace while the client is open
+            (see :mod:`tq_redis.liveness`); False for admin tools.
     """
 
     def _open(self) -> None:

@@ -31,10 +31,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tq_redis.errors import ConfigError, InvalidArgument, StorageUnavailable
-from tq_redis.keys import storage_nodes_key
+from tq_redis.keys import PartitionKeys, storage_nodes_key
 from tq_redis.ray_placement import (
     PlacedNode,
     _await_exit,
@@ -386,6 +388,12 @@ def test_one_storage_node_per_ray_node_used_through_local_shared_memory_and_rest
         node_of["nodeA"] = _restarted(placement, ray_ids["nodeA"], victim)
         check_round("node-killed")
 
+        # values the driver put before a Ray node joins stay readable, and clearable, after it joined
+        early_rows = torch.arange(64 * 512).reshape(64, 512)
+        writer = make_client(url, namespace, backend="dram")
+        early = writer.put(TensorDict({"x": early_rows}, batch_size=[64]), partition_id="early")
+        writer.close()
+
         # a Ray node joins: refresh() places on it, and a rank there uses it through shared memory
         ray_cluster.add("nodeC")
         ray_ids = ray_cluster.ray_ids()
@@ -394,6 +402,11 @@ def test_one_storage_node_per_ray_node_used_through_local_shared_memory_and_rest
         assert node_of["nodeC"].host == HOSTS["nodeC"]
         add_rank("nodeC")
         check_round("joined")
+        reader = make_client(url, namespace, backend="dram")
+        assert torch.equal(reader.get_data(early)["x"], early_rows)
+        reader.clear_partition("early")
+        assert not reader.redis.exists(PartitionKeys(namespace, "early").rings)
+        reader.close()
 
         # a node that cannot start (Redis unreachable) is reported, naming the Ray nodes, not waited on
         bad = place_storage_nodes("redis://127.0.0.1:1/0", namespace + "-bad", capacity="16MiB", start_timeout=5)
