@@ -8,6 +8,7 @@ same operations from :mod:`tq_redis.ops`; only the driver differs.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -85,10 +86,12 @@ class AsyncTransferQueueClient:
         )
         self._open()
         # this process counts as a live client of the namespace while a client is open (a
-        # heartbeat thread per process and namespace: tq-redis namespace list / drop read it)
-        self._attached = live
-        if live:
-            liveness.attach(redis_url, namespace)
+        # heartbeat thread per process and namespace: tq-redis namespace list / drop read it),
+        # from its first operation that succeeded: a refused server (eviction policy, credentials)
+        # gets nothing written
+        self._attached = False
+        self._unattached = live
+        self._attach_lock = threading.Lock()
 
     def _open(self) -> None:
         """Open the connections this client needs before its first call: none here (a driver is
@@ -106,7 +109,18 @@ class AsyncTransferQueueClient:
 
     async def arun(self, op: ops.Op) -> Any:
         """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) on this loop."""
-        return await self._async_driver().run(op)
+        result = await self._async_driver().run(op)
+        if self._unattached:
+            self._attach()
+        return result
+
+    def _attach(self) -> None:
+        """Count this process as a live client of the namespace (once per client)."""
+        with self._attach_lock:
+            if self._unattached:
+                self._unattached = False
+                self._attached = True
+                liveness.attach(self.redis_url, self.namespace)
 
     def _async_driver(self) -> AsyncDriver:
         loop = asyncio.get_running_loop()
@@ -232,15 +246,19 @@ class AsyncTransferQueueClient:
             await driver.close()
         if self._ctx.storage is not None:
             self._ctx.storage.close()
-        if getattr(self, "_attached", False):
-            self._attached = False
-            liveness.detach(self.redis_url, self.namespace)
+        self._detach()
 
     def close(self) -> None:
         """Drop the store connections (each Redis pool closes with its event loop)."""
         self._async_drivers.clear()
         if self._ctx.storage is not None:
             self._ctx.storage.close()
-        if getattr(self, "_attached", False):
-            self._attached = False
-            liveness.detach(self.redis_url, self.namespace)
+        self._detach()
+
+    def _detach(self) -> None:
+        """This client closed: it no longer keeps the process a live client of the namespace."""
+        with self._attach_lock:
+            self._unattached = False
+            if self._attached:
+                self._attached = False
+                liveness.detach(self.redis_url, self.namespace)

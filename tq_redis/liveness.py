@@ -1,7 +1,8 @@
 """Which clients of a namespace are alive: a heartbeat per process, no round trip per operation.
 
 Every client (``TransferQueueClient``, ``AsyncTransferQueueClient``, and the facades built on them)
-registers with :func:`attach`; a process runs one daemon thread per (Redis URL, namespace) that,
+registers with :func:`attach` once its first operation succeeded (a server it may not use gets
+nothing written); a process runs one daemon thread per (Redis URL, namespace) that,
 every :data:`BEAT_S` seconds, writes the process's entry in ``<ns>:clients`` (a ZSET: client id ->
 the time, by Redis's clock, after which it counts as gone) and ``touched_ms`` in ``<ns>:config``
 (the namespace's last sign of life; ``created_ms`` is set once). The ZSET expires by itself a while

@@ -49,7 +49,10 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) to its result,
         blocking. Facades (dock, channel, data loader, checkpoints) build their own operations
         on :attr:`context` and run them here."""
-        return self._driver.run(op)
+        result = self._driver.run(op)
+        if self._unattached:  # the first operation that succeeded: a live client from here on
+            self._attach()
+        return result
 
     @property
     def redis(self):

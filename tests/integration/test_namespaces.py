@@ -99,6 +99,8 @@ def _cli(*argv: str) -> tuple[int, str]:
 def test_a_client_is_a_live_client_of_its_namespace_while_open(real_server, namespace):
     client = make_client(real_server.url, namespace)
     r = client.redis
+    assert r.zcard(clients_key(namespace)) == 0  # nothing written before a first operation succeeded
+    client.get_partition_list()
     _wait_until(lambda: r.zcard(clients_key(namespace)) == 1, "the heartbeat wrote the client's entry")
     (member, deadline), = r.zrange(clients_key(namespace), 0, -1, withscores=True)
     sec, _ = r.time()
@@ -107,6 +109,7 @@ def test_a_client_is_a_live_client_of_its_namespace_while_open(real_server, name
     created, touched = r.hmget(config_key(namespace), "created_ms", "touched_ms")
     assert created and touched and int(touched) >= int(created)
     other = make_client(real_server.url, namespace)  # one heartbeat per process and namespace
+    other.get_partition_list()
     assert r.zcard(clients_key(namespace)) == 1
     other.close()
     assert r.zcard(clients_key(namespace)) == 1

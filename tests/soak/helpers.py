@@ -11,7 +11,7 @@ import redis
 from tq_redis.backends.dram import DramStore
 from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
-from tq_redis.keys import config_key, kept_partitions_key, storage_nodes_key
+from tq_redis.keys import clients_key, config_key, kept_partitions_key, storage_nodes_key, storage_rings_key
 
 #: node options for leak checks: slabs are released as soon as they are empty (no warm cache)
 LEAN_NODE_ARGS = ("--keep-warm", "0", "--slab-size", "4MiB")
@@ -99,15 +99,18 @@ def namespace_keys(url: str, namespace: str) -> set[str]:
 def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[str]:
     """Keys of the namespace that must not outlive a clear of ``partitions``.
 
-    Allowed to remain: the namespace config and the storage-node registry, each partition's id
-    counter (ids are never reused) and the registry listing them (``partitions:kept``), and
+    Allowed to remain: the namespace config, its live clients' heartbeats, the storage-node
+    registry and the table of node rings values were put under, each partition's id counter (ids
+    are never reused), a sealed partition's closed marker, the registry listing them
+    (``partitions:kept``), and
     while they still have an expiry its event stream (kept a minute so that readers following it
     see the partition go) and the wait bookkeeping of consumers that started waiting after the
     clear (``waittasks``, ``waiters:*``, ``wake*:*``).
     """
     # partitions:kept lists the cleared partitions whose seq stays (checkpoints find it there)
-    allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace)}
-    allowed |= {f"{namespace}:{{{namespace}/{p}}}:seq" for p in partitions}
+    allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace),
+               clients_key(namespace), storage_rings_key(namespace)}
+    allowed |= {f"{namespace}:{{{namespace}/{p}}}:{kind}" for p in partitions for kind in ("seq", "closed")}
     prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
     expiring = ("events", "waittasks", "waiters:", "waitneed:", "wake:", "wakebudget:")
 
