@@ -452,13 +452,16 @@ def check_rows(ns: Namespace, pids: list[str], ids: list[int], fields: list[str]
 
 # ------------------------------------------------------------------ the namespace audit
 
-_GLOBAL = {"partitions", "partitions:kept", "channels", "config", "storage:nodes"}
+_GLOBAL = {
+    "partitions", "partitions:kept", "channels", "config", "clients", "storage:nodes", "storage:rings",
+    "storage:pendingnodes",
+}  # fmt: skip
 _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",
-    "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics",
+    "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics", "rings", "closed",
 }  # fmt: skip
 _FAMILIES = (
-    "prod:", "cons:", "lease:", "dlv:", "poison:", "tag:",
+    "prod:", "cons:", "lease:", "dlv:", "poison:", "tag:", "loc:",
     "waiters:", "waitneed:", "wake:", "wakebudget:", "rank:", "bal:",
 )  # fmt: skip
 _PARTITION_KEY = re.compile(r"\{([^{}]+)\}:(.*)", re.S)
@@ -473,7 +476,7 @@ def audit(ns: Namespace) -> None:
     data_keys: dict[str, set[tuple[int, str]]] = {}
     for raw in r.scan_iter(match=prefix + "*", count=1000):
         rest = raw.decode()[len(prefix):]
-        if rest in _GLOBAL:
+        if rest in _GLOBAL or rest.startswith("storage:pending:"):
             continue
         m = _PARTITION_KEY.fullmatch(rest)
         assert m, f"stray key {raw!r}: not in the layout of tq_redis.keys"
