@@ -76,7 +76,10 @@ def _stopped(node) -> None:
 
 def _looks_dead(client, node_id: str, dead_after_s: float) -> bool:
     """Whether ``node_id``'s heartbeat is older than ``dead_after_s`` by Redis's clock."""
-    info = json.loads(client.redis.hget(f"{client.namespace}:storage:nodes", node_id))
+    raw = client.redis.hget(f"{client.namespace}:storage:nodes", node_id)
+    if raw is None:  # already removed as gone
+        return True
+    info = json.loads(raw)
     sec, usec = client.redis.time()
     return sec + usec / 1e6 - info["heartbeat"] > dead_after_s
 
@@ -147,15 +150,23 @@ def test_a_rewrite_after_nodes_joined_is_never_read_from_the_stale_copy(real_ser
     reader.close()
 
 
-def test_a_holder_that_left_is_named_with_its_address_and_keys(real_server, namespace, nodes):
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_holder_that_left_is_named_with_its_address_and_keys(real_server, namespace, nodes, how):
+    """Stopped, it deregisters; SIGKILLed, its registration stays until a client finds its process
+    gone (this host) once it looks dead. Either way get_data says which node held which keys."""
     nodes("n1")
     n2 = nodes("n2")
     client = _client(real_server.url, namespace)
     meta = client.put(_rows(0), partition_id="p")
     assert _keys_on(_store(client), "n2")
-    n2.stop()  # deregisters: its memory, and the values in it, are gone
+    if how == "stopped":
+        n2.stop()  # deregisters: its memory, and the values in it, are gone
+    else:
+        n2.proc.kill()
+        n2.proc.wait()
+        _wait_until(lambda: _looks_dead(client, "n2", 1.0), "n2 looks dead")
     with pytest.raises(DataMissing) as caught:
-        _client(real_server.url, namespace).get_data(meta)
+        _client(real_server.url, namespace, dead_after_s=1.0).get_data(meta)
     message = str(caught.value)
     assert "'n2'" in message and n2.address in message and "has left" in message
     assert f"{namespace}:{{{namespace}/p}}:d:" in message  # the keys it held
@@ -236,6 +247,60 @@ def test_a_rewrite_that_loses_to_a_clear_leaves_no_bytes(real_server, namespace,
     assert _keys_on(store, "n1") + _keys_on(store, "n2") == 0
     client.close()
     other.close()
+
+
+def _rewriter(url: str, ns: str, conn) -> None:
+    """Rewrite field ``z`` of the batch it is sent, over and over, until a clear refuses it."""
+    from tq_redis import TransferQueueClient
+
+    client = TransferQueueClient(url, ns)
+    while (meta := conn.recv()) is not None:
+        z = TensorDict({"z": torch.ones(meta.size, WIDTH)}, batch_size=[meta.size])
+        conn.send("rewriting")
+        rewrites = 0
+        while True:
+            try:
+                client.put(z, metadata=meta)
+                rewrites += 1
+            except (UnknownPartition, SampleNotFound):
+                break
+        conn.send(rewrites)
+    client.close()
+
+
+def test_rewrites_racing_clears_in_another_process_leave_no_bytes(real_server, namespace, nodes):
+    """A rewriter process rewrites a batch while this process clears it (all of it, or half)."""
+    from tests.procs import mp_context
+
+    nodes("n1")
+    nodes("n2")
+    client = _client(real_server.url, namespace)
+    ours, theirs = mp_context().Pipe()
+    proc = mp_context().Process(target=_rewriter, args=(real_server.url, namespace, theirs))
+    proc.start()
+    try:
+        rewrites = 0
+        for r in range(20):
+            meta = client.put(_rows(0, 16), partition_id=f"race{r}")
+            ours.send(meta)
+            assert ours.recv() == "rewriting"
+            if r % 2:
+                client.clear_samples(meta.select_samples(list(range(8))))  # half: the rewrite is refused
+                client.clear_samples(meta)
+            else:
+                client.clear_partition(f"race{r}")
+            rewrites += ours.recv()
+        ours.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+        for r in range(20):
+            client.clear_partition(f"race{r}")
+        store = _store(client)
+        assert _keys_on(store, "n1") + _keys_on(store, "n2") == 0, f"orphaned bytes after {rewrites} rewrites"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        client.close()
 
 
 def test_a_put_into_a_sealed_and_cleared_partition_is_refused_until_reopened(real_server, namespace, nodes):
