@@ -49,24 +49,26 @@ class _Heartbeat:
         self._redis: Any = None
 
     def start(self) -> None:
+        """The first beat now (the client counts as live when its first operation returns), then
+        one every :data:`BEAT_S` from a daemon thread."""
+        self._beat()
         self.thread = threading.Thread(target=self._run, name="tq-liveness", daemon=True)
         self.thread.start()
 
+    def _beat(self) -> bool:
+        try:
+            if self._redis is None:
+                self._redis = connections.sync_client(self.url, reconnect=False, socket_timeout=5,
+                                                      socket_connect_timeout=5)
+            beat(self._redis, self.namespace, self.client_id)
+            return True
+        except redis.RedisError as exc:  # Redis away: try again next beat (nothing depends on it now)
+            log.info("liveness heartbeat of namespace %r failed (will retry): %s", self.namespace, exc)
+            return False
+
     def _run(self) -> None:
-        failing = False
-        while True:
-            try:
-                if self._redis is None:
-                    self._redis = connections.sync_client(self.url, reconnect=False, socket_timeout=5,
-                                                          socket_connect_timeout=5)
-                beat(self._redis, self.namespace, self.client_id)
-                failing = False
-            except redis.RedisError as exc:  # Redis away: try again next beat (nothing depends on it now)
-                if not failing:
-                    log.info("liveness heartbeat of namespace %r failed (will retry): %s", self.namespace, exc)
-                failing = True
-            if self.stop.wait(BEAT_S):
-                return
+        while not self.stop.wait(BEAT_S):
+            self._beat()
 
     def close(self) -> None:
         self.stop.set()

@@ -13,13 +13,20 @@ from tq_redis.backends.dram_launcher import spawn_node
 
 from tests.conftest import make_client
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
-from tq_redis.keys import PartitionKeys
+from tq_redis.keys import PartitionKeys, clients_key, config_key
 
 
 def _state(client, partition: str) -> dict:
-    """Every key of the partition with its type and content, to prove nothing changed."""
+    """Every key of the partition with its type and content, to prove nothing changed (but the
+    client's liveness record, which its heartbeat rewrites on its own: tq_redis.liveness)."""
     out = {}
+    life = (clients_key(client.namespace).encode(), config_key(client.namespace).encode())
     for key in sorted(client.redis.scan_iter(f"{client.namespace}:*")):
+        if key == life[0]:
+            continue
+        if key == life[1]:
+            out[key] = {k: v for k, v in client.redis.hgetall(key).items() if k not in (b"created_ms", b"touched_ms")}
+            continue
         kind = client.redis.type(key).decode()
         if kind == "stream":
             out[key] = client.redis.xlen(key)

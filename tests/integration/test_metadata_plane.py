@@ -186,4 +186,5 @@ def test_keys_share_one_hash_tag(client):
     part_keys = [k for k in keys if tag in k]
     assert len(part_keys) >= 6
     assert all(k.startswith(f"{client.namespace}:{tag}:") for k in part_keys)
-    assert set(keys) - set(part_keys) <= {f"{client.namespace}:partitions", f"{client.namespace}:config"}
+    ns = client.namespace
+    assert set(keys) - set(part_keys) <= {f"{ns}:partitions", f"{ns}:config", f"{ns}:clients"}  # + its heartbeat
