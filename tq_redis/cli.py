@@ -62,23 +62,30 @@ def _say_what_is_reachable(args: argparse.Namespace, server, nodes, attach: str)
           f"Ctrl-C stops)", flush=True)
 
 
+def _clean_up_after_killed_jobs(args: argparse.Namespace, url: str) -> None:
+    """What jobs killed with SIGKILL left: their embedded servers' directories on this host, and,
+    on a server that keeps its data across runs, namespaces past their namespace_ttl."""
+    from tq_redis import leftovers, namespaces
+
+    for directory in leftovers.remove_abandoned():
+        print(f"tq-redis up: removed {directory} (left by a killed job)", flush=True)
+    if args.data_dir is not None:
+        for ns in namespaces.gc(url)["dropped"]:
+            print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", flush=True)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from tq_redis import acl, connections, leftovers, namespaces
+    from tq_redis import acl, connections
     from tq_redis.backends.dram_launcher import start_local_nodes
 
     if args.cluster and args.port is not None:
         print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
               file=sys.stderr)
         return 2
-    for directory in leftovers.remove_abandoned():  # what jobs killed with SIGKILL left behind
-        print(f"tq-redis up: removed {directory} (left by a killed job)", file=sys.stderr, flush=True)
     server = _start_redis(args, acl.new_password())
-    if args.data_dir is not None:  # namespaces kept from earlier runs: drop those past their TTL
-        for ns in namespaces.gc(server.url)["dropped"]:
-            print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", file=sys.stderr, flush=True)
     private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
     nodes = None
     stop = threading.Event()
@@ -93,6 +100,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                                                                    "options": {}}))
         r.close()
         _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
+        _clean_up_after_killed_jobs(args, server.url)
         while not stop.wait(0.5):
             if not server.alive():
                 print("tq-redis up: the Redis server exited", file=sys.stderr)

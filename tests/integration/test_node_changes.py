@@ -197,7 +197,8 @@ def test_a_node_paused_during_a_clear_deletes_the_cleared_values_when_it_is_back
     client.clear_partition("p")  # succeeds: n2's deletes are recorded for it
     assert _keys_on(store, "n1") == 0
     pending = client.redis.lrange(pending_deletes_key(namespace, "n2"), 0, -1)
-    assert len(b"\n".join(pending).split(b"\n")) == held
+    # every key it holds (and, while it is in the live ring, those it is the runner-up for)
+    assert len(b"\n".join(pending).split(b"\n")) >= held
     other = _client(real_server.url, namespace)  # the client that cleared is gone: nothing depends on it
     client.close()
     os.kill(n2.proc.pid, signal.SIGCONT)
