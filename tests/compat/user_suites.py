@@ -20,6 +20,7 @@ and the counts; exit 1 on any failure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,9 +28,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.compat.reference_suite import SuiteResult, _read_report
+from tq_redis.embedded import free_port
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parent.parent
@@ -49,6 +53,7 @@ class UserSuite:
     deselected: dict[str, str]
     unreachable: str  # why CI cannot fetch the files (what was checked)
     env: tuple[tuple[str, str], ...] = ()  # the project's own settings for the run ("{src}": the checkout)
+    ray_head_cpus: int = 0  # > 0: start a private Ray head with this many CPUs (the project joins "any" cluster)
 
 
 SUITES: dict[str, UserSuite] = {
@@ -84,6 +89,9 @@ SUITES: dict[str, UserSuite] = {
         ),
         # RLinf's own switch that ships its package to the Ray workers its Cluster starts
         env=(("RLINF_CODE_WORKING_DIR", "{src}"),),
+        # RLinf's Cluster joins any Ray cluster it finds on the machine: give it its own, with enough
+        # logical CPUs for the test's two worker groups and its three channel workers
+        ray_head_cpus=16,
     ),
 }
 
@@ -133,10 +141,56 @@ def run(suite: UserSuite, src: Path, run_dir: Path, extra_args: tuple[str, ...] 
     env.update({name: value.format(src=src) for name, value in suite.env})
     cmd = [sys.executable, "-m", "pytest", "-c", str(run_dir / "pytest.ini"), "--rootdir", str(run_dir),
            "-p", "no:cacheprovider", "-q", "-rN", *suite.files, *extra_args]
-    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if suite.ray_head_cpus:
+        # a loopback cluster of this run only: its clients are this run's processes, which find no
+        # token for it in the shared places Ray looks (RLinf's state API calls go to its dashboard)
+        env["RAY_AUTH_MODE"] = "disabled"
+    with private_ray_head(suite.ray_head_cpus, env) as address:
+        if address:
+            env["RAY_ADDRESS"] = address
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     outcomes, messages, collected = _read_report(report)
     deselected = [n for n in collected if n in suite.deselected or n.split("[", 1)[0] in suite.deselected]
     return SuiteResult(outcomes, messages, collected, deselected, proc.returncode, proc.stdout + proc.stderr)
+
+
+@contextlib.contextmanager
+def private_ray_head(cpus: int, env: dict[str, str]) -> Iterator[str | None]:
+    """A Ray head of our own (``ray start --head --block``), its address; stopped afterwards by
+    ending that one process, which takes its cluster with it (never ``ray stop``, which would stop
+    every Ray cluster of the machine's user)."""
+    if cpus <= 0:
+        yield None
+        return
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="tqray-", dir="/tmp")  # short: Ray's socket paths are bounded
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         f"--num-cpus={cpus}", "--temp-dir", temp_dir, "--include-dashboard=true", f"--dashboard-port={free_port()}",
+         "--disable-usage-stats"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    started, lines = threading.Event(), []
+
+    def read_output() -> None:  # `ray start` says when the head is up; a reader keeps the pipe drained
+        for line in head.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "Ray runtime started" in line:
+                started.set()
+        started.set()  # it exited
+
+    threading.Thread(target=read_output, daemon=True).start()
+    try:
+        if not started.wait(300) or head.poll() is not None:
+            raise RuntimeError("could not start a private Ray head:\n" + "".join(lines[-30:]))
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def summary(suite: UserSuite, result: SuiteResult, commit: str) -> str:
