@@ -139,7 +139,8 @@ class DramStore(NodeDiscovery):
             ``StorageUnavailable``. Not waited when no node was ever registered.
         forget_after_s: a registration whose heartbeat is older than this is removed from Redis
             (with the deletes recorded for its node), and at once one of this host whose process
-            is gone; its node, and the values it held, are gone.
+            is gone; its node, and the values it held, are gone. Default: 600 s, or
+            ``dead_after_s`` when that is longer.
         tls: ``None`` (default): TLS to the nodes whose registration says they serve it
             (``--tls-cert``); ``True``: TLS to every node over TCP (refuses plain ones);
             ``False``: never (a TLS node's handshake then fails). The same-host shared-memory
@@ -167,7 +168,7 @@ class DramStore(NodeDiscovery):
         refresh_s: float = 2.0,
         dead_after_s: float = 10.0,
         registry_wait_s: float = 2.0,
-        forget_after_s: float = DEFAULT_FORGET_AFTER_S,
+        forget_after_s: float | None = None,
         tls: bool | None = None,
         tls_ca: str | None = None,
         tls_check_hostname: bool = True,
@@ -175,6 +176,8 @@ class DramStore(NodeDiscovery):
     ) -> None:
         try:
             bad = not (timeout_s > 0 and refresh_s >= 0 and dead_after_s > 0 and registry_wait_s >= 0)
+            if forget_after_s is None:
+                forget_after_s = max(DEFAULT_FORGET_AFTER_S, dead_after_s)
             bad = bad or not forget_after_s >= dead_after_s
         except TypeError:
             bad = True

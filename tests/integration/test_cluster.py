@@ -323,6 +323,10 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.run(transitions.read_registry(namespace).call())  # the dram store's view of its nodes
     leased = client.get_meta(["x"], 2, "all", task_name="t", lease_s=30)
     client.ack(leased)
+    taken = client.get_meta(["x"], 1, "all", task_name="back")  # a claim durable mode could not confirm
+    keys = client.context.keys("all")
+    assert client.run(transitions.unclaim(keys, "back", taken.global_indexes, [0]).call()) == 1
+    assert list(client.get_meta(["x"], 1, "all", task_name="back").global_indexes) == list(taken.global_indexes)
     client.get_meta(["x"], 100, "all", task_name="t", timeout=0.05)  # waits, then gives up
     client.get_consumption_status("t", "all")
     client.reset_consumption("all", "t")
