@@ -105,8 +105,8 @@ def _all(x: torch.Tensor, value: float) -> bool:
 
 @pytest.fixture
 def embedded_job(monkeypatch):
-    """``tq.init()`` with no URL (its embedded Valkey and two storage nodes), holding a small
-    inline value and a 16 KiB value on the nodes."""
+    """``tq.init()`` with no URL (its embedded Valkey and two storage nodes), holding small values
+    inline in Redis and 8 KiB values on the nodes."""
     for name in ("TQ_REDIS_URL", "TQ_NAMESPACE", "TQ_STORAGE_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     tq.init({"namespace": "victim", "storage": {"unit_capacity": "64MiB"}})
@@ -131,6 +131,7 @@ def test_another_user_cannot_read_or_flush_the_embedded_server(embedded_job):
     (attempt,) = result["redis"]
     assert all(_refused(v) for v in attempt["read"].values()), attempt
     assert _refused(attempt["flushall"]), attempt
+    assert attempt.get("password_from_cmdline") is False, attempt  # no command line shows the password
     assert all(_refused(v) for v in result["socket_files"].values()), result["socket_files"]
     assert _all(client.get_data(small)["x"], 7.0)  # nothing was flushed
     assert _all(client.get_data(large)["x"], 9.0)
@@ -153,7 +154,7 @@ def test_another_user_cannot_read_the_embedded_storage_nodes(embedded_job):
     assert _all(client.get_data(large)["x"], 9.0)
 
 
-def test_up_admits_only_its_owner_and_says_how(tmp_path):
+def test_up_admits_only_its_owner_and_says_how():
     env = {k: v for k, v in os.environ.items() if k not in ("TQ_STORAGE_TOKEN", "TQ_REDIS_URL")}
     proc = subprocess.Popen(CLI + ["up", "--units", "1", "--capacity", "64MiB", "--namespace", "upsec"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -177,6 +178,7 @@ def test_up_admits_only_its_owner_and_says_how(tmp_path):
         })  # fmt: skip
         (attempt,) = result["redis"]
         assert _refused(attempt["flushall"]) and all(_refused(v) for v in attempt["read"].values()), attempt
+        assert attempt.get("password_from_cmdline") is False, attempt
         _assert_nodes_refused(result)
         assert _all(client.get_data(meta)["x"], 5.0)
         client.close()
