@@ -13,9 +13,10 @@ pip_args=(-q)
 if [ -n "${CONSTRAINTS:-}" ]; then
   pip_args+=(-c "$CONSTRAINTS")
 fi
-if [ ! -x "$VENV/bin/python" ]; then
+# a venv whose creation was interrupted has a python but no pip: make it again
+if [ ! -x "$VENV/bin/python" ] || [ ! -x "$VENV/bin/pip" ]; then
   echo "[setup] creating $VENV with $($PY --version)"
-  "$PY" -m venv "$VENV"
+  "$PY" -m venv --clear "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
