@@ -302,23 +302,42 @@ def _discard_cleared(
     later clear retries them); those of live samples only where the field was not produced for
     them (elsewhere the bytes replaced the value the bits point at). Returns a note for the
     caller's error if some could not be deleted."""
-    visible = yield from transitions.check_visible(pk, ids).call()
-    gone = set(visible.not_alive)  # the reply lists every id not alive
+    gone, unread = yield from _unreadable(pk, ids, fields)
     notes = []
-    cleared = [i for i in ids if i in gone]
-    if cleared:
-        notes.append((yield from discard_bytes(store, pk, cleared, fields, ring)))
-    alive = [i for i in ids if i not in gone]
-    checks = [transitions.check_visible(pk, alive, [f]) for f in fields] if alive else []
-    per_field = (yield from transitions.pipeline(*checks)) if checks else []
-    for field, produced in zip(fields, per_field):
-        unread = produced.not_produced  # every alive id lacking the field
-        if unread:
-            try:
-                yield Offload(store.delete, (pk, unread, [field], [ring] if ring else []))
-            except Exception as exc:  # the caller's error is the one to raise
-                notes.append(f"the bytes this put wrote for field {field!r} of samples {unread[:10]} remain ({exc})")
+    if gone:
+        notes.append((yield from discard_bytes(store, pk, gone, fields, ring)))
+    for field, unread_ids in unread.items():
+        try:
+            yield Offload(store.delete, (pk, unread_ids, [field], [ring] if ring else []))
+        except Exception as exc:  # the caller's error is the one to raise
+            notes.append(f"the bytes this put wrote for field {field!r} of samples {unread_ids[:10]} remain ({exc})")
     return "; ".join(n for n in notes if n) or None
+
+
+def _unreadable(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
+    """The ids of ``ids`` that are gone, and per field the alive ones that lack it.
+
+    A script reports the ids lacking a field only when all it was asked about are alive, and more
+    may be cleared between two scripts: a field whose check found some gone is checked again on
+    the ones left (a sample never comes back, so this ends).
+    """
+    gone: set[int] = set()
+    unread: dict[str, list[int]] = {}
+    todo = list(fields)
+    while todo:
+        alive = [i for i in ids if i not in gone]
+        if not alive:
+            break
+        replies = yield from transitions.pipeline(*(transitions.check_visible(pk, alive, [f]) for f in todo))
+        again = []
+        for field, visible in zip(todo, replies):
+            if visible.not_alive:
+                gone.update(visible.not_alive)
+                again.append(field)
+            elif visible.not_produced:
+                unread[field] = visible.not_produced
+        todo = again
+    return sorted(gone), unread
 
 
 def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
