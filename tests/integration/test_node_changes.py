@@ -25,7 +25,7 @@ from tq_redis.backends.dram_protocol import OP_STATS
 from tests.conftest import make_client
 from tq_redis import ops
 from tq_redis.errors import DataMissing, PartitionClosed, SampleNotFound, StorageUnavailable, UnknownPartition
-from tq_redis.keys import PartitionKeys, config_key, partitions_key, pending_deletes_key
+from tq_redis.keys import PartitionKeys, config_key, partitions_key, pending_deletes_key, storage_nodes_key
 
 ROWS = 64
 WIDTH = 256  # int64 per row: 2 KiB values, all kept in the store
@@ -66,6 +66,22 @@ def _wait_until(condition, what: str, deadline_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.05)
+
+
+def _deferred_deletes_ran(client, node_ids: list[str]) -> None:
+    """Wait until the deletes recorded for ``node_ids`` (a node that did not answer within
+    timeout_s on a loaded machine gets them later) have run: none is recorded any more, and every
+    node beat again since (a node runs what it took off the list before its beat returns)."""
+    ns = client.namespace
+    pending = [pending_deletes_key(ns, n) for n in node_ids]
+    _wait_until(lambda: not client.redis.exists(*pending), "no delete is pending")
+    registrations = storage_nodes_key(ns)
+    beats = client.redis.hmget(registrations, node_ids)
+
+    def beat_again() -> bool:
+        return all(now != then for now, then in zip(client.redis.hmget(registrations, node_ids), beats))
+
+    _wait_until(beat_again, "every node beat again")
 
 
 def _stopped(node) -> None:
@@ -317,6 +333,7 @@ def test_rewrites_racing_clears_in_another_process_leave_no_bytes(real_server, n
         assert proc.exitcode == 0
         for r in range(20):
             client.clear_partition(f"race{r}")
+        _deferred_deletes_ran(client, ["n1", "n2"])
         store = _store(client)
         assert _keys_on(store, "n1") + _keys_on(store, "n2") == 0, f"orphaned bytes after {rewrites} rewrites"
     finally:
