@@ -1,5 +1,8 @@
-# tq-redis image: the `tq-redis` CLI (storage nodes, status, demo) and the library for rank processes.
+# tq-redis image: the `tq-redis` CLI (storage nodes, status) and the library for rank processes.
+# Extras (README "Installing") with --build-arg EXTRAS=demo,s3: `tq-redis demo` needs demo, a
+# storage node's --spill or the fsspec store needs s3; a rank or storage node needs none.
 FROM python:3.11-slim
+ARG EXTRAS=
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 WORKDIR /app
@@ -14,7 +17,7 @@ COPY backends ./backends
 COPY examples ./examples
 # gcc only for the build: it compiles tq_redis._copy and tq_redis._scan, the data plane's native modules
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && pip install . \
+    && pip install ".${EXTRAS:+[$EXTRAS]}" \
     && python -c "import tq_redis.fastcopy as f; assert f.NATIVE, 'tq_redis._copy did not build'" \
     && python -c "import tq_redis.batchscan as b; assert b.NATIVE, 'tq_redis._scan did not build'" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*

@@ -72,7 +72,7 @@ _REGISTRY: dict[str, tuple[str, str | None]] = {
     "dram": ("tq_redis.backends.dram:DramStore", None),
     "mooncake": ("tq_redis.backends.mooncake:MooncakeStore", "mooncake-transfer-engine"),
     "yuanrong": ("tq_redis.backends.yuanrong:YuanrongStore", "openyuanrong-datasystem"),
-    "fsspec": ("tq_redis.backends.fsspec_store:FsspecStore", "fsspec"),
+    "fsspec": ("tq_redis.backends.fsspec_store:FsspecStore", "'tq-redis[s3]'"),
     "ray": ("tq_redis.backends.ray_store:RayStore", "ray"),
 }
 
@@ -99,6 +99,8 @@ def store_class(name: str) -> type:
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except BackendNotInstalled:
+        raise  # the store's module said what to install
     except ImportError as exc:
         hint = f"pip install {package}" if package else "reinstall tq-redis"
         raise BackendNotInstalled(

@@ -23,9 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
-
-from tq_redis.errors import ConfigError
+from tq_redis.errors import BackendNotInstalled, ConfigError
 from tq_redis.redact import redact
 
 log = logging.getLogger("tq_redis.dram_server")
@@ -40,6 +38,12 @@ class SpillTier:
     """One node's directory on an fsspec filesystem; thread-safe, :meth:`close` included."""
 
     def __init__(self, url: str, owner: str, storage_options: dict[str, Any] | None = None) -> None:
+        try:
+            import fsspec  # the [s3] extra: a node without --spill does not need it
+        except ImportError as exc:
+            raise BackendNotInstalled(
+                f"--spill needs fsspec ({exc}); install it with: pip install 'tq-redis[s3]'"
+            ) from None
         try:
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as exc:

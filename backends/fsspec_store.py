@@ -40,8 +40,6 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from tq_redis.backends.base import Buffer, Segments, StoreContext, check_options, join_segments
 
 from tq_redis.errors import (
@@ -53,6 +51,14 @@ from tq_redis.errors import (
     StorageUnavailable,
 )
 from tq_redis.redact import redact
+
+try:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+except ImportError as exc:  # fsspec comes with the [s3] extra, not with the core install
+    raise BackendNotInstalled(
+        f"the fsspec store needs fsspec ({exc}); install it with: pip install 'tq-redis[s3]'"
+    ) from exc
 
 __all__ = ["FsspecStore", "key_to_name", "name_to_key"]
 

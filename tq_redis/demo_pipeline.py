@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tq_redis.demo_config import DemoConfig, DemoFailed, Span, partition, roles
-from tq_redis.demo_report import ProgressView, plot_timeline, summarize
+from tq_redis.demo_report import ProgressView, plot_timeline, require_demo_extra, summarize
 from tq_redis.redact import redact
 
 __all__ = ["run_demo"]
@@ -271,12 +271,14 @@ def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]
         DemoFailed: a worker failed or died, the run timed out, or a check failed. Every process
             the run started is stopped first.
         ValueError: invalid sizes.
+        BackendNotInstalled: the ``[demo]`` extra (rich, matplotlib) is not installed.
     """
     import tq_redis as tq
     from tq_redis.runtime import NotInitialized
 
     cfg = dataclasses.replace(config or DemoConfig(), **options)
     cfg.validate()
+    require_demo_extra()
     try:
         tq.get_client()
     except NotInitialized:

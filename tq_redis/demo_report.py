@@ -6,6 +6,7 @@ the run's summary (:func:`summarize`, printed by :func:`format_summary`) and the
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -13,8 +14,30 @@ from pathlib import Path
 from typing import Any
 
 from tq_redis.demo_config import STAGE_LABELS, STAGES, DemoConfig, Span, roles
+from tq_redis.errors import BackendNotInstalled
 
-__all__ = ["ProgressView", "format_summary", "plot_timeline", "summarize"]
+__all__ = ["ProgressView", "format_summary", "plot_timeline", "require_demo_extra", "summarize"]
+
+#: what the demo shows with: the ``[demo]`` extra (a training rank installs neither)
+DEMO_LIBRARIES = ("rich", "matplotlib")
+
+
+def require_demo_extra() -> None:
+    """Raise :class:`~tq_redis.errors.BackendNotInstalled` naming the ``[demo]`` extra unless its
+    libraries (progress bars, the timeline figure) can be imported: said before the run starts,
+    not after it."""
+    missing = [name for name in DEMO_LIBRARIES if not _importable(name)]
+    if missing:
+        raise BackendNotInstalled(
+            f"the demo needs {' and '.join(missing)}, which the [demo] extra installs: pip install 'tq-redis[demo]'"
+        )
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds a module without a spec
+        return False
 
 
 class ProgressView:

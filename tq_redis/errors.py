@@ -146,8 +146,9 @@ class DataMissing(StorageError, KeyError):
     """A key the metadata says exists is missing from its store."""
 
 
-class BackendNotInstalled(TQError, ImportError):
-    """A storage backend's optional dependency is missing; the message names the package."""
+class BackendNotInstalled(ConfigError, ImportError):
+    """A storage backend's (or the demo's) optional dependency is missing; the message names the
+    extra or package to install. A ``ConfigError``: the configuration asks for what is not installed."""
 
 
 class SamplerError(TQError, ValueError):
