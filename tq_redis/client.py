@@ -12,7 +12,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
@@ -23,6 +23,8 @@ from tq_redis.driver import AsyncDriver
 from tq_redis.errors import LeaseError
 from tq_redis.metadata import BatchMeta, KVBatchMeta
 from tq_redis.reprs import attrs_repr
+
+R = TypeVar("R")
 
 
 def lease_task(metadata: BatchMeta) -> str:
@@ -107,7 +109,7 @@ class AsyncTransferQueueClient:
         that with :meth:`arun` (or ``TransferQueueClient.run``)."""
         return self._ctx
 
-    async def arun(self, op: ops.Op) -> Any:
+    async def arun(self, op: ops.Op[R]) -> R:
         """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) on this loop."""
         result = await self._async_driver().run(op)
         if self._unattached:
@@ -129,18 +131,16 @@ class AsyncTransferQueueClient:
             driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
         return driver
 
-    # the parameters of get_meta and put are their operations' (written once, there)
-    async_get_meta = awaiting(ops.get_meta, doc="See :meth:`tq_redis.TransferQueueClient.get_meta`.",
-                              returns="BatchMeta", keyword_only="timeout")
+    # the parameters and result types of these are their operations' (written once, there)
+    async_get_meta = awaiting(ops.get_meta, doc="See :meth:`tq_redis.TransferQueueClient.get_meta`.")
 
-    async_put = awaiting(ops.put, doc="See :meth:`tq_redis.TransferQueueClient.put`.", returns="BatchMeta")
+    async_put = awaiting(ops.put, doc="See :meth:`tq_redis.TransferQueueClient.put`.")
 
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
         return await self.arun(ops.get_data(self._ctx, metadata))
 
     async_get_meta_and_data = awaiting(
-        ops.get_meta_and_data, doc="See :meth:`tq_redis.TransferQueueClient.get_meta_and_data`.",
-        returns="tuple[BatchMeta, TensorDict]", keyword_only="task_name",
+        ops.get_meta_and_data, doc="See :meth:`tq_redis.TransferQueueClient.get_meta_and_data`."
     )
 
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:

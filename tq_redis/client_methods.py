@@ -1,76 +1,71 @@
 """Client methods made from an operation, so that a long parameter list is written once.
 
 An operation of :mod:`tq_redis.ops` takes the client's context and then exactly the arguments of
-the public method that runs it. :func:`blocking` makes the ``TransferQueueClient`` method and
-:func:`awaiting` the ``AsyncTransferQueueClient`` coroutine from it: both take the operation's
-parameters less the context (``inspect.signature`` and ``help`` show them), the ones from
-``keyword_only`` on made keyword-only (tq-redis's additions to the reference's parameters). A call
-that breaks that signature raises ``TypeError`` as for any method, before the operation runs.
+the public method that runs it (keyword-only ones included). :func:`blocking` makes the
+``TransferQueueClient`` method and :func:`awaiting` the ``AsyncTransferQueueClient`` coroutine
+from it. Both take the operation's parameters less the context, and return its result:
+
+* type checkers and IDEs see them through the builders' types (a ``ParamSpec`` for the
+  parameters, :data:`~tq_redis.ops_context.Op`'s result type for the return), so
+  ``client.put(td, tiemout=5)`` is flagged as it would be for a method written out;
+* at run time ``inspect.signature`` and ``help`` show the same, and a call that breaks the
+  signature raises ``TypeError`` from the operation, before it runs.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+import typing
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from tq_redis.ops_context import Context, Op
 
 __all__ = ["awaiting", "blocking", "method_signature"]
 
-Build = Callable[..., Any]  # an operation: (context, *arguments) -> generator of effects
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def method_signature(build: Build, keyword_only: str | None, returns: str) -> inspect.Signature:
-    """``(self, <build's parameters less the context>) -> returns``; parameters from
-    ``keyword_only`` on become keyword-only."""
+def method_signature(build: Callable[..., Any]) -> inspect.Signature:
+    """``(self, <build's parameters less the context>) -> <the result type of build's Op>``."""
+    signature = inspect.signature(build)
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for param in list(inspect.signature(build).parameters.values())[1:]:
-        if param.name == keyword_only:
-            kind = inspect.Parameter.KEYWORD_ONLY
-        params.append(param.replace(kind=kind))
-    return inspect.Signature(params, return_annotation=returns)
+    params += list(signature.parameters.values())[1:]
+    return inspect.Signature(params, return_annotation=_result_annotation(signature.return_annotation))
 
 
-def _positional_limit(signature: inspect.Signature) -> int:
-    """How many arguments after ``self`` may be given by position."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in list(signature.parameters.values())[1:] if p.kind in kinds)
+def _result_annotation(annotation: Any) -> Any:
+    """What an operation annotated ``-> Op[X]`` returns: ``X`` (a string under postponed annotations)."""
+    if isinstance(annotation, str):
+        return annotation[3:-1] if annotation.startswith("Op[") and annotation.endswith("]") else annotation
+    args = typing.get_args(annotation)
+    return args[2] if len(args) == 3 else annotation
 
 
-def _checked(name: str, limit: int, args: tuple) -> None:
-    # Python checks names, duplicates and missing arguments when the operation is called; what it
-    # cannot know is that the method made some parameters keyword-only. (Cheaper than
-    # Signature.bind, which costs a tiny get_meta ~25 us.)
-    if len(args) > limit:
-        raise TypeError(f"{name}() takes {limit} positional argument(s) but {len(args)} were given")
-
-
-def _dress(method: Any, name: str, doc: str, signature: inspect.Signature) -> Any:
+def _dress(method: Any, name: str, doc: str, build: Callable[..., Any]) -> None:
     method.__name__ = method.__qualname__ = name
     method.__doc__ = doc
-    method.__signature__ = signature
+    method.__signature__ = method_signature(build)
+
+
+def blocking(build: Callable[Concatenate[Context, P], Op[R]], *, doc: str) -> Callable[Concatenate[Any, P], R]:
+    """The method running ``build`` with the client's context through ``self.run`` (blocking)."""
+
+    def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.run(build(self.context, *args, **kwargs))
+
+    _dress(method, build.__name__, doc, build)
     return method
 
 
-def blocking(build: Build, *, doc: str, returns: str, keyword_only: str | None = None) -> Callable[..., Any]:
-    """The method running ``build`` with the client's context through ``self.run`` (blocking)."""
-    signature = method_signature(build, keyword_only, returns)
-    name, limit = build.__name__, _positional_limit(signature)
-
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _checked(name, limit, args)
-        return self.run(build(self.context, *args, **kwargs))
-
-    return _dress(method, name, doc, signature)
-
-
-def awaiting(build: Build, *, doc: str, returns: str, keyword_only: str | None = None) -> Callable[..., Any]:
+def awaiting(
+    build: Callable[Concatenate[Context, P], Op[R]], *, doc: str
+) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, R]]:
     """The ``async_`` coroutine method running ``build`` with the client's context on this loop."""
-    signature = method_signature(build, keyword_only, returns)
-    name, limit = f"async_{build.__name__}", _positional_limit(signature)
 
-    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _checked(name, limit, args)
+    async def method(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self.arun(build(self.context, *args, **kwargs))
 
-    return _dress(method, name, doc, signature)
+    _dress(method, f"async_{build.__name__}", doc, build)
+    return method

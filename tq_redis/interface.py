@@ -9,7 +9,7 @@ coroutine takes the parameters of ``<name>`` (written once, there) and awaits th
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -94,7 +94,7 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     _client().kv_clear(keys, partition_id)
 
 
-def _coroutine_of(function: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """``async_<name>``: the coroutine of the default client's ``async_<name>``, with ``function``'s
     parameters (``inspect.signature`` shows them)."""
     name = f"async_{function.__name__}"

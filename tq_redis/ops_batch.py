@@ -31,12 +31,13 @@ def get_meta_and_data(
     data_fields: Sequence[str],
     batch_size: int,
     partition_id: str,
+    *,
     task_name: str | None = None,
     sampling_config: dict[str, Any] | None = None,
     timeout: float = 0.0,
     lease_s: float | None = None,
     max_deliveries: int | None = None,
-) -> Op:
+) -> Op[tuple[BatchMeta, TensorDict]]:
     """``(meta, data)``: ``get_meta(mode="fetch")`` of these arguments and ``get_data`` of the
     batch it claimed, in one round trip when the values are inline. An empty claim returns an
     empty ``BatchMeta`` and an empty TensorDict."""

@@ -59,10 +59,11 @@ def get_meta(
     mode: str = "fetch",
     task_name: str | None = None,
     sampling_config: dict[str, Any] | None = None,
+    *,  # tq-redis's additions to the reference's parameters
     timeout: float = 0.0,
     lease_s: float | None = None,
     max_deliveries: int | None = None,
-) -> Op:
+) -> Op[BatchMeta]:
     """Claim a batch for ``task_name`` (fetch) or describe every sample (force_fetch).
 
     The sampler is ``sampling_config["sampler"]`` or the namespace default. A built-in runs

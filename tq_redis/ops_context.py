@@ -11,7 +11,7 @@ import functools
 import json
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tq_redis import names, samplers
 from tq_redis.backends.base import StoreContext
@@ -22,7 +22,11 @@ from tq_redis.metadata import BatchMeta
 from tq_redis.schemas import to_batchmeta_schema
 from tq_redis.storage import DEFAULT_INLINE_MAX_BYTES, KVStorageManager
 
-Op = Generator[Any, Any, Any]
+T = TypeVar("T")
+
+Op = Generator[Any, Any, T]
+"""An operation: a generator of effects whose return value is its result (``Op[BatchMeta]``: a
+``BatchMeta``). A bare ``Op`` says nothing of the result."""
 
 
 @dataclass

@@ -119,7 +119,7 @@ def put(
     metadata: BatchMeta | None = None,
     partition_id: str | None = None,
     data_parser: DataParser | None = None,
-) -> Op:
+) -> Op[BatchMeta]:
     """Insert new samples (no metadata) or write fields of existing samples (with metadata).
 
     ``data_parser`` (the reference's hook) may rewrite the batch's values in place first. With

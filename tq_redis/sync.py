@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
@@ -18,6 +18,8 @@ from tq_redis.client import AsyncTransferQueueClient, lease_task
 from tq_redis.client_methods import blocking
 from tq_redis.driver import SyncDriver
 from tq_redis.metadata import BatchMeta, KVBatchMeta
+
+R = TypeVar("R")
 
 
 class TransferQueueClient(AsyncTransferQueueClient):
@@ -45,7 +47,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Open the blocking driver, shared by every thread."""
         self._driver = SyncDriver(self.redis_url)
 
-    def run(self, op: ops.Op) -> Any:
+    def run(self, op: ops.Op[R]) -> R:
         """Run one operation (a generator of effects, see :mod:`tq_redis.driver`) to its result,
         blocking. Facades (dock, channel, data loader, checkpoints) build their own operations
         on :attr:`context` and run them here."""
@@ -95,9 +97,9 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """:meth:`load_storage_checkpoint`, off the event loop."""
         await asyncio.to_thread(self.load_storage_checkpoint, checkpoint_dir)
 
-    # the parameters of get_meta and put are their operations' (written once, there); get_meta's
-    # from timeout= on are keyword-only (tq-redis's additions to the reference's)
-    get_meta = blocking(ops.get_meta, returns="BatchMeta", keyword_only="timeout", doc="""
+    # the parameters and result types of get_meta, put and get_meta_and_data are their operations'
+    # (written once, there; type checkers see them through blocking's ParamSpec)
+    get_meta = blocking(ops.get_meta, doc="""
         Get the metadata of a batch.
 
         ``mode="fetch"``: ``batch_size`` samples whose ``data_fields`` are all produced and which
@@ -108,7 +110,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
         production status; nothing is marked.
         """)
 
-    put = blocking(ops.put, returns="BatchMeta", doc="""
+    put = blocking(ops.put, doc="""
         Without metadata: insert new samples into ``partition_id`` (fresh, never-reused ids).
         With metadata: write (or overwrite) these fields of those samples. Bytes are stored before
         the samples become visible. Returns the metadata with the fields added.""")
@@ -117,8 +119,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """The fields of ``metadata`` as a TensorDict in ``metadata.global_indexes`` order."""
         return self.run(ops.get_data(self._ctx, metadata))
 
-    get_meta_and_data = blocking(
-        ops.get_meta_and_data, returns="tuple[BatchMeta, TensorDict]", keyword_only="task_name", doc="""
+    get_meta_and_data = blocking(ops.get_meta_and_data, doc="""
         Claim a batch and read it: ``get_meta(mode="fetch")`` with these arguments, then
         ``get_data`` of what it claimed, returned as ``(meta, data)``. Values kept inline (at most
         ``storage.inline_max_bytes`` each) come back with the claim itself, so a batch of small

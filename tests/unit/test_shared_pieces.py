@@ -40,12 +40,12 @@ class _Recorder:
         return op
 
 
-def _op(ctx, a, b=1, c=None):
+def _op(ctx, a, b=1, *, c=None):
     return (ctx, a, b, c)
 
 
 def test_a_method_from_an_operation_passes_the_context_and_checks_the_call():
-    method = blocking(_op, doc="Doc.", returns="tuple", keyword_only="c")
+    method = blocking(_op, doc="Doc.")
     recorder = _Recorder()
     assert method(recorder, 5) == ("ctx", 5, 1, None)
     assert method(recorder, 5, 2, c=3) == ("ctx", 5, 2, 3)
@@ -55,6 +55,7 @@ def test_a_method_from_an_operation_passes_the_context_and_checks_the_call():
     with pytest.raises(TypeError):
         method(recorder, 5, d=1)
     assert (method.__name__, method.__doc__) == ("_op", "Doc.")
+    assert str(inspect.signature(method)) == "(self, a, b=1, *, c=None)"
 
 
 def test_module_coroutines_take_their_functions_parameters():
