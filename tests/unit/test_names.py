@@ -17,7 +17,8 @@ from tq_redis.ops_context import Context, check_fields
 ROOT = Path(__file__).resolve().parents[2]
 
 # What users name things (verl, the reference's tests, RLinf, MindSpeed) must keep working.
-GOOD_KEY_PARTS = ["train_0", "val", "global_step_3", "test@partition_1", "c9eb4eb1-679b-47bf-b793-7f1ad7ed2d93", "dock.abc",
+GOOD_KEY_PARTS = ["train_0", "val", "global_step_3", "test@partition_1", "dock.abc",
+                  "c9eb4eb1-679b-47bf-b793-7f1ad7ed2d93",
                   "input_ids", "old_log_prob", "a:b/c", "x*", "[ab]?", "数据", "p" * names.NAME_MAX]
 BAD_KEY_PARTS = [None, "", 3, b"train", "a\tb", "a\x00b", "a\nb", "a\rb", "a b", "{p}", "a}b", "a\u00a0b",
                  "a\x7fb", "p" * (names.NAME_MAX + 1)]
