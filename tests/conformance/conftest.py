@@ -309,6 +309,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # each worker collects every case but runs a share: its servers start when a case needs them
     ids = {_store_id(item) for item in session.items}
     if "fsspec-s3" in ids and importlib.util.find_spec("moto") is not None:
         _SESSION.start_moto()
@@ -333,6 +335,16 @@ def _store_id(item: pytest.Item) -> str | None:
 def _conformance_servers() -> Iterator[None]:
     yield
     _SESSION.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _store_servers_per_module() -> Iterator[None]:
+    """Mooncake's and Yuanrong's servers poll busily: stop them when a module is done with them
+    (a later case starts them again), so the rest of the suite does not share the CPU with them."""
+    yield
+    for store_id in ("mooncake", "yuanrong"):
+        _SESSION.setups.pop(store_id, None)  # its options name the servers stopped here
+    store_servers.stop_all()
 
 
 @pytest.fixture(scope="session")
