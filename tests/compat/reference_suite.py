@@ -124,6 +124,21 @@ class SuiteResult:
 _RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
+def _versions() -> str:
+    """The versions the run used, e.g. ``0.1.11.1 (tensordict 0.15.3, torch 2.13.0, numpy 2.3.4)``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    import tq_redis
+
+    return f"{tq_redis.__version__} (tensordict {of('tensordict')}, torch {of('torch')}, numpy {of('numpy')})"
+
+
 def _read_report(path: Path) -> tuple[dict[str, str], dict[str, str], list[str]]:
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
@@ -175,7 +190,7 @@ def run_suite(run_dir: Path, extra_args: tuple[str, ...] = ()) -> SuiteResult:
     outcomes, messages, collected = _read_report(report)
     deselected = [n for n in collected if n in DESELECTED or n.split("[", 1)[0] in DESELECTED]
     result = SuiteResult(outcomes, messages, collected, deselected, proc.returncode, proc.stdout + proc.stderr)
-    SUMMARIES.append(result.summary())
+    SUMMARIES.append(f"{result.summary()}; against tq-redis {_versions()}")
     return result
 
 
