@@ -68,8 +68,10 @@ local function drop_partition(KEYS, ARGV)
   doomed[#doomed + 1] = prefix .. 'waittasks'
   local tagnames = redis.call('SMEMBERS', prefix .. 'tagnames')
   for i = 1, #tagnames do doomed[#doomed + 1] = prefix .. 'tag:' .. tagnames[i] end
+  -- UNLINK: a big value (the inline hash, a tag hash of every sample) is freed in the background,
+  -- not while this script holds the server
   for from = 1, #doomed, CHUNK do
-    redis.call('DEL', unpack(doomed, from, math.min(#doomed, from + CHUNK - 1)))
+    redis.call('UNLINK', unpack(doomed, from, math.min(#doomed, from + CHUNK - 1)))
   end
   -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')

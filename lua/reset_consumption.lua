@@ -25,7 +25,7 @@ local function reset_consumption(KEYS, ARGV)
     tasks = {ARGV[1]}
   end
   for i = 1, #tasks do
-    redis.call('DEL', prefix .. 'cons:' .. tasks[i], prefix .. 'lease:' .. tasks[i],
+    redis.call('UNLINK', prefix .. 'cons:' .. tasks[i], prefix .. 'lease:' .. tasks[i],
                prefix .. 'dlv:' .. tasks[i], prefix .. 'poison:' .. tasks[i])
   end
   emit(prefix, 'reset', 'tasks', table.concat(tasks, ','))

@@ -43,7 +43,7 @@ CLIENT_DATA_COMMANDS: tuple[str, ...] = (
     "get", "set", "mset", "mget", "getrange", "setrange", "strlen", "del", "unlink", "exists", "type",
     "pttl", "pexpire", "incrby", "decr", "bitfield", "bitcount", "bitop", "bitpos",
     # hashes, sets, sorted sets, lists, streams
-    "hget", "hset", "hsetnx", "hmget", "hgetall", "hkeys", "hdel", "hexists", "hlen", "hincrby",
+    "hget", "hset", "hsetnx", "hmget", "hgetall", "hkeys", "hscan", "hdel", "hexists", "hlen", "hincrby",
     "hincrbyfloat", "sadd", "srem", "smembers", "sismember", "scard",
     "zadd", "zrem", "zrange", "zrevrange", "zrangebyscore", "zrevrangebyscore", "zremrangebyscore",
     "zcard", "zscore", "lrange", "llen", "rpush", "lpop", "ltrim", "blpop",

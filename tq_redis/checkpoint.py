@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tq_redis import bitmaps, channel_ops, names, objects, ops, transitions
+from tq_redis import bitmaps, channel_ops, names, objects, ops, ops_data
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.keys import ChannelKeys, PartitionKeys, by_slot, channels_key, kept_partitions_key, partitions_key
 
@@ -260,7 +260,7 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
         for field in (_text(f) for f in r.hkeys(pk.fields)):
             ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive and f"{i}:{field}" not in inline]
             if ids:
-                where = client.run(transitions.check_visible(pk, ids, [field], placement=True).call()).placement
+                where = client.run(ops_data.check_visible(pk, ids, [field], placement=True)).placement
                 values = store.get(pk, ids, [field], where)[field]
                 columns[field] = {"ids": ids, "values": [bytes(v) for v in values]}
                 saved += len(ids)

@@ -42,6 +42,11 @@ class EmptyBatch(InvalidArgument):
     """An empty TensorDict (no samples or no fields) was given where data is required."""
 
 
+class TooManyFields(InvalidArgument):
+    """A put, claim or read named more fields than one call may carry
+    (:data:`tq_redis.script_budget.MAX_FIELDS`); the message says how to split them."""
+
+
 class UnknownPartition(TQError, KeyError):
     """The partition does not exist (never created, or cleared)."""
 

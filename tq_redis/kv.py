@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from tq_redis import arguments, names, ops, transitions
+from tq_redis import arguments, names, ops, script_budget, transitions
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Pipe
 from tq_redis.errors import (
@@ -132,16 +132,38 @@ def _batch(fields: Any, n: int) -> TensorDict:
 # ------------------------------------------------------------------ resolution
 
 
+RESOLVE_COST = 2
+"""The script work of resolving one key, in items (tq_redis.script_budget): its two mappings, its
+alive bit and fields, its tags."""
+
+
 class Resolved:
     """What ``kv_resolve`` said about a list of keys."""
 
-    __slots__ = ("created", "ids", "schemas", "tags")
+    __slots__ = ("created", "fresh", "ids", "schemas", "tags")
 
     def __init__(self, ids: list[int], created: int, schemas: dict[str, str], tags: list[dict[str, Any]]):
         self.ids = ids
         self.created = created
         self.schemas = schemas  # fields produced for every pre-existing key, in registration order
         self.tags = tags
+        self.fresh: list[tuple[str, int]] = []  # (key, id) of the keys created (see resolve)
+
+    def joined(self, more: Resolved) -> Resolved:
+        """This resolution followed by ``more``'s (the next keys): the fields every key with an id
+        has are those both have (none once a key was created: it has no field yet; a part without
+        a key that has an id does not count)."""
+        if self.created or more.created:
+            common = {}
+        elif not any(i >= 0 for i in self.ids):
+            common = more.schemas
+        elif not any(i >= 0 for i in more.ids):
+            common = self.schemas
+        else:
+            common = {f: s for f, s in self.schemas.items() if f in more.schemas}
+        both = Resolved(self.ids + more.ids, self.created + more.created, common, self.tags + more.tags)
+        both.fresh = self.fresh + more.fresh
+        return both
 
     def meta(
         self, partition_id: str, fields: Sequence[str], positions: Sequence[int] | None = None
@@ -161,20 +183,35 @@ def resolve(
     ctx: ops.Context, pk: PartitionKeys, keys: list[str], create: bool, schemas: Mapping[str, str] | None = None
 ) -> Op:
     """Run ``lua/kv_resolve.lua``: a :class:`Resolved`, or None if the partition does not exist
-    (``create=False``). ``schemas`` (field -> schema JSON) are checked before creating."""
-    call = transitions.kv_resolve(pk, keys, create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema)
-    if create:
+    (``create=False``). ``schemas`` (field -> schema JSON) are checked before creating.
+
+    Many keys go in pieces of at most :data:`~tq_redis.script_budget.SCRIPT_ITEMS`, one call each;
+    if a later piece fails, the keys the earlier ones created are forgotten again."""
+    found: Resolved | None = None
+    for piece in script_budget.pieces(keys, RESOLVE_COST):
+        call = transitions.kv_resolve(pk, list(piece), create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema)
         try:
-            got, _ = yield from transitions.pipeline(
-                call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
-            )
-        except PartitionClosed:
-            # the ZADD ran after the refusal: take out what it listed (the clear had unlisted it)
-            yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
+            if create and found is None:
+                try:
+                    got, _ = yield from transitions.pipeline(
+                        call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
+                    )
+                except PartitionClosed:
+                    # the ZADD ran after the refusal: take out what it listed (the clear had unlisted it)
+                    yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
+                    raise
+            else:
+                got = yield from call.call()
+        except Exception:
+            if found is not None:
+                yield from _forget(ctx, pk, found.fresh)
             raise
-    else:
-        got = yield from call.call()
-    return None if got is None else Resolved(*got)
+        if got is None:
+            return None
+        part = Resolved(*got)
+        part.fresh = _created_pairs(list(piece), part)
+        found = part if found is None else found.joined(part)
+    return found
 
 
 def retrieve_meta(ctx: ops.Context, keys: Any, partition_id: str, create: bool = False) -> Op:
@@ -258,7 +295,7 @@ def batch_put(
             meta = yield from write_fields(ctx, schemas, values, meta)
     except Exception:
         if res.created:  # leave no half-created keys behind
-            yield from _forget(ctx, pk, _created_pairs(keys, res))
+            yield from _forget(ctx, pk, res.fresh)
         raise
     return KVBatchMeta(
         keys=keys,
@@ -270,6 +307,9 @@ def batch_put(
 
 
 def _created_pairs(keys: list[str], res: Resolved) -> list[tuple[str, int]]:
+    """(key, id) of the keys one ``kv_resolve`` reply created."""
+    if not res.created:
+        return []
     # Fresh ids come from one INCRBY, so they are the largest ids of this reply.
     first_fresh = sorted(res.ids)[-res.created]
     return [(k, i) for k, i in zip(keys, res.ids) if i >= first_fresh]
@@ -279,11 +319,12 @@ def _forget(ctx: ops.Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -
     """Clear these samples (bits, then bytes) and drop their key mappings."""
     if not pairs:
         return
-    ids = [i for _, i in pairs]
-    cleared, _ = yield from transitions.pipeline(transitions.clear(pk, ids), transitions.kv_unmap(pk, pairs))
-    if cleared.ids:
-        store = yield from ops.storage(ctx)
-        yield from ops.delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
+    for piece in script_budget.pieces(pairs, ops.CLEAR_COST):
+        ids = [i for _, i in piece]
+        cleared, _ = yield from transitions.pipeline(transitions.clear(pk, ids), transitions.kv_unmap(pk, piece))
+        if cleared.ids:
+            store = yield from ops.storage(ctx)
+            yield from ops.delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
 
 
 # ------------------------------------------------------------------ get, list, clear
@@ -376,14 +417,22 @@ def list_keys(ctx: ops.Context, partition_id: str | None = None) -> Op:
         partitions = [partition_id]
     if not partitions:
         return {}
-    listings = yield from transitions.pipeline(*(transitions.kv_list(ctx.keys(p)) for p in partitions))
+    # The first page of every partition in one round trip, the further pages of a big one after
+    # (script_budget: no call lists more than a piece of keys).
+    page = script_budget.piece_size(RESOLVE_COST)
+    firsts = yield from transitions.pipeline(*(transitions.kv_list(ctx.keys(p), "0", page) for p in partitions))
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for pid, (keys, ids, rows) in zip(partitions, listings):
-        exists = keys or partition_id is None
-        if not exists:
+    for pid, listing in zip(partitions, firsts):
+        found: dict[str, tuple[int, dict[str, Any]]] = {}
+        while True:
+            for key, sid, row in zip(listing.keys, listing.ids, listing.tags):
+                found[key] = (sid, row)  # a key HSCAN returned twice is the same key
+            if listing.cursor == "0":
+                break
+            listing = yield from transitions.kv_list(ctx.keys(pid), listing.cursor, page).call()
+        if not found and partition_id is not None:
             continue
-        order = sorted(range(len(ids)), key=lambda j: ids[j])  # creation order
-        out[pid] = {keys[j]: rows[j] for j in order}
+        out[pid] = {key: row for key, (_, row) in sorted(found.items(), key=lambda kv: kv[1][0])}  # creation order
     if partition_id is not None and partition_id not in out:
         exists = yield Cmd(("EXISTS", ctx.keys(partition_id).meta))
         if exists:

@@ -39,13 +39,14 @@ from tq_redis.ops_claim import (
     reset_consumption,
     settle,
 )
-from tq_redis.ops_clear import clear_partition, clear_samples, delete_bytes, discard_bytes, empty_trash
+from tq_redis.ops_clear import CLEAR_COST, clear_partition, clear_samples, delete_bytes, discard_bytes, empty_trash
 from tq_redis.ops_context import Context, Op, canonical, storage, write_config
 from tq_redis.ops_data import get_data, put, set_custom_meta
 from tq_redis.ops_status import consumption_status, get_partition_list, production_status
 from tq_redis.transitions import id_ranges as id_ranges  # re-exported: ops.id_ranges predates transitions
 
 __all__ = [
+    "CLEAR_COST",
     "MODES",
     "USER_SAMPLER_ATTEMPTS",
     "ChoiceClaim",

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tq_redis import arguments, durability, samplers, transitions
+from tq_redis import arguments, durability, samplers, script_budget, transitions
 from tq_redis.driver import Cmd, Pause, Unconfirmed, WaitToken
 from tq_redis.errors import InvalidArgument, LeaseLost, NotDurable
 from tq_redis.keys import PartitionKeys, check_name, config_key
@@ -44,6 +44,10 @@ RETRY_PAUSE_CAP_S = 0.02
 # Built-in samplers whose batch the ranks of a data-parallel group share: the first rank's claim
 # stores it and the others get it back (lua/claim.lua), so a claim cannot take it back from them.
 SHARED_BATCH_SAMPLERS = ("rank", "balance")
+
+# The script work of settling (or handing back) one leased sample, in items (tq_redis.script_budget):
+# its lease entry and its delivery count.
+SETTLE_COST = 2
 
 # The per-sample key of the delivery count a sample was handed out with (its fencing token).
 _DELIVERY = "_delivery"
@@ -124,6 +128,8 @@ def fetch(
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
         shared = plan.kind in SHARED_BATCH_SAMPLERS
+        if lease_ms:  # the balanced sampler's first rank claims every rank's part
+            script_budget.check_leased_claim(batch_size * int(dict(plan.options).get("dp_size", 1)))
         attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions, values)
     else:
         attempt = _user_claim(pk, sampler, config, batch_size, task_name, lease_ms, max_deliveries, fields)
@@ -187,7 +193,9 @@ def not_durable_claim(
             f"catch up may deliver it again",
             meta,
         )
-    yield from transitions.unclaim(pk, task, meta.global_indexes, _fences(meta)).call()
+    fences = _fences(meta)
+    for piece in script_budget.slices(meta.size, SETTLE_COST):
+        yield from transitions.unclaim(pk, task, meta.global_indexes[piece], fences[piece]).call()
     return NotDurable(
         f"get_meta claimed {meta.size} samples of partition {pk.partition!r} for task {task!r} on the {where}, "
         f"but durable mode {setting} could not confirm it ({missing} within {setting.timeout_ms} ms), so a "
@@ -225,15 +233,19 @@ def _builtin_claim(
     A claim also says whether the partition keeps values inline (``inline_hints``, for get_data);
     with ``values`` it also returns the batch's inline values, which go there."""
 
+    # The values come with the claim only while one script call may carry them (a bigger batch
+    # is read afterwards, in pieces: tq_redis.script_budget).
+    with_values = values is not None and plan.batch_size * len(fields) <= script_budget.SCRIPT_ITEMS
+
     def attempt(waiter: str | None, wait_ms: int, wake: WaitToken | None = None) -> Op:
         claim = transitions.claim(
             pk, task, plan, fields, lease_ms=lease_ms, max_deliveries=max_deliveries, waiter=waiter, wait_ms=wait_ms,
-            with_values=values is not None,
+            with_values=with_values,
         )
         got = yield from (claim.call() if wake is None else claim.call_after(wake))
         if got.inline is not None:
             inline_hints[pk.partition] = got.inline
-        if values is not None and got.values is not None:
+        if with_values and got.values is not None:
             values.update(got.values)
         meta = _claimed_meta(pk.partition, got) if got.ids else None
         return meta, got.last_event_id, got.next_lapse_ms, got.registered
@@ -344,6 +356,8 @@ def _user_claim(
         ready_set = set(ready)
         sampled = _checked_choice("sampled", sampled, ready_set, sampler)
         consumed = _checked_choice("consumed", consumed, ready_set, sampler)
+        if lease_ms:
+            script_budget.check_leased_claim(len(consumed))
         return sampled, consumed
 
     def attempt(waiter: str | None, wait_ms: int, wake: WaitToken | None = None) -> Op:
@@ -413,13 +427,16 @@ def settle(ctx: Context, metadata: BatchMeta, task_name: str, action: str, lease
         lease_s = arguments.seconds(lease_s, "extend_lease seconds", allow_zero=False)
     fences = _fences(metadata)
     lost: dict[str, list[int]] = {}
+    lease_ms = max(1, int(lease_s * 1000))
     for pid, positions in group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        held_with, lease_ms = [fences[i] for i in positions], max(1, int(lease_s * 1000))
-        settled = yield from transitions.settle(pk, task_name, action, ids, held_with, lease_ms).call()
-        if settled.not_held:
-            lost[pid] = settled.not_held
+        held_with = [fences[i] for i in positions]
+        for piece in script_budget.slices(len(ids), SETTLE_COST):  # a big batch in pieces
+            call = transitions.settle(pk, task_name, action, ids[piece], held_with[piece], lease_ms)
+            settled = yield from call.call()
+            if settled.not_held:
+                lost.setdefault(pid, []).extend(settled.not_held)
     if action == "nack":
         return [i for ids in lost.values() for i in ids]
     if lost:

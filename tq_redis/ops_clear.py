@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from tq_redis import arguments, bitmaps, transitions
+from tq_redis import arguments, bitmaps, script_budget, transitions
 from tq_redis.driver import Cmd, Offload, Pipe
 from tq_redis.errors import RedisOutOfMemory
 from tq_redis.keys import PartitionKeys, kept_partitions_key, partitions_key
@@ -22,6 +22,10 @@ from tq_redis.metadata import BatchMeta
 from tq_redis.ops_context import Context, Op, group_by_partition, storage
 from tq_redis.storage import KVStorageManager
 from tq_redis.transitions import text
+
+CLEAR_COST = 4
+"""The script work of clearing one sample, in items (tq_redis.script_budget): its alive, trash,
+produced and consumed bits, its inline values, tags, leases and delivery counts."""
 
 
 def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
@@ -35,10 +39,21 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
     for pid, positions in group_by_partition(metadata).items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
-        cleared = yield from transitions.clear(pk, ids).call()
-        if cleared.ids:
-            yield from delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
-        elif cleared.older:  # a repeated clear: finish what an earlier one could not
+        # A big batch is cleared in pieces (each sample's bits, tags and leases go together, and
+        # into the trash), then its bytes are deleted at once.
+        gone: list[int] = []
+        fields: set[str] = set()
+        rings: set[str] = set()
+        older = 0
+        for piece in script_budget.pieces(ids, CLEAR_COST):
+            cleared = yield from transitions.clear(pk, piece).call()
+            gone += cleared.ids
+            fields.update(cleared.fields)
+            rings.update(cleared.rings)
+            older = older or cleared.older
+        if gone:
+            yield from delete_bytes(store, pk, gone, sorted(fields), sorted(rings))
+        elif older:  # a repeated clear: finish what an earlier one could not
             yield from empty_trash(store, pk)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tq_redis import names, samplers
+from tq_redis import names, samplers, script_budget
 from tq_redis.backends.base import StoreContext
 from tq_redis.driver import Cmd
 from tq_redis.errors import InvalidArgument
@@ -99,6 +99,7 @@ def check_fields(data_fields: Any) -> list[str]:
         data_fields = [data_fields]
     if not isinstance(data_fields, list | tuple):
         raise InvalidArgument(f"data_fields must be a list of field names, got {data_fields!r}")
+    script_budget.check_fields(len(data_fields), "data_fields")
     return [names.field_name(f) for f in data_fields]
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import arguments, codec, names, transitions
+from tq_redis import arguments, codec, names, script_budget, transitions
 from tq_redis.backends.base import Segments, join_segments
 from tq_redis.data_parser import DataParser, apply_data_parser
 from tq_redis.driver import Cmd, Offload
@@ -103,6 +103,7 @@ def encode_batch(ctx: Context, td: TensorDict) -> tuple[dict[str, str], dict[str
         InvalidName, UnsupportedValue, BatchSizeMismatch, EmptyBatch: what the field holds cannot be stored.
     """
     n = td.batch_size[0]
+    script_budget.check_fields(len(td.keys()), "a put")
     schemas: dict[str, str] = {}
     values: dict[str, list] = {}
     for name in td.keys():
@@ -196,10 +197,11 @@ def _nbytes(buffer: Any) -> int:
 
 
 def inline_payload(values: dict[str, Sequence[Segments]], limit: int) -> list[bytes] | None:
-    """The batch's values joined, field-major, when every one is at most ``limit`` bytes and all of
-    them together at most :data:`~tq_redis.storage.INLINE_MAX_BATCH_BYTES`; else ``None`` (the
-    values go to the store). ``limit`` 0 turns inline values off."""
-    if limit <= 0:
+    """The batch's values joined, field-major, when every one is at most ``limit`` bytes, all of
+    them together at most :data:`~tq_redis.storage.INLINE_MAX_BATCH_BYTES` and there are at most
+    :data:`~tq_redis.script_budget.SCRIPT_ITEMS` of them (one script stores them with the bits);
+    else ``None`` (the values go to the store). ``limit`` 0 turns inline values off."""
+    if limit <= 0 or sum(map(len, values.values())) > script_budget.SCRIPT_ITEMS:
         return None
     total = 0
     for column in values.values():
@@ -254,25 +256,32 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         yield from transitions.produce(pk, metadata.global_indexes, schemas, ctx.strict_schema, inline).call()
         return _with_fields(metadata, schemas)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
+    # One round trip, but for the samples past each partition's first piece (a big batch).
     checks: list[Any] = []
+    more: list[tuple[PartitionKeys, list[Sequence[int]]]] = []
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
-        ids = [metadata.global_indexes[i] for i in positions]
-        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, ids)]
+        first, *rest = script_budget.pieces([metadata.global_indexes[i] for i in positions])
+        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, first)]
+        more.append((pk, rest))
     replies = yield from transitions.pipeline(*checks)
-    for k, pid in enumerate(groups):
+    for k, (pid, (pk, rest)) in enumerate(zip(groups, more)):
         exists, registered, visible = replies[3 * k : 3 * k + 3]
         if not exists:
             raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
         for name, reg in zip(schemas, registered):
             if ctx.strict_schema and reg is not None and text(reg) != schemas[name]:
                 transitions.raise_schema_conflict(name, reg, schemas[name])
-        gone = visible.not_alive[:10]
-        if gone:
-            raise SampleNotFound(f"samples {gone[:10]} of partition {pid!r} were cleared or never inserted")
+        for piece in rest:
+            if visible.not_alive:
+                break
+            visible = yield from transitions.check_visible(pk, piece).call()
+        if visible.not_alive:
+            gone = visible.not_alive[:10]
+            raise SampleNotFound(f"samples {gone} of partition {pid!r} were cleared or never inserted")
     # The metadata's custom_meta is stored as tags too, as the reference does: in the same round
     # trip as the bits, tags first, since a consumer may claim the samples once their bits flip.
-    tag_writes = _tag_writes(ctx, metadata) if any(metadata.custom_meta) else {}
+    tags = _tag_rows(metadata) if any(metadata.custom_meta) else {}
     for pid, positions in groups.items():
         pk = ctx.keys(pid)
         ids = [metadata.global_indexes[i] for i in positions]
@@ -281,10 +290,19 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         ring = None
         if part_inline is None:
             ring = yield Offload(store.put, (pk, ids, part))
-        tags = [tag_writes[pid]] if pid in tag_writes else []
-        produce = transitions.produce(pk, ids, schemas, ctx.strict_schema, part_inline or (), ring=ring)
+        # In pieces of at most SCRIPT_ITEMS values (and tags): a big batch's samples become
+        # produced in parts, each sample's fields together.
+        tag_names, tag_rows = tags.get(pid, ((), ()))
         try:
-            yield from transitions.pipeline(*tags, produce)
+            for piece in script_budget.slices(len(ids), len(schemas) + len(tag_names)):
+                piece_inline = ()
+                if part_inline is not None:
+                    piece_inline = inline_payload({n: v[piece] for n, v in part.items()}, store.inline_max_bytes) or ()
+                calls: list[Any] = []
+                if tag_names:
+                    calls.append(transitions.set_tags(pk, ids[piece], tag_names, tag_rows[piece]))
+                calls.append(transitions.produce(pk, ids[piece], schemas, ctx.strict_schema, piece_inline, ring=ring))
+                yield from transitions.pipeline(*calls)
         except (UnknownPartition, SampleNotFound) as exc:
             if part_inline is None:  # a clear won the race: what this put stored must not outlive it
                 note = yield from _discard_cleared(store, pk, ids, list(schemas), ring)
@@ -328,14 +346,26 @@ def _unreadable(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
         alive = [i for i in ids if i not in gone]
         if not alive:
             break
-        replies = yield from transitions.pipeline(*(transitions.check_visible(pk, alive, [f]) for f in todo))
+        pieces = list(script_budget.pieces(alive, 2))
+        per_field: list[list[transitions.Visibility]] = []
+        if len(pieces) == 1:
+            replies = yield from transitions.pipeline(*(transitions.check_visible(pk, alive, [f]) for f in todo))
+            per_field = [[reply] for reply in replies]
+        else:  # a big batch: one script call per piece (tq_redis.script_budget)
+            for f in todo:
+                per_field.append([])
+                for piece in pieces:
+                    per_field[-1].append((yield from transitions.check_visible(pk, piece, [f]).call()))
         again = []
-        for field, visible in zip(todo, replies):
-            if visible.not_alive:
-                gone.update(visible.not_alive)
+        for field, replies in zip(todo, per_field):
+            not_alive = [i for visible in replies for i in visible.not_alive]
+            if not_alive:
+                gone.update(not_alive)
                 again.append(field)
-            elif visible.not_produced:
-                unread[field] = visible.not_produced
+            else:
+                lacking = [i for visible in replies for i in visible.not_produced]
+                if lacking:
+                    unread[field] = lacking
         todo = again
     return sorted(gone), unread
 
@@ -351,25 +381,29 @@ def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
 # ------------------------------------------------------------------ tags
 
 
-def _tag_writes(ctx: Context, metadata: BatchMeta) -> dict[str, transitions.Transition[Any]]:
-    """Per partition, the ``set_tags`` call storing ``metadata.custom_meta`` (none where no tags)."""
+def _tag_rows(metadata: BatchMeta) -> dict[str, tuple[list[str], list[dict[str, Any]]]]:
+    """Per partition, the tag names and the rows of ``metadata.custom_meta`` to store (in the
+    partition's order of samples); partitions without any tag are left out."""
     if len(metadata.custom_meta) != metadata.size:
         raise BatchSizeMismatch(f"custom_meta has {len(metadata.custom_meta)} entries for {metadata.size} samples")
-    writes = {}
+    found = {}
     for pid, positions in group_by_partition(metadata).items():
         rows = [metadata.custom_meta[i] for i in positions]
         names = sorted({k for row in rows for k in row})
         if names:
-            ids = [metadata.global_indexes[i] for i in positions]
-            writes[pid] = transitions.set_tags(ctx.keys(pid), ids, names, rows)
-    return writes
+            found[pid] = (names, rows)
+    return found
 
 
 def set_custom_meta(ctx: Context, metadata: BatchMeta) -> Op:
-    """Write ``metadata.custom_meta`` as per-sample tags."""
+    """Write ``metadata.custom_meta`` as per-sample tags (a big batch in pieces of at most
+    :data:`~tq_redis.script_budget.SCRIPT_ITEMS` tag values, one script call each)."""
     arguments.batch_meta(metadata, "set_custom_meta")
-    for write in _tag_writes(ctx, metadata).values():
-        yield from write.call()
+    for pid, (tag_names, rows) in _tag_rows(metadata).items():
+        pk = ctx.keys(pid)
+        ids = [metadata.global_indexes[i] for i in group_by_partition(metadata)[pid]]
+        for piece in script_budget.slices(len(ids), len(tag_names)):
+            yield from transitions.set_tags(pk, ids[piece], tag_names, rows[piece]).call()
 
 
 # ------------------------------------------------------------------ get_data
@@ -380,6 +414,7 @@ def get_data(ctx: Context, metadata: BatchMeta) -> Op:
     if not isinstance(metadata, BatchMeta):
         raise InvalidArgument(f"get_data() takes the BatchMeta returned by get_meta/put, got {type(metadata).__name__}")
     fields = list(metadata.field_names)
+    script_budget.check_fields(len(fields), "get_data")
     n = metadata.size
     if n == 0:
         return TensorDict({}, batch_size=[0])
@@ -436,7 +471,7 @@ def read_store(
     first = yield Offload(store.read, (pk, ids, fields))
     if maybe_inline and len(first.missing) and not store.places_keys:
         return None
-    visible = yield from transitions.check_visible(pk, ids, fields, placement=store.places_keys).call()
+    visible = yield from check_visible(pk, ids, fields, placement=store.places_keys)
     _raise_invisible(pk, visible)
     if store.settled(first, visible.placement):
         return by_field(first.values, fields, len(ids))
@@ -455,12 +490,19 @@ def read_store(
 def _read_inline_first(
     ctx: Context, store: KVStorageManager, pk: PartitionKeys, ids: list[int], fields: list[str]
 ) -> Op:
-    """One round trip checks the samples and returns their inline values; values kept in the store
+    """One round trip checks the samples and returns their inline values (a big batch: one per
+    piece of at most :data:`~tq_redis.script_budget.SCRIPT_ITEMS` values); values kept in the store
     are read from it afterwards and checked again (bytes before bits)."""
-    read = yield from transitions.read_inline(pk, ids, fields).call()
-    _raise_invisible(pk, read.visibility)
-    ctx.inline_partitions[pk.partition] = bool(read.values)
-    got = {f: [read.values.get(f, {}).get(i) for i in ids] for f in fields}
+    got: dict[str, list] = {f: [] for f in fields}
+    inline = False
+    for piece in script_budget.pieces(ids, len(fields)):
+        read = yield from transitions.read_inline(pk, piece, fields).call()
+        _raise_invisible(pk, read.visibility)
+        inline = inline or bool(read.values)
+        for f in fields:
+            column = read.values.get(f, {})
+            got[f].extend(column.get(i) for i in piece)
+    ctx.inline_partitions[pk.partition] = inline
     return (yield from fill_from_store(store, pk, ids, got))
 
 
@@ -487,8 +529,39 @@ def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], 
 
 
 def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
-    visible = yield from transitions.check_visible(pk, ids, fields).call()
-    _raise_invisible(pk, visible)
+    _raise_invisible(pk, (yield from check_visible(pk, ids, fields)))
+
+
+def check_visible(pk: PartitionKeys, ids: list[int], fields: Sequence[str] = (), *, placement: bool = False) -> Op:
+    """``lua/check_visible.lua`` for any number of ids: many go in pieces of at most
+    :data:`~tq_redis.script_budget.SCRIPT_ITEMS` ids x (fields + 1), one call each. The result is
+    the first piece's refusal, or (all visible) the pieces' placements joined into one."""
+    per_id = 1 + len(fields)
+    if len(ids) <= script_budget.piece_size(per_id):
+        return (yield from transitions.check_visible(pk, ids, fields, placement=placement).call())
+    order = sorted(set(ids))  # a placement lists ascending ids: pieces of them concatenate
+    found: list[transitions.Placement] = []
+    sizes: list[int] = []
+    for piece in script_budget.pieces(order, per_id):
+        visible = yield from transitions.check_visible(pk, piece, fields, placement=placement).call()
+        if not visible.ok:
+            return visible
+        if visible.placement is not None:
+            found.append(visible.placement)
+            sizes.append(len(piece))
+    if not found:
+        return transitions.Visibility([], None, [])
+    rings = found[-1].rings  # ring indexes only grow: the last piece knows every ring of the others
+    if not rings:
+        return transitions.Visibility([], None, [], transitions.Placement([], {}))
+    index: dict[str, np.ndarray | None] = {}
+    for f in fields:
+        columns = [p.index.get(f) for p in found]
+        if all(c is None for c in columns):
+            index[f] = None
+        else:
+            index[f] = np.concatenate([np.zeros(n, np.uint16) if c is None else c for c, n in zip(columns, sizes)])
+    return transitions.Visibility([], None, [], transitions.Placement(rings, index))
 
 
 def _raise_invisible(pk: PartitionKeys, visible: transitions.Visibility) -> None:

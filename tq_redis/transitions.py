@@ -358,8 +358,9 @@ class KeyResolution(NamedTuple):
 
 
 class KeyListing(NamedTuple):
-    """``lua/kv_list.lua``: every live user key of a partition."""
+    """``lua/kv_list.lua``: a page of the live user keys of a partition."""
 
+    cursor: str  # where the next page starts; "0": this was the last
     keys: list[str]
     ids: list[int]
     tags: list[dict[str, Any]]
@@ -728,13 +729,14 @@ def kv_unmap(pk: PartitionKeys, pairs: Sequence[tuple[str, int]]) -> Transition[
 
 
 def _read_kv_list(reply: Sequence[Any]) -> KeyListing:
-    keys, ids, tags = reply
-    return KeyListing([text(k) for k in keys], [int(i) for i in ids], tag_rows(tags, len(ids)))
+    cursor, keys, ids, tags = reply
+    return KeyListing(text(cursor), [text(k) for k in keys], [int(i) for i in ids], tag_rows(tags, len(ids)))
 
 
-def kv_list(pk: PartitionKeys) -> Transition[KeyListing]:
-    """``lua/kv_list.lua``: every live user key of the partition (none if it does not exist)."""
-    return Transition(FCall("kv_list", (pk.meta,), ()), _read_kv_list)
+def kv_list(pk: PartitionKeys, cursor: str = "0", count: int = 256) -> Transition[KeyListing]:
+    """``lua/kv_list.lua``: a page of about ``count`` live user keys of the partition from
+    ``cursor`` (none if it does not exist)."""
+    return Transition(FCall("kv_list", (pk.meta,), (cursor, count)), _read_kv_list)
 
 
 # ------------------------------------------------------------------ storage nodes

@@ -164,7 +164,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
         (1, NOW, 2, "k1", "k2", "a", F32),
     ),
     "kv_unmap": (transitions.kv_unmap(PK, [("k1", 3), ("k2", 4)]), ("k1", 3, "k2", 4)),
-    "kv_list": (transitions.kv_list(PK), ()),
+    "kv_list": (transitions.kv_list(PK, "17", 100), ("17", 100)),
     "read_registry": (transitions.read_registry("ns"), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
     "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
@@ -428,9 +428,9 @@ def test_kv_resolve_reads_ids_missing_partition_and_conflict():
 
 
 def test_kv_list_reads_keys_ids_and_tags():
-    got = read("kv_list", [[b"k2", b"k1"], [8, 7], [b"v", [b"1", b"2"]]])
-    assert got == KeyListing(["k2", "k1"], [8, 7], [{"v": 1}, {"v": 2}])
-    assert read("kv_list", [[], [], []]) == KeyListing([], [], [])
+    got = read("kv_list", [b"96", [b"k2", b"k1"], [8, 7], [b"v", [b"1", b"2"]]])
+    assert got == KeyListing("96", ["k2", "k1"], [8, 7], [{"v": 1}, {"v": 2}])
+    assert read("kv_list", [b"0", [], [], []]) == KeyListing("0", [], [], [])
 
 
 def test_channel_put_reads_appended_full_and_missing():
