@@ -6,7 +6,10 @@ can reach carries (see ``SUITES[...].unreachable``); ``python -m tests.compat.us
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +53,30 @@ def test_files_are_copied_unchanged_beside_our_conftests_and_the_commit_is_check
     missing = user_suites.UserSuite(**{**suite.__dict__, "files": ("tests/nothing.py",)})
     with pytest.raises(RuntimeError, match="has no"):
         user_suites.prepare(missing, src, tmp_path / "run2")
+
+
+def test_a_missing_ray_dashboard_is_said_in_one_line_before_any_head_starts(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)  # what a plain `pip install ray` lacks
+    with pytest.raises(RuntimeError, match=r"^the private Ray head needs Ray's dashboard: pip install 'ray\[default\]' "
+                                           r"\(this Python has no ray.dashboard.optional_deps\)$"):
+        with user_suites.private_ray_head(4, dict(os.environ)):
+            pytest.fail("a head was started")
+
+
+def test_processes_the_tests_start_import_the_test_module_by_name_as_in_rlinf_ci(tmp_path):
+    """RLinf's Ray workers unpickle the test's Worker classes by their module's name (``test_channel``),
+    in processes of their own: the run directory's tests/unit_tests is on their PYTHONPATH, as RLinf's
+    CI puts it. A child process with another working directory stands in for a worker here."""
+    test_text = (
+        "import subprocess, sys\n\nclass Marker:\n    pass\n\n"
+        "def test_a_child_imports_this_module_by_name(tmp_path):\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import test_child; print(test_child.Marker.__name__)'],\n"
+        "                           cwd=tmp_path, capture_output=True, text=True)\n"
+        "    assert child.stdout.strip() == 'Marker', child.stderr\n"
+    )
+    src, head = _checkout(tmp_path, {"tests/unit_tests/test_child.py": test_text})
+    suite = dataclasses.replace(SUITES["rlinf"], commit=head[:9], files=("tests/unit_tests/test_child.py",),
+                                conftests=("alias_conftest.py",), env=(), ray_head_cpus=0)
+    result = user_suites.run(suite, src, tmp_path / "run")
+    assert result.outcomes == {"tests/unit_tests/test_child.py::test_a_child_imports_this_module_by_name": "passed"}, \
+        result.output[-3000:]
