@@ -80,3 +80,13 @@ def test_processes_the_tests_start_import_the_test_module_by_name_as_in_rlinf_ci
     result = user_suites.run(suite, src, tmp_path / "run")
     assert result.outcomes == {"tests/unit_tests/test_child.py::test_a_child_imports_this_module_by_name": "passed"}, \
         result.output[-3000:]
+
+
+def test_own_runs_the_project_classes_only_where_a_suite_has_them(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        user_suites.main(["verl", "--own", "--src", str(tmp_path)])
+    assert "verl has no --own run" in capsys.readouterr().err
+    own = dataclasses.replace(SUITES["rlinf"], conftests=SUITES["rlinf"].own_conftests)
+    src, _ = _checkout(tmp_path, {"tests/unit_tests/test_channel.py": "def test_x():\n    pass\n"})
+    conftest = (user_suites.prepare(own, src, tmp_path / "run") / "conftest.py").read_text()
+    assert "TQ_COMPAT_REPORT" in conftest and "_module.Channel = _Channel" not in conftest

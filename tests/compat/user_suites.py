@@ -11,10 +11,11 @@ Where the files come from. No artifact CI can reach (PyPI, Debian, npm) carries 
 runner needs a checkout (``--src DIR``, or ``TQ_VERL_SRC`` / ``TQ_RLINF_SRC``); see
 :data:`SUITES` for the evidence per suite. The Python running it needs the project's own CPU
 dependencies (verl: transformers, hydra-core, codetiming, orjson, datasets, cachetools, fastapi,
-uvicorn, torchdata, peft; RLinf: none beyond tq-redis's test extras).
+uvicorn, torchdata, peft; RLinf: its own CPU dependencies, with ``ray[default]``).
 
 Stand-alone: ``python -m tests.compat.user_suites verl --src /path/to/verl`` (prints each outcome
-and the counts; exit 1 on any failure).
+and the counts; exit 1 on any failure). ``--own`` runs RLinf's file against RLinf's own Channel,
+with the same runner, Ray head and reporting: the reference count beside tq-redis's.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class UserSuite:
     env: tuple[tuple[str, str], ...] = ()  # the project's own settings for the run ("{src}": the checkout)
     ray_head_cpus: int = 0  # > 0: start a private Ray head with this many CPUs (the project joins "any" cluster)
     pythonpath: tuple[str, ...] = ()  # run-directory folders the project's CI puts on PYTHONPATH
+    own_conftests: tuple[str, ...] = ()  # for --own: our reporting only, the project's own classes (the reference)
 
 
 SUITES: dict[str, UserSuite] = {
@@ -80,6 +82,7 @@ SUITES: dict[str, UserSuite] = {
         files=("tests/unit_tests/test_channel.py",),
         env_var="TQ_RLINF_SRC",
         conftests=("alias_conftest.py", "rlinf_conftest.py"),
+        own_conftests=("alias_conftest.py",),  # its file imports no transfer_queue: RLinf's Channel stays
         # nothing: at this commit test_memory is a worker method the tests never call, not a test
         deselected={},
         unreachable=(
@@ -217,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.compat.user_suites", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--src", help="a checkout of the project at the pinned commit (default: $TQ_<NAME>_SRC)")
+    parser.add_argument("--own", action="store_true",
+                        help="run against the project's own classes, not tq-redis's (the reference count)")
     args, extra = parser.parse_known_args(argv)
     suite = SUITES[args.suite]
+    if args.own:
+        if not suite.own_conftests:
+            parser.error(f"{suite.name} has no --own run (its tests reach tq-redis through the alias only)")
+        suite = dataclasses.replace(suite, conftests=suite.own_conftests)
     src = args.src or os.environ.get(suite.env_var)
     if not src:
         parser.error(f"give --src or {suite.env_var}: a checkout of {suite.repository} at {suite.commit} "
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result.outcomes[node]:8s} {node}  {result.messages.get(node, '')}")
     for node in result.deselected:
         print(f"deselect {node}  ({suite.deselected.get(node) or suite.deselected.get(node.split('[', 1)[0])})")
-    print(summary(suite, result, commit))
+    print(summary(suite, result, commit) + (f" (against {suite.name}'s own classes)" if args.own else ""))
     print(f"run directory: {run_dir}")
     return 1 if result.failures() or not result.outcomes else 0
 
