@@ -321,6 +321,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             store_servers.start_in_background(name)
 
 
+def stop_store_servers() -> None:
+    """Stop Mooncake's and Yuanrong's servers (they poll busily) and forget the setups that name them;
+    a later case starts them again."""
+    for store_id in ("mooncake", "yuanrong"):
+        _SESSION.setups.pop(store_id, None)
+    store_servers.stop_all()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop the Mooncake / Yuanrong servers started at collection even if no case ran (e.g. a collection error)."""
     store_servers.stop_all()
@@ -335,16 +343,6 @@ def _store_id(item: pytest.Item) -> str | None:
 def _conformance_servers() -> Iterator[None]:
     yield
     _SESSION.stop()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _store_servers_per_module() -> Iterator[None]:
-    """Mooncake's and Yuanrong's servers poll busily: stop them when a module is done with them
-    (a later case starts them again), so the rest of the suite does not share the CPU with them."""
-    yield
-    for store_id in ("mooncake", "yuanrong"):
-        _SESSION.setups.pop(store_id, None)  # its options name the servers stopped here
-    store_servers.stop_all()
 
 
 @pytest.fixture(scope="session")

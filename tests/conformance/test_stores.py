@@ -24,10 +24,19 @@ import torch
 from tensordict import TensorDict
 from tq_redis.backends.base import Buffer, Segments, StorageClient, registered_stores
 
-from tests.conformance.conftest import SETUPS, STORE_BACKENDS, StoreSetup
+from tests.conformance.conftest import SETUPS, STORE_BACKENDS, StoreSetup, stop_store_servers
 from tq_redis import TransferQueueClient
 from tq_redis.errors import ConfigError, DataMissing
 from tq_redis.keys import PartitionKeys, config_key
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _store_servers_stop_after_this_module():
+    """Mooncake's and Yuanrong's servers poll busily: once these cases are done, the rest of the
+    suite does not share the CPU with them."""
+    yield
+    stop_store_servers()
+
 
 #: registered stores whose conformance setup lives with their own (parallel) work; drop on arrival
 PENDING: set[str] = set()
