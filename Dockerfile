@@ -12,14 +12,12 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 COPY pyproject.toml setup.py README.md ./
 COPY tq_redis ./tq_redis
-COPY lua ./lua
-COPY backends ./backends
 COPY examples ./examples
-# gcc only for the build: it compiles tq_redis._copy and tq_redis._scan, the data plane's native modules
+# gcc only for the build: it compiles tq_redis.codec._copy and tq_redis.codec._scan, the data plane's native modules
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install ".${EXTRAS:+[$EXTRAS]}" \
-    && python -c "import tq_redis.fastcopy as f; assert f.NATIVE, 'tq_redis._copy did not build'" \
-    && python -c "import tq_redis.batchscan as b; assert b.NATIVE, 'tq_redis._scan did not build'" \
+    && python -c "import tq_redis.codec.fastcopy as f; assert f.NATIVE, 'tq_redis.codec._copy did not build'" \
+    && python -c "import tq_redis.codec.batchscan as b; assert b.NATIVE, 'tq_redis.codec._scan did not build'" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 ENTRYPOINT []

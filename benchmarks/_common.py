@@ -263,7 +263,7 @@ def machine_info() -> dict[str, Any]:
 def _copy_mode() -> str:
     """How tq-redis copies batches in this environment (the native module, or Python loops)."""
     try:
-        from tq_redis import fastcopy
+        from tq_redis.codec import fastcopy
     except ImportError:
         return "n/a"
     settings = fastcopy.configure()
@@ -273,7 +273,7 @@ def _copy_mode() -> str:
 def _scan_mode() -> str:
     """How tq-redis reads a put batch's sizes and key hashes here (the native module, or Python)."""
     try:
-        from tq_redis import batchscan
+        from tq_redis.codec import batchscan
     except ImportError:
         return "n/a"
     return "native" if batchscan.NATIVE else "Python (native module not built)"

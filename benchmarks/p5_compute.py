@@ -1,12 +1,12 @@
 """How P5's stages spend their compute: on this machine's CPU, or as known device time.
 
 * ``cpu`` (the default): the stages' model work runs on the CPU -- rollout decodes token by token,
-  the other stages add :class:`tq_redis.demo_workload.Burn` units per token. Every worker process
+  the other stages add :class:`tq_redis.demo.workload.Burn` units per token. Every worker process
   shares the machine's cores with the data system, so on a machine with fewer cores than workers
   the data plane's CPU comes straight out of the compute's.
 * ``device``: as on GPU ranks, a batch holds its worker's accelerator for a known time --
   ``--device-us-per-token`` times the stage's per-token cost (rollout 1, the others
-  :data:`~tq_redis.demo_workload.STAGE_COST`) times the batch's tokens -- while the host CPU stays
+  :data:`~tq_redis.demo.workload.STAGE_COST`) times the batch's tokens -- while the host CPU stays
   free; the worker waits for it as a host thread waits on a device synchronisation. The outputs
   are still real: rollout draws each response's tokens in one call and scores them with the
   policy in one pass, and reward, ref and trainer do their real (small) work within that time.
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tq_redis import demo_workload as wl
+from tq_redis.demo import workload as wl
 
 MODES = ("cpu", "device")
 DEFAULT_DEVICE_US_PER_TOKEN = 50.0

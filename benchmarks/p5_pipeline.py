@@ -6,9 +6,9 @@ partition_id, mode="fetch", task_name=...)``, ``get_data(meta)``, ``clear_partit
 for one call: a stage claims a batch and reads it with tq-redis's ``get_meta_and_data`` (one
 round trip when the values are inline) and with the reference's ``get_meta`` + ``get_data``. It runs
 as independent worker processes that attach to the running system
-(:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo.py``), and doing
+(:func:`benchmarks.reference.attach`), like ``tq-redis demo`` (``tq_redis/demo/main.py``), and doing
 the demo's work: the model, rewards, GRPO update and simulated costs are
-:mod:`tq_redis.demo_workload`'s, imported, not copied. One partition per training step,
+:mod:`tq_redis.demo.workload`'s, imported, not copied. One partition per training step,
 ``p5_step_<k>``; the stages:
 
 * **feeder** (1 process) puts the step's ``--batch`` prompts, each repeated ``--n-samples``
@@ -102,9 +102,9 @@ from benchmarks.reference import (
     start_workers,
     startup_seconds,
 )
-from tq_redis import demo_workload as wl
-from tq_redis.demo import STAGES
-from tq_redis.jagged import jagged_parts, row_views
+from tq_redis.demo import workload as wl
+from tq_redis.demo.main import STAGES
+from tq_redis.meta.jagged import jagged_parts, row_views
 
 MEASURE = "p5_pipeline"
 UID_STEP = 1_000_000
@@ -164,7 +164,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Helpers over the demo's workload (tq_redis.demo_workload) and both systems' layouts
+# Helpers over the demo's workload (tq_redis.demo.workload) and both systems' layouts
 # ----------------------------------------------------------------------------------------
 def _response_len(cfg: dict[str, Any], uid: int) -> int:
     """The response length of row ``uid`` (deterministic, so the trainer can check it)."""
@@ -180,7 +180,7 @@ def _response_lengths(cfg: dict[str, Any]) -> dict[int, int]:
 
 def _rows(value: Any) -> list[Any]:
     """Per-sample 1-D tensors of a jagged (or dense 2-D) field. A jagged tensor (what both systems
-    return) is cut at its offsets (:func:`tq_redis.jagged.row_views`): its ``unbind()``, ~0.2 ms a
+    return) is cut at its offsets (:func:`tq_redis.meta.jagged.row_views`): its ``unbind()``, ~0.2 ms a
     field, would be charged to both systems as overhead. Torch's own jagged class is recognised
     by its type first: ``.is_nested`` and ``.layout`` go through its ``__torch_function__``."""
     if jagged_parts(value) is not None or (value.is_nested and value.layout == torch.jagged):

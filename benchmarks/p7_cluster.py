@@ -3,7 +3,7 @@
 One partition is one hash slot, so one shard carries all of its claims (``p6_shard`` measures that
 ceiling on a single server). Many partitions (steps, train/val, jobs) are what a cluster spreads.
 This measure runs the same workload on an embedded 1-master and an embedded 3-master Valkey
-cluster (``tq_redis.embedded_cluster``, the clients are the cluster clients either way):
+cluster (``tq_redis.server.embedded_cluster``, the clients are the cluster clients either way):
 
 * ``--partitions`` partitions (default 12), chosen so that each master of the 3-master cluster
   owns the same number (their hash slots are computed, and checked against the cluster's own
@@ -42,7 +42,7 @@ from typing import Any
 
 from benchmarks import p6_shard
 from benchmarks._common import parse_args, write_result
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
 
 MEASURE = "p7_cluster"
 NAMESPACE = "p7"
@@ -68,7 +68,7 @@ def balanced_partitions(masters: int, count: int) -> list[str]:
     ``masters``-master cluster gives its masters (the caller checks the cluster agrees)."""
     from redis.crc import key_slot
 
-    from tq_redis.embedded_cluster import slot_ranges
+    from tq_redis.server.embedded_cluster import slot_ranges
 
     ranges = slot_ranges(masters)
     if count < masters or count % masters:
@@ -87,7 +87,7 @@ def balanced_partitions(masters: int, count: int) -> list[str]:
 
 def _admin(url: str) -> Any:
     """A plain client of one node (its own INFO / CONFIG, not the cluster's)."""
-    from tq_redis import connections
+    from tq_redis.server import connections
 
     return connections.sync_client(url, cluster=False, socket_timeout=30)
 
@@ -107,8 +107,8 @@ def _owner_url(cluster: Any, key: str) -> str:
 
 
 def _use_redis_store(url: str, namespace: str) -> None:
-    from tq_redis import connections
-    from tq_redis.keys import config_key
+    from tq_redis.meta.keys import config_key
+    from tq_redis.server import connections
 
     r = connections.sync_client(url)
     try:
@@ -246,7 +246,7 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
 
 def many_partitions(shards: int, workers: int, partitions: list[str], samples: int) -> dict[str, Any]:
     """Claims of ``partitions`` on an embedded ``shards``-master cluster, for each batch size."""
-    from tq_redis.embedded_cluster import EmbeddedCluster
+    from tq_redis.server.embedded_cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster(masters=shards).start()
     out: dict[str, Any] = {"masters": shards}
@@ -292,7 +292,7 @@ def client_clear(url: str, partitions: list[str]) -> None:
 
 def hot_partition(workers: int, samples: int) -> dict[str, Any]:
     """``p6_shard``'s phases on the master of a 3-master cluster that owns p6's hot partition."""
-    from tq_redis.embedded_cluster import EmbeddedCluster
+    from tq_redis.server.embedded_cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster(masters=3).start()
     out: dict[str, Any] = {}

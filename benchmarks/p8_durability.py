@@ -31,7 +31,7 @@ MODES = {"valkey": ("none", "replicas:1", "aof", "aof:1"), "redis7": ("none", "r
 
 def _pair(binary: str | None, folder: Path) -> tuple[Any, Any]:
     """A primary (AOF, everysec) and a replica (AOF, always), the replica in sync."""
-    from tq_redis.embedded import EmbeddedServer
+    from tq_redis.server.embedded import EmbeddedServer
 
     primary = EmbeddedServer(data_dir=folder / "primary", appendonly=True, binary=binary,
                              extra_args=("--repl-diskless-sync-delay", "0")).start()
@@ -57,8 +57,9 @@ def measure_mode(url: str, mode: str, rounds: int, warmup: int) -> dict[str, Any
     import torch
     from tensordict import TensorDict
 
-    from tq_redis import TransferQueueClient, durability
-    from tq_redis.keys import config_key
+    from tq_redis import TransferQueueClient
+    from tq_redis.meta.keys import config_key
+    from tq_redis.server import durability
 
     durability.declare(url, mode, 5000)
     ns = f"p8{uuid.uuid4().hex[:8]}"
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     rounds = args.rounds or (50 if args.quick else 300)
-    from tq_redis.embedded import valkey_binary
+    from tq_redis.server.embedded import valkey_binary
 
     flavours = {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}
     results: dict[str, Any] = {}

@@ -58,7 +58,7 @@ def _probe(url: str, ns: str, ready, stop, out) -> None:
 
 def _client(url: str, ns: str):
     from tq_redis import TransferQueueClient
-    from tq_redis.keys import config_key
+    from tq_redis.meta.keys import config_key
 
     client = TransferQueueClient(url, ns, nested_output=False)
     spec = {"backend": "redis", "options": {}, "inline_max_bytes": 4096}
@@ -71,7 +71,7 @@ def _cases(rows: int, fields: int):
     import torch
     from tensordict import TensorDict
 
-    from tq_redis.script_budget import MAX_LEASED_CLAIM
+    from tq_redis.ops.script_budget import MAX_LEASED_CLAIM
 
     def table(n: int, first: int = 0) -> TensorDict:
         base = torch.arange(first, first + n)
@@ -233,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.rows or (2048 if args.quick else 8192)
     rounds = args.rounds or (1 if args.quick else 3)
-    from tq_redis.embedded import EmbeddedServer, valkey_binary
+    from tq_redis.server.embedded import EmbeddedServer, valkey_binary
 
     results: dict[str, Any] = {}
     for flavour, binary in {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}.items():
@@ -246,7 +246,7 @@ def main() -> None:
             results[flavour] = measure_server(server.url, rows, args.fields, rounds)
         finally:
             server.stop()
-    from tq_redis.script_budget import SCRIPT_ITEMS
+    from tq_redis.ops.script_budget import SCRIPT_ITEMS
 
     params = {"rows": rows, "fields": args.fields, "rounds": rounds, "script_items": SCRIPT_ITEMS}
     write_result(MEASURE, args, params, results, args.out)

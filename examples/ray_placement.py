@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from tensordict import TensorDict  # noqa: E402
 
 import tq_redis as tq  # noqa: E402
-from tq_redis.ray_placement import local_storage_node, place_storage_nodes  # noqa: E402
+from tq_redis.integrations.ray_placement import local_storage_node, place_storage_nodes  # noqa: E402
 
 SAMPLES, WIDTH = 32, 8192  # 32 samples of 32 KiB: big enough for the shared-memory path
 

@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
-from tq_redis.dock import DockMetrics
+from tq_redis import DockMetrics
 from tq_redis.redact import redact
 
 CONF = {"storage": {"backend": "redis"}}  # the store; the embedded Valkey starts without a redis.url

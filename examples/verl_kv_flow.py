@@ -904,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=True,
         runtime_env={
             "env_vars": {"TRANSFER_QUEUE_ENABLE": "1", "RAY_USAGE_STATS_ENABLED": "0"},
-            "worker_process_setup_hook": "tq_redis.compat.install_transfer_queue_alias",
+            "worker_process_setup_hook": "tq_redis.install_transfer_queue_alias",
         },
     )
     try:

@@ -22,7 +22,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
   "$VENV/bin/pip" install "${pip_args[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
-# tq_redis._copy (the data plane's batched copies) and tq_redis._scan (a batch's sizes and key
+# tq_redis.codec._copy (the data plane's batched copies) and tq_redis.codec._scan (a batch's sizes and key
 # hashes) are compiled at install: they need a C compiler and Python's headers. Without them the
 # install still works, with the same work done, more slowly, in Python.
 headers=$("$VENV/bin/python" -c "import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))")
@@ -34,7 +34,7 @@ if [ ${#build_deps[@]} -gt 0 ]; then
     echo "[setup] installing build tools for the native modules: ${build_deps[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${build_deps[@]}" >/dev/null
   else
-    echo "[setup] note: ${build_deps[*]} missing; tq_redis._copy and tq_redis._scan will not build and their work runs in Python"
+    echo "[setup] note: ${build_deps[*]} missing; tq_redis.codec._copy and tq_redis.codec._scan will not build and their work runs in Python"
   fi
 fi
 stamp=$VENV/.tq-installed

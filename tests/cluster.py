@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from tests.conftest import make_client, server_binary
-from tq_redis import connections
-from tq_redis.embedded_cluster import EmbeddedCluster
+from tq_redis.server import connections
+from tq_redis.server.embedded_cluster import EmbeddedCluster
 
 MASTERS = 3
 FLAVOURS = ("valkey", "redis7")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.server.embedded import EmbeddedServer, free_port
 
 
 @dataclass
@@ -133,7 +133,7 @@ def make_client(url: str, namespace: str, backend: str = "redis", *, inline_max_
     import json
 
     from tq_redis import TransferQueueClient
-    from tq_redis.keys import config_key
+    from tq_redis.meta.keys import config_key
 
     kwargs.setdefault("nested_output", False)
     client = TransferQueueClient(url, namespace, **kwargs)

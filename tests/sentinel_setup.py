@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 
 from tests.conftest import server_binary
-from tq_redis.embedded import EmbeddedServer, _die_with_parent, free_port, valkey_binary
+from tq_redis.server.embedded import EmbeddedServer, _die_with_parent, free_port, valkey_binary
 
 SERVICE = "tqmaster"
 

@@ -21,28 +21,28 @@ package version from here (one source of truth)."""
 
 # public name -> module that defines it
 _EXPORTS = {
-    "AsyncTransferQueueClient": "tq_redis.client",
-    "BatchMeta": "tq_redis.metadata",
-    "KVBatchMeta": "tq_redis.metadata",
-    "REFERENCE_API_LEVEL": "tq_redis.compat",
+    "AsyncTransferQueueClient": "tq_redis.client.aio",
+    "BatchMeta": "tq_redis.meta",
+    "KVBatchMeta": "tq_redis.meta",
+    "REFERENCE_API_LEVEL": "tq_redis.integrations.alias",
     "StorageKeyNotFoundError": "tq_redis.errors",
-    "install_transfer_queue_alias": "tq_redis.compat",
-    "register_item_class": "tq_redis.item_classes",
-    "Channel": "tq_redis.channel",
-    "DockMetrics": "tq_redis.dock",
-    "GRPOTransferDock": "tq_redis.dock",
-    "TransferDock": "tq_redis.dock",
-    "StreamingDataLoader": "tq_redis.dataloader",
-    "StreamingDataset": "tq_redis.dataloader",
-    "TransferQueueClient": "tq_redis.sync",
-    "load_checkpoint": "tq_redis.interface",
-    "save_checkpoint": "tq_redis.interface",
-    "close": "tq_redis.runtime",
-    "get_client": "tq_redis.runtime",
-    "get_metrics_endpoint": "tq_redis.runtime",
-    "init": "tq_redis.runtime",
+    "install_transfer_queue_alias": "tq_redis.integrations.alias",
+    "register_item_class": "tq_redis.codec.item_classes",
+    "Channel": "tq_redis.channel.channel",
+    "DockMetrics": "tq_redis.dock.dock",
+    "GRPOTransferDock": "tq_redis.dock.dock",
+    "TransferDock": "tq_redis.dock.dock",
+    "StreamingDataLoader": "tq_redis.integrations.dataloader",
+    "StreamingDataset": "tq_redis.integrations.dataloader",
+    "TransferQueueClient": "tq_redis.client.blocking",
+    "load_checkpoint": "tq_redis.api.functions",
+    "save_checkpoint": "tq_redis.api.functions",
+    "close": "tq_redis.api.system",
+    "get_client": "tq_redis.api.system",
+    "get_metrics_endpoint": "tq_redis.api.system",
+    "init": "tq_redis.api.system",
     **{
-        name: "tq_redis.interface"
+        name: "tq_redis.api.functions"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
         for name in (base, f"async_{base}")
     },
@@ -110,13 +110,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from tq_redis.channel import Channel
-    from tq_redis.client import AsyncTransferQueueClient
-    from tq_redis.compat import REFERENCE_API_LEVEL, install_transfer_queue_alias
-    from tq_redis.dataloader import StreamingDataLoader, StreamingDataset
-    from tq_redis.dock import DockMetrics, GRPOTransferDock, TransferDock
-    from tq_redis.errors import StorageKeyNotFoundError
-    from tq_redis.interface import (
+    from tq_redis.api.functions import (
         async_kv_batch_get,
         async_kv_batch_get_by_meta,
         async_kv_batch_put,
@@ -132,9 +126,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         load_checkpoint,
         save_checkpoint,
     )
-    from tq_redis.item_classes import register_item_class
-    from tq_redis.metadata import BatchMeta, KVBatchMeta
-    from tq_redis.runtime import close, get_client, get_metrics_endpoint, init
+    from tq_redis.api.system import close, get_client, get_metrics_endpoint, init
+    from tq_redis.channel.channel import Channel
+    from tq_redis.client.aio import AsyncTransferQueueClient
+    from tq_redis.client.blocking import TransferQueueClient
+    from tq_redis.codec.item_classes import register_item_class
+    from tq_redis.dock.dock import DockMetrics, GRPOTransferDock, TransferDock
+    from tq_redis.errors import StorageKeyNotFoundError
+    from tq_redis.integrations.alias import REFERENCE_API_LEVEL, install_transfer_queue_alias
+    from tq_redis.integrations.dataloader import StreamingDataLoader, StreamingDataset
+    from tq_redis.meta import BatchMeta, KVBatchMeta
     from tq_redis.samplers import (
         BaseSampler,
         GRPOGroupNSampler,
@@ -142,4 +143,3 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         SeqlenBalancedSampler,
         SequentialSampler,
     )
-    from tq_redis.sync import TransferQueueClient

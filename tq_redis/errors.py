@@ -44,7 +44,7 @@ class EmptyBatch(InvalidArgument):
 
 class TooManyFields(InvalidArgument):
     """A put, claim or read named more fields than one call may carry
-    (:data:`tq_redis.script_budget.MAX_FIELDS`); the message says how to split them."""
+    (:data:`tq_redis.ops.script_budget.MAX_FIELDS`); the message says how to split them."""
 
 
 class UnknownPartition(TQError, KeyError):

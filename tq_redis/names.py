@@ -1,6 +1,6 @@
 """Every name a user gives tq-redis is checked here, and nowhere else.
 
-Names become parts of Redis keys (see :mod:`tq_redis.keys`), so a name that could break the key
+Names become parts of Redis keys (see :mod:`tq_redis.meta.keys`), so a name that could break the key
 layout, or reach another namespace's or partition's keys, is refused with
 :class:`~tq_redis.errors.InvalidName` (a ``ValueError``) that says what is allowed. Nothing a user
 names ever reaches a ``SCAN MATCH`` pattern or any other glob: keys are found through registries.
@@ -23,7 +23,7 @@ tag name (custom meta key)      are fine (they sit inside or after the partition
 KV key                          any non-empty string without control characters (a KV key is a
                                 hash field, never part of a key name); at most 65536 characters.
 channel queue key               any ``str`` (and, canonicalised, other hashable keys: see
-                                :func:`tq_redis.channel_rules.key_token`); it only ends a key name.
+                                :func:`tq_redis.ops.channel_rules.key_token`); it only ends a key name.
 ==============================  ================================================================
 
 Every validator returns the name unchanged (a plain ``str``) or raises ``InvalidName``.

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tq_redis.compat import install_transfer_queue_alias
+from tq_redis.integrations.alias import install_transfer_queue_alias
 
 install_transfer_queue_alias(propagate=True)
 

@@ -20,7 +20,7 @@ import rlinf.scheduler as _rlinf_scheduler
 import rlinf.scheduler.channel as _rlinf_channel
 
 import tq_redis as _tq
-from tq_redis.item_classes import record_kind as _record_kind
+from tq_redis.codec.item_classes import record_kind as _record_kind
 
 _cfg = _tq.init()
 _os.environ["TQ_REDIS_URL"], _os.environ["TQ_NAMESPACE"] = _cfg["redis"]["url"], _cfg["namespace"]

@@ -1,4 +1,4 @@
-"""The ``transfer_queue`` alias (``tq_redis.compat``): modules, refusal, stub, controller inspector."""
+"""The ``transfer_queue`` alias (``tq_redis.integrations.alias``): modules, refusal, stub, controller inspector."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from tensordict import TensorDict
 
 import tq_redis
 from tests.conftest import make_client
-from tq_redis import compat, config
+from tq_redis.client import config
 from tq_redis.errors import ConfigError
+from tq_redis.integrations import alias as compat
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_alias_maps_public_names_onto_tq_redis(clean_modules):
     assert tq.kv_batch_put is tq_redis.kv_batch_put and tq.get_client is tq_redis.get_client
     assert tq.init is compat.init and tq.close is compat.close  # these add the controller inspector
     assert tq.StorageKeyNotFoundError is StorageKeyNotFoundError is tq_redis.StorageKeyNotFoundError
-    assert chunk_batch_fn.__module__ == "tq_redis.dataloader" and callable(get_seqlen_balanced_partitions)
+    assert chunk_batch_fn.__module__ == "tq_redis.integrations.dataloader" and callable(get_seqlen_balanced_partitions)
     assert "kv_put" in dir(tq.interface)
     with pytest.raises(AttributeError, match="only the reference's public API"):
         _ = tq.TransferQueueController
@@ -78,7 +79,7 @@ def test_stub_on_pythonpath_installs_the_alias_in_a_child_process(clean_modules,
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
-    cli = subprocess.run([sys.executable, "-m", "tq_redis.compat", "--pythonpath"], env=env,
+    cli = subprocess.run([sys.executable, "-m", "tq_redis.integrations.alias", "--pythonpath"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert cli.stdout.strip() == compat.alias_pythonpath()
 

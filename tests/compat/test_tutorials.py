@@ -1,7 +1,7 @@
 """The reference's tutorials and recipes, from the same downloaded wheel, run unchanged through the alias.
 
 Each runs as its own program with the alias stub first on ``PYTHONPATH`` (what
-``python -m tq_redis.compat --pythonpath`` prints), so ``import transfer_queue`` in it, and in
+``python -m tq_redis.integrations.alias --pythonpath`` prints), so ``import transfer_queue`` in it, and in
 the Ray workers it starts, is tq-redis. A tutorial passes when it exits 0 with no traceback.
 """
 
@@ -50,7 +50,7 @@ def tutorial_dir(wheel_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def alias_pythonpath() -> str:
-    stub = subprocess.run([sys.executable, "-m", "tq_redis.compat", "--pythonpath"], cwd=_REPO,
+    stub = subprocess.run([sys.executable, "-m", "tq_redis.integrations.alias", "--pythonpath"], cwd=_REPO,
                           capture_output=True, text=True, timeout=120, check=True).stdout.strip()
     assert (Path(stub) / "transfer_queue").is_dir(), stub
     return os.pathsep.join((stub, str(_REPO)))

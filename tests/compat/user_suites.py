@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.compat.reference_suite import SuiteResult, _read_report
-from tq_redis.embedded import free_port
+from tq_redis.server.embedded import free_port
 
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parent.parent
@@ -135,7 +135,7 @@ def run(suite: UserSuite, src: Path, run_dir: Path, extra_args: tuple[str, ...] 
     deselect_file, report = run_dir / "deselected.json", run_dir / "report.jsonl"
     deselect_file.write_text(json.dumps(sorted(suite.deselected)), encoding="utf-8")
     report.unlink(missing_ok=True)
-    stub = subprocess.run([sys.executable, "-m", "tq_redis.compat", "--pythonpath"], cwd=_REPO, capture_output=True,
+    stub = subprocess.run([sys.executable, "-m", "tq_redis.integrations.alias", "--pythonpath"], cwd=_REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items()
            if k not in ("TQ_REDIS_URL", "TQ_NAMESPACE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "TQ_TEST_BACKEND")}

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from tq_redis.backends.base import StorageClient, StoreContext, create_store
 
 from tests.conformance import servers as store_servers
-from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.server.embedded import EmbeddedServer, free_port
+from tq_redis.storage.base import StorageClient, StoreContext, create_store
 
 S3_BUCKET = "tq-conformance"
 S3_CREDENTIALS = {"key": "testing", "secret": "testing"}
@@ -197,7 +197,7 @@ def _redis(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
 
 
 def _dram(session: _Session, namespace: str, tmp_root: str) -> StoreSetup:
-    from tq_redis.backends.dram_launcher import start_local_nodes
+    from tq_redis.backends.dram.launcher import start_local_nodes
 
     nodes = start_local_nodes(session.redis_url, namespace, n=2, capacity="256MiB")
     return StoreSetup("dram", "dram", {}, session.redis_url, namespace, stop=nodes.stop)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tq_redis.embedded import free_port
+from tq_redis.server.embedded import free_port
 
 HOST = "127.0.0.1"
 MOONCAKE_SEGMENT = 512 << 20  # memory the test segment holder mounts

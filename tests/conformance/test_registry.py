@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends import base
-from tq_redis.backends.base import Buffer, Segments, StoreContext, create_store, join_segments, register_store
 
 from tq_redis import TransferQueueClient
 from tq_redis.errors import BackendNotInstalled, ConfigError, DataMissing
-from tq_redis.keys import config_key
+from tq_redis.meta.keys import config_key
+from tq_redis.storage import base
+from tq_redis.storage.base import Buffer, Segments, StoreContext, create_store, join_segments, register_store
 
 
 class DictStore:

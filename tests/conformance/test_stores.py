@@ -1,6 +1,6 @@
 """The store conformance suite: every test runs against every store we ship (see ``conftest.py``).
 
-What a store must do is stated in :class:`tq_redis.backends.base.StorageClient`: ``put`` many
+What a store must do is stated in :class:`tq_redis.storage.base.StorageClient`: ``put`` many
 keys whose values are segment lists (stored value = their concatenation), ``get`` many keys in
 order (``DataMissing`` naming the absent ones), idempotent ``delete``, thread safety, and being
 built from config by name. The last case drives each store through the real client.
@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.base import Buffer, Segments, StorageClient, registered_stores
 
 from tests.conformance.conftest import SETUPS, STORE_BACKENDS, StoreSetup, stop_store_servers
 from tq_redis import TransferQueueClient
 from tq_redis.errors import ConfigError, DataMissing
-from tq_redis.keys import PartitionKeys, config_key
+from tq_redis.meta.keys import PartitionKeys, config_key
+from tq_redis.storage.base import Buffer, Segments, StorageClient, registered_stores
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -228,8 +228,8 @@ def test_end_to_end_through_the_client(store_setup: StoreSetup) -> None:
 
 
 def test_fsspec_needs_a_url() -> None:
-    from tq_redis.backends.base import StoreContext
     from tq_redis.backends.fsspec_store import FsspecStore
+    from tq_redis.storage.base import StoreContext
 
     with pytest.raises(ConfigError, match="url"):
         FsspecStore.from_config({}, StoreContext("redis://x", "ns"))
@@ -290,8 +290,8 @@ def test_fsspec_other_filesystems_write_segments() -> None:
 
 
 def test_ray_owner_option_is_checked() -> None:
-    from tq_redis.backends.base import StoreContext
     from tq_redis.backends.ray_store import RayStore
+    from tq_redis.storage.base import StoreContext
 
     with pytest.raises(ConfigError, match="owner"):
         RayStore.from_config({"owner": "nobody"}, StoreContext("redis://x", "ns"))
@@ -307,7 +307,7 @@ def test_ray_values_outlive_their_writer(ray_setup: StoreSetup) -> None:
 
     class Writer:
         def put(self, options: dict, keys: list[str], values: list[bytes]) -> None:
-            from tq_redis.backends.base import create_store
+            from tq_redis.storage.base import create_store
 
             create_store("ray", options, ctx).put(keys, [[v] for v in values])
 
@@ -329,7 +329,7 @@ def test_ray_values_outlive_their_writer(ray_setup: StoreSetup) -> None:
 
 _WRITER = """
 import json, sys
-from tq_redis.backends.base import StoreContext, create_store
+from tq_redis.storage.base import StoreContext, create_store
 spec = json.loads(sys.argv[1])
 store = create_store(spec["backend"], spec["options"], StoreContext(spec["url"], spec["namespace"]))
 store.put(spec["keys"], [[v.encode()] for v in spec["values"]])
@@ -355,9 +355,9 @@ def test_values_outlive_their_writer_process(store_id: str, setup_of: Callable[[
 
 
 def test_mooncake_and_yuanrong_check_their_options() -> None:
-    from tq_redis.backends.base import StoreContext
     from tq_redis.backends.mooncake import MooncakeStore
     from tq_redis.backends.yuanrong import YuanrongStore
+    from tq_redis.storage.base import StoreContext
 
     ctx = StoreContext("redis://x", "ns")
     with pytest.raises(ConfigError, match="master_server_address"):
@@ -373,10 +373,9 @@ def test_mooncake_and_yuanrong_check_their_options() -> None:
 
 
 def test_mooncake_and_yuanrong_name_an_unreachable_server() -> None:
-    from tq_redis.backends.base import StoreContext, create_store
-
-    from tq_redis.embedded import free_port
     from tq_redis.errors import StorageUnavailable
+    from tq_redis.server.embedded import free_port
+    from tq_redis.storage.base import StoreContext, create_store
 
     ctx = StoreContext("redis://x", "ns")
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
@@ -391,9 +390,8 @@ def test_mooncake_and_yuanrong_name_an_unreachable_server() -> None:
 @pytest.mark.parametrize(("backend", "package"), [("mooncake", "mooncake-transfer-engine"),
                                                   ("yuanrong", "openyuanrong-datasystem")])  # fmt: skip
 def test_mooncake_and_yuanrong_name_their_package(backend: str, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tq_redis.backends import base
-
     from tq_redis.errors import BackendNotInstalled
+    from tq_redis.storage import base
 
     library = {"mooncake": "mooncake.store", "yuanrong": "yr.datasystem"}[backend]
     monkeypatch.setitem(sys.modules, library, None)  # import fails as if not installed

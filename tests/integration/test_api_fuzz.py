@@ -17,7 +17,7 @@ each namespace holds says what every call must return:
 After every example the namespace is audited: the ``alive`` bitmap of each partition equals the
 model's live samples, the ``redis`` store holds a data key for exactly the live (sample, field)
 pairs, each field's ``prod`` bits match, and every key fits the layout documented in
-:mod:`tq_redis.keys` (no scratch or stray keys). Run with ``-s`` to see the counts; the soak-marked
+:mod:`tq_redis.meta.keys` (no scratch or stray keys). Run with ``-s`` to see the counts; the soak-marked
 variant runs many more examples.
 """
 
@@ -38,9 +38,9 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tests.conftest import _server, make_client
-from tq_redis import bitmaps, errors
-from tq_redis.keys import PartitionKeys
-from tq_redis.metadata import BatchMeta
+from tq_redis import errors
+from tq_redis.meta import BatchMeta, bitmaps
+from tq_redis.meta.keys import PartitionKeys
 
 # ------------------------------------------------------------------ counts (printed with -s)
 
@@ -479,7 +479,7 @@ def audit(ns: Namespace) -> None:
         if rest in _GLOBAL or rest.startswith("storage:pending:"):
             continue
         m = _PARTITION_KEY.fullmatch(rest)
-        assert m, f"stray key {raw!r}: not in the layout of tq_redis.keys"
+        assert m, f"stray key {raw!r}: not in the layout of tq_redis.meta.keys"
         tag, suffix = m.groups()
         owner, _, pid = tag.partition("/")  # the tag is {<namespace>/<partition>}
         assert owner == ns.client.namespace, f"key {raw!r}: its hash tag does not name this namespace"

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import AsyncTransferQueueClient, errors
-from tq_redis.keys import config_key
+from tq_redis.meta.keys import config_key
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
-from tq_redis import driver, errors
+from tq_redis import errors
+from tq_redis.client import driver
 
 # Read-only, so SCRIPT KILL can stop it: spins on the server's clock for ARGV[1] ms (forever if 0).
 SPIN = """

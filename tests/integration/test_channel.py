@@ -13,9 +13,8 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import Channel
-from tq_redis.channel import ChannelNotFound
-from tq_redis.errors import InvalidArgument, UnsupportedValue
-from tq_redis.keys import ChannelKeys
+from tq_redis.errors import ChannelNotFound, InvalidArgument, UnsupportedValue
+from tq_redis.meta.keys import ChannelKeys
 
 
 def _blocked(client) -> bool:

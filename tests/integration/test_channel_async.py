@@ -19,8 +19,8 @@ import redis
 
 from tests.procs import mp_context
 from tq_redis import Channel
-from tq_redis.channel import _MAX_CONNECTIONS, ChannelClosed, ChannelNotFound
-from tq_redis.errors import InvalidArgument, UnsupportedValue
+from tq_redis.channel.driver import MAX_CONNECTIONS as _MAX_CONNECTIONS
+from tq_redis.errors import ChannelClosed, ChannelNotFound, InvalidArgument, UnsupportedValue
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def test_errors_surface_on_wait_and_async_wait(server, namespace):
 def test_a_failed_put_nobody_waited_for_is_logged_and_raised_by_close(server, namespace, caplog):
     ch = _create(server, namespace, "gone")
     _connect(server, namespace, "gone").delete()
-    with caplog.at_level(logging.ERROR, logger="tq_redis.channel"):
+    with caplog.at_level(logging.ERROR, logger="tq_redis.channel.channel"):
         ch.put("never queued", async_op=True)  # handle dropped
         with pytest.raises(ChannelNotFound):
             ch.close()

@@ -17,8 +17,8 @@ from tests.conftest import make_client
 from tests.procs import mp_context
 from tests.rlinf_items import Rollout, Step, Tag, Unlisted
 from tq_redis import Channel
+from tq_redis.codec.item_classes import REGISTERED
 from tq_redis.errors import ItemClassNotAllowed, UnsupportedValue
-from tq_redis.item_classes import REGISTERED
 
 ITEMS = 12
 

@@ -13,8 +13,8 @@ import torch
 
 from tests.procs import mp_context
 from tq_redis import Channel
-from tq_redis.channel import DEFAULT_KEY, ChannelNotFound, WeightedItem
-from tq_redis.errors import InvalidArgument
+from tq_redis.errors import ChannelNotFound, InvalidArgument
+from tq_redis.ops.channel_rules import DEFAULT_KEY, WeightedItem
 
 
 def _create(server, namespace, name, **kw) -> Channel:

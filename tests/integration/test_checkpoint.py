@@ -7,9 +7,9 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
-from tq_redis import checkpoint
-from tq_redis import objects as tq_objects
+from tq_redis.codec import objects as tq_objects
 from tq_redis.errors import SampleNotFound
+from tq_redis.ops import checkpoint
 
 
 def _state(client):

@@ -16,7 +16,7 @@ import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import up_attach
 
-CLI = [sys.executable, "-m", "tq_redis.cli"]
+CLI = [sys.executable, "-m", "tq_redis.cli.main"]
 
 
 def test_status_json_reflects_known_state(real_server, namespace):

@@ -23,11 +23,14 @@ from tensordict import TensorDict
 import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import up_attach
-from tq_redis import Channel, driver, scripts, streaming, transitions
+from tq_redis import Channel
+from tq_redis.client import driver
 from tq_redis.errors import ConfigError
-from tq_redis.keys import PartitionKeys, config_key
-from tq_redis.metadata import BatchMeta
+from tq_redis.meta import BatchMeta
+from tq_redis.meta.keys import PartitionKeys, config_key
+from tq_redis.ops import streaming, transitions
 from tq_redis.samplers import BaseSampler
+from tq_redis.server import library as scripts
 
 PARTITIONS = [f"step{i}" for i in range(8)]
 
@@ -177,7 +180,7 @@ def test_status_cli_reads_a_cluster_through_any_node(cluster, cluster_client, na
     _put(cluster_client, 5, a)
     _put(cluster_client, 3, b)
     cluster_client.get_meta(["x"], 2, b, task_name="actor", lease_s=60)
-    out = subprocess.run([sys.executable, "-m", "tq_redis.cli", "status", "--json", "--redis", cluster.urls[2],
+    out = subprocess.run([sys.executable, "-m", "tq_redis.cli.main", "status", "--json", "--redis", cluster.urls[2],
                           "--namespace", namespace], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     parts = {p["id"]: p for p in json.loads(out.stdout)["partitions"]}
@@ -381,7 +384,7 @@ def test_forcing_a_single_server_client_onto_a_cluster_is_a_clear_error(cluster,
 
 
 def test_detection_is_asked_once_per_url(cluster, valkey):
-    from tq_redis import connections
+    from tq_redis.server import connections
 
     assert connections.detect_cluster(cluster.urls[1]) is True
     assert connections._detected[cluster.urls[1]] is True
@@ -412,7 +415,7 @@ def test_forcing_a_cluster_client_onto_a_single_server_is_a_clear_error(valkey, 
 def test_up_cluster_serves_a_cluster_and_storage_nodes_until_interrupted():
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "tq_redis.cli", "up", "--cluster", "3", "--units", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "tq_redis.cli.main", "up", "--cluster", "3", "--units", "1",
                              "--capacity", "64MiB", "--namespace", "upc"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.redis_inline import RedisInlineStore
 
 import tq_redis as tq
-from tq_redis.embedded_cluster import EmbeddedCluster
+from tq_redis.backends.redis_inline import RedisInlineStore
 from tq_redis.errors import ChannelNotFound, DataMissing
-from tq_redis.keys import PartitionKeys, by_slot
+from tq_redis.meta.keys import PartitionKeys, by_slot
+from tq_redis.server.embedded_cluster import EmbeddedCluster
 
 
 @pytest.fixture(scope="module")

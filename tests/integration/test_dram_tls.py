@@ -14,10 +14,10 @@ import ssl
 import uuid
 
 import pytest
-from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_launcher import _log_tail, spawn_node
 
 from tests.conftest import _server
+from tq_redis.backends.dram.launcher import _log_tail, spawn_node
+from tq_redis.backends.dram.store import DramStore
 from tq_redis.errors import StorageAuthError, StorageUnavailable
 
 x509 = pytest.importorskip("cryptography.x509", reason="the cryptography package makes the test certificate")

@@ -25,14 +25,14 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_launcher import _log_tail, spawn_node
-from tq_redis.backends.dram_protocol import HEADER, OP_HELLO, PROTOCOL_VERSION, ST_AUTH, ST_OK, ProtocolError
 
 from tests.conftest import _server
-from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.backends.dram.launcher import _log_tail, spawn_node
+from tq_redis.backends.dram.protocol import HEADER, OP_HELLO, PROTOCOL_VERSION, ST_AUTH, ST_OK, ProtocolError
+from tq_redis.backends.dram.store import DramStore
 from tq_redis.errors import StorageError, StorageUnavailable, TQError
-from tq_redis.keys import config_key, storage_nodes_key
+from tq_redis.meta.keys import config_key, storage_nodes_key
+from tq_redis.server.embedded import EmbeddedServer, free_port
 
 MiB = 1 << 20
 TOKEN = "wire-s3cret"

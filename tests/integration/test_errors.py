@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import spawn_node
 
 from tests.conftest import make_client
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
-from tq_redis.keys import PartitionKeys, clients_key, config_key
+from tq_redis.backends.dram.launcher import spawn_node
+from tq_redis.meta.keys import PartitionKeys, clients_key, config_key
 
 
 def _state(client, partition: str) -> dict:
     """Every key of the partition with its type and content, to prove nothing changed (but the
-    client's liveness record, which its heartbeat rewrites on its own: tq_redis.liveness)."""
+    client's liveness record, which its heartbeat rewrites on its own: tq_redis.client.liveness)."""
     out = {}
     life = (clients_key(client.namespace).encode(), config_key(client.namespace).encode())
     for key in sorted(client.redis.scan_iter(f"{client.namespace}:*")):
@@ -164,7 +164,7 @@ def test_pickle_refused_by_default(client):
 
 
 def test_redis_unreachable_names_the_url():
-    from tq_redis.embedded import free_port
+    from tq_redis.server.embedded import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     client = TransferQueueClient(url, "ns")
@@ -351,7 +351,7 @@ def test_kv_retrieve_keys_bad_ids(vclient, bad):
 
 
 def test_insert_mode_batch_size_is_bounded(vclient):
-    from tq_redis.ops_data import MAX_INSERT
+    from tq_redis.ops.data import MAX_INSERT
 
     with pytest.raises(errors.InvalidArgument, match=f"at most {MAX_INSERT}"):
         vclient.get_meta(["x"], MAX_INSERT + 1, "p", mode="insert")
@@ -361,7 +361,7 @@ def test_insert_mode_batch_size_is_bounded(vclient):
 @pytest.mark.parametrize("bad", [float("nan"), -1, "1", True])
 def test_channel_and_stream_timeouts_refuse_nan_and_nonsense(server, namespace, bad):
     from tq_redis import Channel
-    from tq_redis.streaming import next_batch
+    from tq_redis.ops.streaming import next_batch
 
     chan = Channel.create(f"c{namespace}", redis_url=server.url, namespace=namespace)
     try:

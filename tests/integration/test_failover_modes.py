@@ -19,8 +19,9 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tests.sentinel_setup import SentinelSetup, flavour_binary
-from tq_redis import durability, errors
-from tq_redis.durability import NotDurable
+from tq_redis import errors
+from tq_redis.server import durability
+from tq_redis.server.durability import NotDurable
 
 FIELDS = ["x"]
 N = 8

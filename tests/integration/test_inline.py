@@ -15,9 +15,9 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.integration.conftest import INLINE_LIMIT
 from tq_redis import ops
-from tq_redis.driver import Cmd, FCall, Offload, Pipe, Unconfirmed
 from tq_redis.errors import SampleNotFound
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
+from tq_redis.ops.effects import Cmd, FCall, Offload, Pipe, Unconfirmed
 
 LIMIT = INLINE_LIMIT  # inline_client and counted (tests/integration/conftest.py) keep values up to it inline
 

@@ -15,7 +15,7 @@ import uuid
 import pytest
 import redis
 
-from tq_redis import connections
+from tq_redis.server import connections
 
 ECHO_LIBRARY = "#!lua name=lanetest\nredis.register_function('lane_echo', function(keys, args) return args[1] end)"
 
@@ -214,7 +214,8 @@ def test_an_interrupted_pipeline_leaves_no_reply_for_the_next_call(lane_client, 
 
 
 def test_the_driver_resends_a_pipeline_its_lane_lost_the_pool_way(real_server):
-    from tq_redis.driver import Cmd, Pipe, SyncDriver
+    from tq_redis.client.driver import SyncDriver
+    from tq_redis.ops.effects import Cmd, Pipe
 
     driver = SyncDriver(real_server.url)
     key = f"lane:{uuid.uuid4().hex}"

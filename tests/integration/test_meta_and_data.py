@@ -19,7 +19,7 @@ from tests.integration.test_inline import LIMIT, _calls, _td
 from tests.procs import drain, mp_context
 from tq_redis import AsyncTransferQueueClient, ops, samplers
 from tq_redis.errors import InvalidArgument, LibraryNotLoaded
-from tq_redis.transitions import _read_claim
+from tq_redis.ops.transitions import _read_claim
 
 
 def _big(n: int, start: int = 0) -> TensorDict:
@@ -225,7 +225,7 @@ def test_the_streaming_loader_reads_small_batches_with_their_claim(real_server, 
     """StreamingDataset takes the values that came with each claim: no read_inline call for
     inline batches, and a store-backed batch is still read (and checked) from the store."""
     import tq_redis as tq
-    from tq_redis import transitions
+    from tq_redis.ops import transitions
 
     client = make_client(real_server.url, namespace, inline_max_bytes=LIMIT)
     client.put(_td(4), partition_id="p")

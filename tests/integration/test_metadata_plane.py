@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import errors
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
 
 
 def _td(n: int, start: int = 0, **extra) -> TensorDict:

@@ -22,15 +22,17 @@ import time
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_launcher import spawn_node
 
 import tq_redis as tq
 from tests.conftest import make_client
-from tq_redis import cli, leftovers, namespaces
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.backends.dram.launcher import spawn_node
+from tq_redis.backends.dram.store import DramStore
+from tq_redis.cli import main as cli
 from tq_redis.errors import NamespaceInUse
-from tq_redis.keys import clients_key, config_key, pending_deletes_key, storage_nodes_key
+from tq_redis.meta.keys import clients_key, config_key, pending_deletes_key, storage_nodes_key
+from tq_redis.monitor import namespaces
+from tq_redis.server import leftovers
+from tq_redis.server.embedded import EmbeddedServer
 
 # A job: attach to the shared Redis, start its own two storage nodes, put rows, hold leases, then
 # wait to be killed. Its heartbeat is fast so that the test need not wait 30 s for it to lapse.
@@ -38,7 +40,7 @@ JOB = r"""
 import json, os, sys, time, torch
 from tensordict import TensorDict
 import tq_redis as tq
-from tq_redis.backends.dram_launcher import spawn_node
+from tq_redis.backends.dram.launcher import spawn_node
 url, ns, ttl = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 nodes = [spawn_node(url, ns, capacity="64MiB", node_id=f"{ns}-node{i}") for i in range(2)]
 conf = {"redis": {"url": url}, "namespace": ns, "storage": {"backend": "dram", "inline_max_bytes": 0}}
@@ -214,7 +216,7 @@ def test_a_dead_nodes_registration_is_removed_by_the_next_client(real_server, na
 
 
 KILLED_EMBEDDED = r"""
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.server.embedded import EmbeddedServer
 s = EmbeddedServer(unix_socket=True).start()
 print(s.data_dir, s.process.pid, flush=True)
 import time; time.sleep(3600)

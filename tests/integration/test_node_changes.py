@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import spawn_node
-from tq_redis.backends.dram_pool import check_reply, run
-from tq_redis.backends.dram_protocol import OP_STATS
 
 from tests.conftest import make_client
 from tq_redis import ops
+from tq_redis.backends.dram.launcher import spawn_node
+from tq_redis.backends.dram.pool import check_reply, run
+from tq_redis.backends.dram.protocol import OP_STATS
 from tq_redis.errors import DataMissing, PartitionClosed, SampleNotFound, StorageUnavailable, UnknownPartition
-from tq_redis.keys import PartitionKeys, config_key, partitions_key, pending_deletes_key, storage_nodes_key
+from tq_redis.meta.keys import PartitionKeys, config_key, partitions_key, pending_deletes_key, storage_nodes_key
 
 ROWS = 64
 WIDTH = 256  # int64 per row: 2 KiB values, all kept in the store

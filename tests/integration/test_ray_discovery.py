@@ -74,7 +74,7 @@ def test_an_actor_shares_the_system_too(driver_system):
 
 def test_close_withdraws_the_published_system(ray_job, monkeypatch):
     import tq_redis as tq
-    from tq_redis import ray_discovery
+    from tq_redis.server import ray_discovery
 
     monkeypatch.delenv("TQ_REDIS_URL", raising=False)
     tq.close()

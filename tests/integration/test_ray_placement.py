@@ -1,4 +1,4 @@
-"""Ray placement of DRAM storage nodes (:mod:`tq_redis.ray_placement`).
+"""Ray placement of DRAM storage nodes (:mod:`tq_redis.integrations.ray_placement`).
 
 The fast tests check the placement logic and the argument checks without Ray running. The cluster
 test starts a real two-node Ray cluster on this machine (``ray start --head`` and ``ray start
@@ -36,8 +36,7 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tq_redis.errors import ConfigError, InvalidArgument, StorageUnavailable
-from tq_redis.keys import PartitionKeys, storage_nodes_key
-from tq_redis.ray_placement import (
+from tq_redis.integrations.ray_placement import (
     PlacedNode,
     _await_exit,
     place_storage_nodes,
@@ -45,6 +44,7 @@ from tq_redis.ray_placement import (
     route_to,
     storage_node_id,
 )
+from tq_redis.meta.keys import PartitionKeys, storage_nodes_key
 
 ray = pytest.importorskip("ray")
 
@@ -104,7 +104,7 @@ def test_bad_options_raise_typed_errors_before_ray_is_touched(monkeypatch):
     check = (
         "import pytest\n"
         "from tq_redis.errors import ConfigError\n"
-        "from tq_redis.ray_placement import place_storage_nodes\n"
+        "from tq_redis.integrations.ray_placement import place_storage_nodes\n"
         "with pytest.raises(ConfigError, match='redis_url'):\n"
         "    place_storage_nodes()\n"
         "with pytest.raises(ConfigError, match=r'ray\\.init'):\n"
@@ -200,7 +200,7 @@ class _Cluster:
     """The test's Ray cluster: ``ray start`` processes, each a "host" with its own hostname."""
 
     def __init__(self, env: dict[str, str], temp: str) -> None:
-        from tq_redis.embedded import free_port
+        from tq_redis.server.embedded import free_port
 
         self.env, self.temp, self.port = env, temp, free_port()
         self.nodes: list[_RayNode] = []
@@ -269,7 +269,7 @@ class _Rank:
         import torch
         from tensordict import TensorDict
 
-        from tq_redis.ray_placement import local_storage_node
+        from tq_redis.integrations.ray_placement import local_storage_node
 
         x = torch.arange(samples * width, dtype=torch.float32).reshape(samples, width) + seed
         put = self.client.put(TensorDict({"x": x}, batch_size=[samples]), partition_id=partition)

@@ -26,20 +26,23 @@ import pytest
 import redis
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import spawn_node, start_local_nodes
-from tq_redis.backends.dram_protocol import PROTOCOL_VERSION
 
 import tq_redis as tq
 from tests.conftest import make_client, server_binary
 from tests.procs import up_attach
-from tq_redis import acl, cli, runtime, server_policy
-from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.api import system as runtime
+from tq_redis.backends.dram.launcher import spawn_node, start_local_nodes
+from tq_redis.backends.dram.protocol import PROTOCOL_VERSION
+from tq_redis.cli import main as cli
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageUnavailable
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
+from tq_redis.server import acl
+from tq_redis.server import policy as server_policy
+from tq_redis.server.embedded import EmbeddedServer, free_port
 
 ROOT = Path(__file__).parents[2]
 NOBODY = 65534
-CLI = [sys.executable, "-m", "tq_redis.cli"]
+CLI = [sys.executable, "-m", "tq_redis.cli.main"]
 SECRET = "Sup3rSecretPw"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="changing to another uid needs root (CI runs as root)")

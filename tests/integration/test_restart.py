@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import aof_server, make_client
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.server.embedded import EmbeddedServer
 
 
 def _across_a_crash(server: EmbeddedServer, flavour: str, data_dir: Path, call: Callable[[], Any]) -> tuple[Any, Any]:

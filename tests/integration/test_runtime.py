@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
-from tq_redis.runtime import NotInitialized
+from tq_redis.api.system import NotInitialized
 
 ATTACH = """
 import sys, torch, tq_redis as tq
@@ -34,7 +34,7 @@ def test_embedded_default_and_attach_from_another_process(backend, monkeypatch):
     url = cfg["redis"]["url"]
     try:
         # the embedded server's clients reach it through its socket file, with its password (see
-        # tq_redis.embedded), which the URL handed to other processes carries
+        # tq_redis.server.embedded), which the URL handed to other processes carries
         assert url.startswith("unix://:") and url.endswith("/valkey.sock")
         assert len(redis.connection.parse_url(url)["password"]) >= 32
         assert "U" in tq.get_client().redis.client_info()["flags"]
@@ -79,7 +79,7 @@ def test_the_embedded_server_has_its_own_process_group_in_our_session():
     in our session: Linux schedules a session as one group, and a server in a session of its own
     is woken per request under load. A detached server (``up --detach``) gets its own session,
     so closing the terminal does not stop it."""
-    from tq_redis.embedded import EmbeddedServer
+    from tq_redis.server.embedded import EmbeddedServer
 
     server = EmbeddedServer().start()
     try:

@@ -18,8 +18,8 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import errors, samplers
-from tq_redis.keys import PartitionKeys, config_key
-from tq_redis.metadata import BatchMeta
+from tq_redis.meta import BatchMeta
+from tq_redis.meta.keys import PartitionKeys, config_key
 from tq_redis.samplers import BaseSampler
 
 

@@ -1,5 +1,5 @@
 """No script call holds the server for long: every operation on a big batch cuts its script work
-into calls of at most ``SCRIPT_ITEMS`` values, ids or keys (``tq_redis.script_budget``), on real
+into calls of at most ``SCRIPT_ITEMS`` values, ids or keys (``tq_redis.ops.script_budget``), on real
 servers, and stays correct. The time each call takes is measured by ``benchmarks/p9_script_time.py``
 (SLOWLOG); here the work each call carries is counted from the calls themselves, so the test does
 not depend on the machine's speed. And a put of more fields than one call may carry is refused
@@ -13,10 +13,11 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tests.integration.test_inline import _recorded
-from tq_redis import errors, kv, ops
-from tq_redis.driver import FCall, Pipe
-from tq_redis.keys import PartitionKeys
-from tq_redis.script_budget import MAX_FIELDS, MAX_LEASED_CLAIM, SCRIPT_ITEMS
+from tq_redis import errors, ops
+from tq_redis.meta.keys import PartitionKeys
+from tq_redis.ops import kv
+from tq_redis.ops.effects import FCall, Pipe
+from tq_redis.ops.script_budget import MAX_FIELDS, MAX_LEASED_CLAIM, SCRIPT_ITEMS
 
 ROWS = 8192  # as in issue 30: one inline put of 8,192 rows x 4 scalar fields held Redis 118-208 ms
 FIELDS = ["f0", "f1", "f2", "f3"]

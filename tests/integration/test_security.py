@@ -18,8 +18,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tests.conftest import make_client, server_binary
-from tq_redis import acl, cli, scripts, server_policy
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.cli import main as cli
 from tq_redis.errors import (
     EvictionPolicyError,
     LibraryNotLoaded,
@@ -27,7 +26,11 @@ from tq_redis.errors import (
     RedisOutOfMemory,
     StorageFull,
 )
-from tq_redis.server_policy import EvictionWarning
+from tq_redis.server import acl
+from tq_redis.server import library as scripts
+from tq_redis.server import policy as server_policy
+from tq_redis.server.embedded import EmbeddedServer
+from tq_redis.server.policy import EvictionWarning
 
 
 @pytest.fixture(params=["valkey", "redis7"])
@@ -321,7 +324,7 @@ def test_wrong_credentials_are_a_typed_error_at_the_first_refusal(own_server):
 
 
 def test_storage_nodes_register_with_their_own_user(own_server, monkeypatch):
-    from tq_redis.backends.dram_launcher import start_local_nodes
+    from tq_redis.backends.dram.launcher import start_local_nodes
 
     server, admin = own_server
     monkeypatch.setenv(server_policy.LOAD_LIBRARY_ENV, "never")

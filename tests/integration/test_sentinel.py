@@ -25,9 +25,10 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client, server_binary
 from tests.sentinel_setup import SentinelSetup, flavour_binary
-from tq_redis import AsyncTransferQueueClient, connections, durability
-from tq_redis.durability import DurabilityUnsupported, NotDurable
-from tq_redis.embedded import EmbeddedServer
+from tq_redis import AsyncTransferQueueClient
+from tq_redis.server import connections, durability
+from tq_redis.server.durability import DurabilityUnsupported, NotDurable
+from tq_redis.server.embedded import EmbeddedServer
 
 FIELDS = ["x"]
 #: large enough to fill the loopback socket buffers between a stopped replica and its primary
@@ -125,7 +126,7 @@ def _library_repaired_after_failover(ha: SentinelSetup, namespace: str) -> None:
 
 
 def test_every_client_kind_attaches_through_sentinel(tmp_path, namespace):
-    from tq_redis.backends.dram_launcher import spawn_node
+    from tq_redis.backends.dram.launcher import spawn_node
 
     ha = SentinelSetup(flavour_binary("valkey"), tmp_path).start()
     node = None
@@ -146,7 +147,7 @@ def test_every_client_kind_attaches_through_sentinel(tmp_path, namespace):
             return data["x"].tolist()
 
         assert sorted(asyncio.run(async_side())) == [7, 8, 9]
-        out = subprocess.run([sys.executable, "-m", "tq_redis.cli", "status", "--json", "--redis", ha.url,
+        out = subprocess.run([sys.executable, "-m", "tq_redis.cli.main", "status", "--json", "--redis", ha.url,
                               "--namespace", namespace], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["partitions"][0]["samples"] == 3

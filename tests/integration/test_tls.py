@@ -22,8 +22,8 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tq_redis import AsyncTransferQueueClient
-from tq_redis.embedded import free_port
 from tq_redis.errors import ConnectionFailed
+from tq_redis.server.embedded import free_port
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

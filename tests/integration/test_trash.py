@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tq_redis import ops
 from tq_redis.errors import StorageUnavailable
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
 
 
 def _batch(n: int = 8) -> TensorDict:
@@ -132,7 +132,7 @@ def test_a_failed_put_whose_cleanup_fails_too_is_retried_by_the_next_clear(flaky
 
 
 def test_status_shows_bytes_awaiting_deletion(flaky_client):
-    from tq_redis import status
+    from tq_redis.monitor import status
 
     client, pk = flaky_client
     client.put(_batch(), partition_id="p")

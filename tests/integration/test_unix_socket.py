@@ -20,7 +20,7 @@ from tensordict import TensorDict
 import tq_redis as tq
 from tests.conftest import make_client, server_binary
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
-from tq_redis.embedded import EmbeddedServer
+from tq_redis.server.embedded import EmbeddedServer
 
 
 @pytest.fixture(params=["valkey", "redis7"])

@@ -222,7 +222,7 @@ def test_a_woken_consumer_claims_in_the_round_trip_of_its_wait(real_server, name
 def test_a_wait_that_times_out_leaves_no_waiter_registered(real_client):
     """The claim sent behind the last wait registers the consumer again (for the time left before
     that wait); get_meta takes it back when it returns empty, so no wake token goes to no one."""
-    from tq_redis.keys import PartitionKeys
+    from tq_redis.meta.keys import PartitionKeys
 
     meta = real_client.get_meta(["x"], 1, "idle", task_name="t", timeout=0.3)
     assert meta.size == 0
@@ -233,7 +233,7 @@ def test_a_wait_that_times_out_leaves_no_waiter_registered(real_client):
 def test_a_lease_taken_after_a_wait_runs_from_the_claim_not_from_before_the_wait(real_server, namespace):
     """A claim's clock argument is taken when it is built: a leasing claim is not sent behind the
     wait, so a lease granted after a wait still lasts its full length."""
-    from tq_redis.keys import PartitionKeys
+    from tq_redis.meta.keys import PartitionKeys
 
     producer = make_client(real_server.url, namespace)
     consumer = make_client(real_server.url, namespace)
@@ -262,7 +262,7 @@ def test_a_claim_behind_a_wait_reloads_a_library_the_server_lost(real_server, na
     loads it and claims again, and the consumer carries on waiting instead of failing."""
     import redis
 
-    from tq_redis.keys import PartitionKeys
+    from tq_redis.meta.keys import PartitionKeys
 
     consumer, observer = make_client(real_server.url, namespace), make_client(real_server.url, namespace)
     admin = redis.Redis.from_url(real_server.url)

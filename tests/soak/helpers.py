@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from tq_redis.backends.dram import DramStore
-from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
-from tq_redis.keys import clients_key, config_key, kept_partitions_key, storage_nodes_key, storage_rings_key
+from tq_redis.backends.dram.launcher import NodeProcess, spawn_node
+from tq_redis.backends.dram.store import DramStore
+from tq_redis.meta.keys import clients_key, config_key, kept_partitions_key, storage_nodes_key, storage_rings_key
 
 #: node options for leak checks: slabs are released as soon as they are empty (no warm cache)
 LEAN_NODE_ARGS = ("--keep-warm", "0", "--slab-size", "4MiB")

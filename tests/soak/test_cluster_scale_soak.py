@@ -35,7 +35,7 @@ from tests.cluster import cluster  # noqa: F401  (the session's 3-master cluster
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import errors
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
 
 pytestmark = pytest.mark.soak
 
@@ -88,7 +88,7 @@ def _claim(client: Any, task: str, order: list[str], drained: set[str]) -> tuple
 
     None once the task has drained every partition (sealed, and every sample acked).
     """
-    from tq_redis import streaming
+    from tq_redis.ops import streaming
 
     for p in order:
         if p not in drained:
@@ -269,7 +269,7 @@ def _check_records(ranks: list[_Rank]) -> dict[tuple[str, str, int], int]:
 
 def _check_servers(client: Any, final: dict[tuple[str, str, int], int]) -> None:
     """The servers agree: delivery counts match the records, nothing leased, poisoned or pending."""
-    from tq_redis import streaming
+    from tq_redis.ops import streaming
 
     r = client.redis
     for p in PARTITIONS:

@@ -47,7 +47,8 @@ TIMEOUT_S = 120.0
 
 
 def _client(url: str, ns: str, durable: str):
-    from tq_redis import TransferQueueClient, durability
+    from tq_redis import TransferQueueClient
+    from tq_redis.server import durability
 
     durability.declare(url, durable, 500)
     return TransferQueueClient(url, ns, nested_output=False)
@@ -55,8 +56,8 @@ def _client(url: str, ns: str, durable: str):
 
 def _producer(url: str, ns: str, durable: str, rank: int, stop, acked, out) -> None:
     """Insert batches until told to stop; report (finished at, ids, outcome) per put."""
-    from tq_redis.durability import NotDurable
     from tq_redis.errors import TQError
+    from tq_redis.server.durability import NotDurable
 
     client = _client(url, ns, durable)
     puts: list[tuple[float, list[int], str]] = []
@@ -79,8 +80,8 @@ def _producer(url: str, ns: str, durable: str, rank: int, stop, acked, out) -> N
 
 def _consumer(url: str, ns: str, durable: str, stop, out) -> None:
     """Claim until the producers stopped and the task consumed everything; report (at, ids, outcome)."""
-    from tq_redis.durability import NotDurable
     from tq_redis.errors import TQError
+    from tq_redis.server.durability import NotDurable
 
     client = _client(url, ns, durable)
     claims: list[tuple[float, list[int], str]] = []

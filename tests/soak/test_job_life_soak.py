@@ -30,12 +30,12 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import spawn_node
 
 from tests.procs import mp_context
 from tests.soak.helpers import await_nodes_empty, leftover_keys, use_store
 from tq_redis import TransferQueueClient
-from tq_redis.keys import PartitionKeys, pending_nodes_key
+from tq_redis.backends.dram.launcher import spawn_node
+from tq_redis.meta.keys import PartitionKeys, pending_nodes_key
 
 pytestmark = pytest.mark.soak
 

@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis import errors
-from tq_redis.keys import PartitionKeys
+from tq_redis.meta.keys import PartitionKeys
 
 pytestmark = pytest.mark.soak
 

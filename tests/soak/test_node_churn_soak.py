@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
-from tq_redis.backends.dram_launcher import NodeProcess, spawn_node
 
 from tests.soak.helpers import LEAN_NODE_ARGS, node_stats, poll, spawn_lean_nodes, stop_nodes, use_store, wait_until
 from tq_redis import TransferQueueClient
-from tq_redis.embedded import EmbeddedServer, free_port
+from tq_redis.backends.dram.launcher import NodeProcess, spawn_node
 from tq_redis.errors import DataMissing, StorageUnavailable
-from tq_redis.metadata import BatchMeta
+from tq_redis.meta import BatchMeta
+from tq_redis.server.embedded import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.soak
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tq_redis.metadata import BatchMeta
+from tq_redis.meta import BatchMeta
 
 
 def dense(dtype: torch.dtype = torch.float32, shape: tuple = (4,)) -> dict:

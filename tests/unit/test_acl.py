@@ -1,4 +1,4 @@
-"""``tq_redis.acl``: the rules of a namespace's user cover every command tq-redis sends, and no more."""
+"""``tq_redis.server.acl``: the rules of a namespace's user cover every command tq-redis sends, and no more."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from tq_redis import acl, cli, server_policy
+from tq_redis.cli import main as cli
 from tq_redis.errors import ConfigError, InvalidName, PermissionDenied, RedisOutOfMemory
+from tq_redis.server import acl
+from tq_redis.server import policy as server_policy
 
 ROOT = Path(__file__).parents[2]
 
@@ -19,7 +21,7 @@ def _sources(*folders: str) -> str:
 
 
 def test_every_command_the_operations_send_is_granted():
-    text = _sources("tq_redis", "backends")
+    text = _sources("tq_redis")
     sent = {m.lower() for m in re.findall(r'Cmd\(\(\s*"([A-Za-z]+)"', text)}
     sent |= {m.lower() for m in re.findall(r'execute_command\(\s*"([A-Za-z]+)"', text)} - {
         "function", "cluster", "acl"}  # admin steps and test clusters, not a namespace client's
@@ -29,7 +31,7 @@ def test_every_command_the_operations_send_is_granted():
 
 
 def test_every_command_the_functions_run_is_granted():
-    text = "\n".join(p.read_text() for p in sorted((ROOT / "lua").rglob("*.lua")))
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "tq_redis" / "lua").rglob("*.lua")))
     run = {m.lower() for m in re.findall(r"redis\.p?call\('([A-Za-z]+)'", text)}
     assert len(run) > 20
     missing = sorted(run - set(acl.CLIENT_COMMANDS))

@@ -1,4 +1,4 @@
-"""tq_redis.arguments: the shared checks of durations, counts, sample ids and metadata arguments."""
+"""tq_redis.ops.arguments: the shared checks of durations, counts, sample ids and metadata arguments."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from tq_redis import arguments
 from tq_redis.errors import InvalidArgument
-from tq_redis.metadata import BatchMeta, KVBatchMeta
+from tq_redis.meta import BatchMeta, KVBatchMeta
+from tq_redis.ops import arguments
 
 
 @pytest.mark.parametrize("value", [0, 0.0, 1, 2.5, np.float32(0.5), np.int64(3), arguments.MAX_SECONDS])

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from tests.unit.batch_metas import assert_same_contents, dense, jagged, make_meta
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument
-from tq_redis.metadata import KIND_JAGGED, KIND_STRIDED, KIND_TENSOR, BatchMeta
+from tq_redis.meta import KIND_JAGGED, KIND_STRIDED, KIND_TENSOR, BatchMeta
 
 # ---------------------------------------------------------------------------------------------
 # selection

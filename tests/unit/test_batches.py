@@ -1,15 +1,16 @@
-"""Batch containers (backends/batches.py): each behaves exactly like the plain list it stands for."""
+"""Batch containers (tq_redis/codec/batches.py): each behaves exactly like the plain list it stands for."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tq_redis.backends.base import join_segments
-from tq_redis.backends.batches import RowBlock, ValueChain, ValueTable, total_bytes
 
-from tq_redis import codec, fastcopy
+from tq_redis.codec import fastcopy
+from tq_redis.codec import tensors as codec
+from tq_redis.codec.batches import RowBlock, ValueChain, ValueTable, total_bytes
 from tq_redis.errors import StorageError
+from tq_redis.storage.base import join_segments
 
 
 def _block(n: int = 6, width: int = 3) -> tuple[RowBlock, np.ndarray]:

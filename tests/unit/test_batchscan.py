@@ -1,4 +1,4 @@
-"""A batch's segment sizes and key hashes (tq_redis.batchscan): the native module and Python agree."""
+"""A batch's segment sizes and key hashes (tq_redis.codec.batchscan): the native module and Python agree."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import zlib
 
 import numpy as np
 import pytest
-from tq_redis.backends.dram_placement import Ring, key_hashes
-from tq_redis.backends.dram_values import PutValues
 
-from tq_redis import batchscan
+from tq_redis.backends.dram.placement import Ring, key_hashes
+from tq_redis.backends.dram.values import PutValues
+from tq_redis.codec import batchscan
 from tq_redis.errors import InvalidArgument
 
 
@@ -27,11 +27,11 @@ def impl(request, monkeypatch):
 
 def test_the_native_module_is_built_by_the_install():
     # the README's setup compiles it; a broken build must fail here, not silently run slower
-    assert batchscan.NATIVE, "tq_redis._scan did not build: is a C compiler installed?"
+    assert batchscan.NATIVE, "tq_redis.codec._scan did not build: is a C compiler installed?"
 
 
 def test_the_fallback_is_used_when_asked_for():
-    code = "from tq_redis import batchscan; print(batchscan.NATIVE)"
+    code = "from tq_redis.codec import batchscan; print(batchscan.NATIVE)"
     env = {**os.environ, "TQ_NATIVE_SCAN": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
@@ -182,8 +182,8 @@ def test_without_the_native_module_the_joins_leave_the_work_to_the_caller(monkey
 def test_a_stale_native_build_is_not_used(monkeypatch) -> None:
     # an editable checkout whose C module predates this Python module runs in Python, not half-native
     code = (
-        "import sys, types; stale = types.ModuleType('tq_redis._scan'); stale.segments = stale.crc32_keys = print; "
-        "sys.modules['tq_redis._scan'] = stale; from tq_redis import batchscan; print(batchscan.NATIVE)"
+        "import sys, types; stale = types.ModuleType('tq_redis.codec._scan'); stale.segments = stale.crc32_keys = print; "
+        "sys.modules['tq_redis.codec._scan'] = stale; from tq_redis.codec import batchscan; print(batchscan.NATIVE)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]

@@ -1,4 +1,4 @@
-"""The warm buffer cache behind large decodes (``tq_redis.buffers``)."""
+"""The warm buffer cache behind large decodes (``tq_redis.codec.buffers``)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from tq_redis import buffers, codec
-from tq_redis.buffers import MIN_BYTES, BufferCache, _parse_limit
+from tq_redis.codec import buffers
+from tq_redis.codec import tensors as codec
+from tq_redis.codec.buffers import MIN_BYTES, BufferCache, _parse_limit
 from tq_redis.errors import ConfigError
 
 BIG = 3 * MIN_BYTES + 123  # not a multiple of anything in particular

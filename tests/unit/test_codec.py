@@ -1,4 +1,4 @@
-"""Unit tests for tq_redis.codec: per-sample encoding and batch decoding of batch fields.
+"""Unit tests for tq_redis.codec.tensors: per-sample encoding and batch decoding of batch fields.
 
 Over 600 lines: every kind the codec stores (and its errors) in one file, sharing the roundtrip helpers.
 """
@@ -18,13 +18,15 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tests.unit.values import Opaque, Point, assert_same, python_objects, random_tensor, tensor_bytes
-from tq_redis import batchscan, codec, dtypes, fastcopy, schemas, wireformat
+from tq_redis.codec import batchscan, fastcopy, wireformat
+from tq_redis.codec import tensors as codec
 from tq_redis.errors import (
     BatchSizeMismatch,
     EmptyBatch,
     StorageError,
     UnsupportedValue,
 )
+from tq_redis.meta import dtypes, schemas
 
 # torch's own notes about prototype/experimental features, not about this codec
 pytestmark = [
@@ -51,7 +53,7 @@ def roundtrip(name: str, value: Any, n: int, **kw: Any) -> tuple[dict, Any]:
 
 @pytest.fixture(params=["native", "python"])
 def scan(request, monkeypatch):
-    """Decode once through the native joins (tq_redis.batchscan) and once through Python."""
+    """Decode once through the native joins (tq_redis.codec.batchscan) and once through Python."""
     if request.param == "python":
         monkeypatch.setattr(batchscan, "_native", None)
         monkeypatch.setattr(batchscan, "NATIVE", False)
@@ -807,7 +809,7 @@ def test_property_object_roundtrip(items: list) -> None:
 
 @pytest.mark.parametrize("lengths", [[1, 1, 1], [3, 0, 2], [0, 0], [5]])
 def test_jagged_tensor_is_what_torchs_public_constructor_builds(lengths):
-    from tq_redis.jagged import jagged_tensor
+    from tq_redis.meta.jagged import jagged_tensor
 
     values = torch.arange(sum(lengths) * 2, dtype=torch.float32).reshape(sum(lengths), 2)
     offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)

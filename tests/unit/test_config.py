@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from tq_redis import config
+from tq_redis import units
+from tq_redis.client import config
 from tq_redis.errors import ConfigError
 
 
@@ -129,32 +133,23 @@ def test_bad_config(bad, match):
     ],
 )  # fmt: skip
 def test_parse_size(text, expected):
-    assert config.parse_size(text) == expected
+    assert units.parse_size(text) == expected
 
 
-def test_parse_size_is_the_one_parser_the_dram_store_uses():
-    from tq_redis.backends import dram, dram_server
-
-    assert dram.parse_size is config.parse_size and dram_server.parse_size is config.parse_size
-
-
-@pytest.mark.parametrize("bad", ["lots", "four gigs", "4GiBs", "4 Gb/s", "-1", "4e", "", "GiB", "1e400", True, None])
-def test_parse_size_names_the_text_and_shows_examples(bad):
-    with pytest.raises(ConfigError, match=r"cannot read size .*e\.g\. 4GiB, 512MiB, 512MB") as err:
-        config.parse_size(bad)
-    assert repr(bad) in str(err.value)
-
-
-@pytest.mark.parametrize("bad", ["0", "0GiB", 0, -5])
-def test_parse_size_wants_a_positive_size(bad):
-    with pytest.raises(ConfigError, match=rf"size {bad!r} must be positive; write e\.g\. 4GiB"):
-        config.parse_size(bad)
+def test_sizes_are_parsed_and_formatted_in_one_module_only():
+    """tq_redis/units.py holds the one size parser and the one byte formatter."""
+    root = Path(units.__file__).parent
+    own = re.compile(r'def (parse_size|format_size|_?fmt_bytes|_?human\w*|_size)\(|for unit in \("B", "KiB"|_SIZE_UNITS = ')
+    found = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if own.search(p.read_text(encoding="utf-8")))
+    assert found == ["units.py"]
+    assert units.format_size(512) == "512 B" and units.format_size(1536) == "1.5 KiB"
+    assert units.format_size(3 << 40) == "3.0 TiB"
 
 
 def test_parse_size_takes_zero_where_allowed():
-    assert config.parse_size("0", allow_zero=True) == 0 and config.parse_size("0MiB", allow_zero=True) == 0
+    assert units.parse_size("0", allow_zero=True) == 0 and units.parse_size("0MiB", allow_zero=True) == 0
     with pytest.raises(ConfigError, match="must be non-negative"):
-        config.parse_size(-1, allow_zero=True)
+        units.parse_size(-1, allow_zero=True)
 
 
 @pytest.mark.parametrize(("given", "bytes_"), [("4KiB", 4096), (0, 0), ("64KiB", 65536), (100, 100)])

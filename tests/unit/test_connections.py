@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis
 
-from tq_redis import connections
-from tq_redis.embedded import free_port
 from tq_redis.errors import ConfigError
+from tq_redis.server import connections
+from tq_redis.server.embedded import free_port
 
 
 @pytest.fixture(autouse=True)

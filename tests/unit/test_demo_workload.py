@@ -1,4 +1,4 @@
-"""``tq_redis.demo_workload``, the work shared by ``tq-redis demo`` and the P5 benchmark: seeded
+"""``tq_redis.demo.workload``, the work shared by ``tq-redis demo`` and the P5 benchmark: seeded
 draws reproduce in any process, sizes stay in their bounds, and the GRPO pieces compute what the
 pipeline's checks rely on (one log-prob per response token, normalised group advantages, an
 update that moves the policy)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tq_redis import demo_workload as wl
+from tq_redis.demo import workload as wl
 
 
 def test_same_key_same_prompt_and_response_other_key_other_prompt():

@@ -50,15 +50,15 @@ for name in ("matplotlib", "rich", "fsspec"):
 seen = {}
 import tq_redis as tq
 seen["client"] = tq.TransferQueueClient.__name__
-import tq_redis.cli, tq_redis.dock, tq_redis.channel, tq_redis.dataloader, tq_redis.status
+import tq_redis.cli.main, tq_redis.dock.dock, tq_redis.channel.channel, tq_redis.integrations.dataloader, tq_redis.monitor.status
 stderr = io.StringIO()
 with contextlib.redirect_stderr(stderr):
-    seen["cli_demo"] = [tq_redis.cli.main(["demo", "--steps", "1", "--out", sys.argv[2]]), stderr.getvalue()]
+    seen["cli_demo"] = [tq_redis.cli.main.main(["demo", "--steps", "1", "--out", sys.argv[2]]), stderr.getvalue()]
 seen["demo_out_made"] = Path(sys.argv[2]).exists()
-import tq_redis.backends.dram_node, tq_redis.backends.dram_server  # a storage node without --spill
-from tq_redis.backends.base import store_class
-from tq_redis.backends.dram_spill import SpillTier
-from tq_redis.demo_pipeline import run_demo
+import tq_redis.backends.dram.node, tq_redis.backends.dram.server  # a storage node without --spill
+from tq_redis.storage.base import store_class
+from tq_redis.backends.dram.spill import SpillTier
+from tq_redis.demo.pipeline import run_demo
 from tq_redis.errors import ConfigError
 for what, call in (("fsspec_store", lambda: store_class("fsspec")),
                    ("spill", lambda: SpillTier(sys.argv[1], "node-0")),

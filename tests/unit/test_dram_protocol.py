@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.dram_protocol import MAX_IOV, SEND_PIECE, send_buffers
+from tq_redis.backends.dram.protocol import MAX_IOV, SEND_PIECE, send_buffers
 
 
 class _Recording:

@@ -1,13 +1,13 @@
-"""How the dram store reads a put batch's values (``backends/dram_values.py`` ``PutValues``): sizes and bytes."""
+"""How the dram store reads a put batch's values (``tq_redis/backends/dram/values.py`` ``PutValues``): sizes and bytes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from tq_redis.backends.batches import RowBlock, ValueChain
-from tq_redis.backends.dram_values import PutValues
 
-from tq_redis import fastcopy
+from tq_redis.backends.dram.values import PutValues
+from tq_redis.codec import fastcopy
+from tq_redis.codec.batches import RowBlock, ValueChain
 from tq_redis.errors import InvalidArgument
 
 

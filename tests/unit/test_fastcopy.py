@@ -1,4 +1,4 @@
-"""Batched copies (tq_redis.fastcopy): the native module and the Python loops agree, byte for byte."""
+"""Batched copies (tq_redis.codec.fastcopy): the native module and the Python loops agree, byte for byte."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tq_redis import fastcopy
+from tq_redis.codec import fastcopy
 
 IMPLS = ["native", "python"]
 
@@ -25,20 +25,20 @@ def impl(request, monkeypatch):
 
 def test_the_native_module_is_built_by_the_install():
     # the README's setup compiles it; a broken build must fail here, not silently run slower
-    assert fastcopy.NATIVE, "tq_redis._copy did not build: is a C compiler installed?"
+    assert fastcopy.NATIVE, "tq_redis.codec._copy did not build: is a C compiler installed?"
     settings = fastcopy.configure()
     assert settings is not None and settings["threads"] >= 1
 
 
 def test_the_fallback_is_used_when_asked_for():
-    code = "from tq_redis import fastcopy; print(fastcopy.NATIVE, fastcopy.configure())"
+    code = "from tq_redis.codec import fastcopy; print(fastcopy.NATIVE, fastcopy.configure())"
     env = {**os.environ, "TQ_NATIVE_COPY": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "None"]
 
 
 def test_a_bad_thread_count_is_a_config_error():
-    code = "import tq_redis.fastcopy"
+    code = "import tq_redis.codec.fastcopy"
     env = {**os.environ, "TQ_COPY_THREADS": "many"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0

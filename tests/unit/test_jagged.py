@@ -1,4 +1,4 @@
-"""tq_redis.jagged reads a jagged tensor's parts as torch's public methods report them, and the
+"""tq_redis.meta.jagged reads a jagged tensor's parts as torch's public methods report them, and the
 codec's fast paths over it store exactly what the public methods' path stores."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tq_redis import codec, jagged, schemas
+from tq_redis.codec import tensors as codec
 from tq_redis.errors import BatchSizeMismatch, UnsupportedValue
+from tq_redis.meta import jagged, schemas
 
 
 def _rows(*lengths: int, width: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

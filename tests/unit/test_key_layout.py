@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from redis.crc import key_slot
 
-from tq_redis.checkpoint import placed, portable
-from tq_redis.keys import ChannelKeys, PartitionKeys
+from tq_redis.meta.keys import ChannelKeys, PartitionKeys
+from tq_redis.ops.checkpoint import placed, portable
 
 
 def test_every_key_of_a_partition_shares_one_slot_and_starts_with_the_namespace():

@@ -1,4 +1,4 @@
-"""Unit tests for KVBatchMeta (imported from tq_redis.metadata, as users do)."""
+"""Unit tests for KVBatchMeta (imported from tq_redis.meta, as users do)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument, SampleNotFound
-from tq_redis.metadata import KeyNotInBatch, KVBatchMeta
+from tq_redis.meta import KeyNotInBatch, KVBatchMeta
 
 
 def make_kv(keys: list[str], partition: str = "p", fields: list[str] | None = None, **extra) -> KVBatchMeta:

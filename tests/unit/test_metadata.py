@@ -1,4 +1,4 @@
-"""Unit tests for tq_redis.metadata: its public names, BatchMeta construction, properties and field schemas."""
+"""Unit tests for tq_redis.meta: its public names, BatchMeta construction, properties and field schemas."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 from tests.unit.batch_metas import dense, jagged, make_meta
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument, UnknownField, UnsupportedValue
-from tq_redis.metadata import (
+from tq_redis.meta import (
     KIND_JAGGED,
     KIND_NDARRAY,
     KIND_OBJECT,
@@ -30,19 +30,19 @@ from tq_redis.metadata import (
 
 
 def test_public_names_are_importable_from_metadata():
-    """tq_redis.metadata is the import path of record (callers and tq_redis.compat use it),
+    """tq_redis.meta is the import path of record (callers and tq_redis.integrations.alias use it),
     whichever module defines each name."""
-    metadata = importlib.import_module("tq_redis.metadata")
+    metadata = importlib.import_module("tq_redis.meta")
     assert sorted(metadata.__all__) == sorted(
         [
             "KIND_JAGGED", "KIND_NDARRAY", "KIND_OBJECT", "KIND_STRIDED", "KIND_TENSOR",
             "BatchMeta", "KVBatchMeta", "KeyNotInBatch", "extract_field_schema", "field_kind",
         ]
     )
-    missing = [name for name in [*metadata.__all__, "READY"] if not hasattr(metadata, name)]
+    missing = [name for name in metadata.__all__ if not hasattr(metadata, name)]
     assert missing == []
-    assert metadata.READY == 1
-    compat = importlib.import_module("tq_redis.compat")
+    assert importlib.import_module("tq_redis.meta.batch_meta").READY == 1
+    compat = importlib.import_module("tq_redis.integrations.alias")
     for target in compat.ALIAS_MODULES["transfer_queue.metadata"].values():
         module, _, attr = target.partition(":")
         assert getattr(importlib.import_module(module), attr) is getattr(metadata, attr)
@@ -139,7 +139,7 @@ class TestConstruction:
         assert field_kind({"is_non_tensor": True, "dtype": np.dtype("<U3")}) == KIND_NDARRAY
 
     def test_kind_vocabulary_matches_codec(self):
-        schemas = pytest.importorskip("tq_redis.schemas")
+        schemas = pytest.importorskip("tq_redis.meta.schemas")
         assert {KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT} == set(schemas.KINDS)
 
     def test_numpy_global_indexes_become_python_ints(self):

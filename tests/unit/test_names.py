@@ -11,8 +11,8 @@ from redis.crc import key_slot
 
 from tq_redis import names
 from tq_redis.errors import InvalidArgument, InvalidName
-from tq_redis.keys import ChannelKeys, PartitionKeys, by_slot, check_name, partitions_key
-from tq_redis.ops_context import Context, check_fields
+from tq_redis.meta.keys import ChannelKeys, PartitionKeys, by_slot, check_name, partitions_key
+from tq_redis.ops.context import Context, check_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,15 +124,15 @@ def test_by_slot_groups_keys_as_a_cluster_routes_them():
 
 def test_no_other_module_defines_its_own_name_rules_or_scans_by_pattern():
     """Names are checked in tq_redis/names.py only, and no key is found by a SCAN pattern."""
-    sources = {p: p.read_text() for p in [*(ROOT / "tq_redis").glob("*.py"), *(ROOT / "backends").glob("*.py")]}
+    sources = {p: p.read_text() for p in (ROOT / "tq_redis").rglob("*.py")}
     raisers = sorted(p.name for p, text in sources.items() if "raise InvalidName" in text)
     assert raisers == ["names.py"]
-    scanners = sorted(p.name for p, text in sources.items()
+    scanners = sorted(p.relative_to(ROOT / "tq_redis").as_posix() for p, text in sources.items()
                       if re.search(r"scan_iter\(|[\"']SCAN[\"']|[\"']MATCH[\"']|match=", text))
     # ``tq-redis namespace list|gc`` finds the namespaces themselves (no registry can list those of
     # jobs that died): an admin's look at the whole server, whose patterns hold no name, only the
     # fixed namespace-level key kinds
-    assert scanners == ["namespaces.py"]
-    scanning = sources[ROOT / "tq_redis" / "namespaces.py"]
+    assert scanners == ["monitor/namespaces.py"]
+    scanning = sources[ROOT / "tq_redis" / "monitor" / "namespaces.py"]
     assert re.findall(r"match=([^,)]*)", scanning) == ['f"*:{marker}"']
     assert re.search(r"for marker in _MARKERS:", scanning)

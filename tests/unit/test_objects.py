@@ -1,4 +1,4 @@
-"""Unit tests for tq_redis.objects: the safe object encoding (msgpack plus extension types)."""
+"""Unit tests for tq_redis.codec.objects: the safe object encoding (msgpack plus extension types)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 
 from tests.rlinf_items import Rollout, Step, Tag, Unlisted
 from tests.unit.values import Opaque, Point, assert_same, python_objects
-from tq_redis import objects, wireformat
+from tq_redis.codec import objects, wireformat
+from tq_redis.codec.item_classes import ItemClasses, class_path, register_item_class
 from tq_redis.errors import ItemClassNotAllowed, StorageError, UnsupportedValue
-from tq_redis.item_classes import ItemClasses, class_path, register_item_class
 
 # torch's own note about a prototype feature, not about this encoding
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")

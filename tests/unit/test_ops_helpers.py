@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tq_redis.ops import canonical, id_ranges
+from tq_redis.ops import canonical
+from tq_redis.ops.transitions import id_ranges
 
 
 def test_id_ranges_examples():
@@ -32,7 +33,7 @@ def test_claimed_schema_entries_are_decoded_once_and_owned_by_each_batch():
 
     import torch
 
-    from tq_redis.ops_context import batchmeta_schema
+    from tq_redis.ops.context import batchmeta_schema
 
     text = json.dumps({"kind": "tensor", "dtype": "int64", "shape": [2]})
     first = batchmeta_schema({"x": text})

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.p5_accounting import compute_lanes
 from benchmarks.p5_compute import SPIN_TAIL_S, Compute, _wait_until
-from tq_redis import demo_workload as wl
+from tq_redis.demo import workload as wl
 
 
 def test_device_time_is_the_stage_cost_times_the_tokens():

@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tq_redis import errors
-from tq_redis.metadata import BatchMeta
+from tq_redis.meta import BatchMeta
 from tq_redis.samplers import (
     BaseSampler,
     GRPOGroupNSampler,

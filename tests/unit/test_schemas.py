@@ -1,4 +1,4 @@
-"""Unit tests for tq_redis.schemas: JSON field schemas, their compatibility, and BatchMeta entries."""
+"""Unit tests for tq_redis.meta.schemas: JSON field schemas, their compatibility, and BatchMeta entries."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from tq_redis import schemas
 from tq_redis.errors import BatchSizeMismatch, DTypeConflict, SchemaConflict, ShapeConflict, UnsupportedValue
+from tq_redis.meta import schemas
 
 # torch's own note about a prototype feature, not about schemas
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")

@@ -1,6 +1,6 @@
 """The Lua library says what it uses and what it touches, and still loads as one library.
 
-* The include resolver of ``tq_redis/scripts.py``: dependencies first, each include once, a clear
+* The include resolver of ``tq_redis/server/library.py``: dependencies first, each include once, a clear
   error for a missing include or a cycle; a change of any source changes the library version.
 * Every file declares (``-- @include``) the includes whose functions and constants it uses.
 * Every script's ``Touches:`` header lists exactly the key kinds it reads or writes, derived here
@@ -23,11 +23,11 @@ import fakeredis
 import pytest
 from redis.crc import key_slot
 
-from tq_redis import scripts
-from tq_redis.keys import ChannelKeys, PartitionKeys
-from tq_redis.scripts import IncludeError, declared_includes, include_order
+from tq_redis.meta.keys import ChannelKeys, PartitionKeys
+from tq_redis.server import library as scripts
+from tq_redis.server.library import IncludeError, declared_includes, include_order
 
-LUA = Path(__file__).resolve().parents[2] / "lua"
+LUA = Path(__file__).resolve().parents[2] / "tq_redis" / "lua"
 LUA_MAX_LOCALS = 200  # LUAI_MAXVARS: active locals of one function (the library's main chunk)
 LUA_MAX_UPVALUES = 60  # LUAI_MAXUPVALUES: outer locals one function may use
 #: what the header's ``KEYS[1]`` line names -> (namespace, key kind) of KEYS[1]: the partition's or the

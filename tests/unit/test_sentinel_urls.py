@@ -9,8 +9,9 @@ from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.sentinel import SentinelConnectionPool
 
-from tq_redis import config, connections, durability, sentinel
+from tq_redis.client import config
 from tq_redis.errors import ConfigError
+from tq_redis.server import connections, durability, sentinel
 
 
 @pytest.fixture(autouse=True)
@@ -204,7 +205,7 @@ def test_a_wait_reply_short_of_the_target_names_what_is_missing():
 
 
 def test_durable_mode_is_refused_on_a_cluster_client():
-    from tq_redis.driver import AsyncDriver
+    from tq_redis.client.driver import AsyncDriver
 
     with pytest.raises(durability.DurabilityUnsupported, match="not supported on a Redis Cluster"):
         AsyncDriver("redis://127.0.0.1:1", cluster=True, durable="replicas")
@@ -221,7 +222,7 @@ def test_the_newest_sentinel_configuration_wins():
 
 
 def test_redact_hides_the_primarys_and_the_sentinels_passwords():
-    from tq_redis.server_policy import redact
+    from tq_redis.server.policy import redact
 
     url = "redis+sentinel://u:pw@s1:26379,s2/mymaster?sentinel_password=sec&sentinel_username=adm"
     shown = redact(url)

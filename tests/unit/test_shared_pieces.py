@@ -7,13 +7,13 @@ import inspect
 
 import numpy as np
 import pytest
-from tq_redis.backends import external
 
-from tq_redis import interface
-from tq_redis.client import AsyncTransferQueueClient
-from tq_redis.client_methods import blocking
+from tq_redis.api import functions as interface
+from tq_redis.backends import external
+from tq_redis.client.aio import AsyncTransferQueueClient
+from tq_redis.client.blocking import TransferQueueClient
+from tq_redis.client.methods import blocking
 from tq_redis.errors import BackendNotInstalled, DataMissing, InvalidArgument, StorageError
-from tq_redis.sync import TransferQueueClient
 
 # ------------------------------------------------------------------ client methods
 

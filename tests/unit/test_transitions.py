@@ -1,4 +1,4 @@
-"""The typed face of the Lua library (``tq_redis/transitions.py``), checked without a server.
+"""The typed face of the Lua library (``tq_redis/ops/transitions.py``), checked without a server.
 
 * Structure: every ``lua/<name>.lua`` has exactly one wrapper and every wrapper a script; no
   module but ``transitions`` builds an ``FCall``; each wrapper's KEYS/ARGV agree with the
@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from tq_redis import ops, ops_claim, scripts, transitions
-from tq_redis.driver import Cmd, FCall, Pipe
+from tq_redis import ops
 from tq_redis.errors import (
     DTypeConflict,
     InvalidArgument,
@@ -31,9 +30,11 @@ from tq_redis.errors import (
     UnknownPartition,
     UnsupportedValue,
 )
-from tq_redis.keys import ChannelKeys, PartitionKeys, storage_nodes_key
-from tq_redis.samplers import SamplerPlan
-from tq_redis.transitions import (
+from tq_redis.meta.keys import ChannelKeys, PartitionKeys, storage_nodes_key
+from tq_redis.ops import claim as ops_claim
+from tq_redis.ops import transitions
+from tq_redis.ops.effects import Cmd, FCall, Pipe
+from tq_redis.ops.transitions import (
     ChannelPop,
     ChannelPut,
     ClaimReply,
@@ -45,6 +46,8 @@ from tq_redis.transitions import (
     Settled,
     Visibility,
 )
+from tq_redis.samplers import SamplerPlan
+from tq_redis.server import library as scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 PK = PartitionKeys("ns", "p")
@@ -77,21 +80,21 @@ def test_every_script_has_exactly_one_wrapper_and_every_wrapper_a_script():
     names = scripts.script_names()
     assert sorted(transitions.BY_SCRIPT) == names
     assert all(fn.__name__ == name for name, fn in transitions.BY_SCRIPT.items())
-    built = Counter(_fcall_names(ROOT / "tq_redis" / "transitions.py"))
+    built = Counter(_fcall_names(ROOT / "tq_redis" / "ops" / "transitions.py"))
     assert built == Counter(names), "transitions.py must build each script's FCall once, by its literal name"
 
 
 def test_no_module_but_transitions_builds_an_fcall():
     offenders = {}
-    for folder in (ROOT / "tq_redis", ROOT / "backends"):
+    for folder in (ROOT / "tq_redis",):
         for path in folder.rglob("*.py"):
             if path.name != "transitions.py" and _fcall_names(path):
                 offenders[str(path.relative_to(ROOT))] = _fcall_names(path)
-    assert offenders == {}, "call the wrapper in tq_redis/transitions.py instead"
+    assert offenders == {}, "call the wrapper in tq_redis/ops/transitions.py instead"
 
 
 def test_the_user_sampler_claim_loop_is_written_once():
-    """Only ``claim_choice`` (``tq_redis/ops_claim.py``, public as ``ops.claim_choice``) reads a ready
+    """Only ``claim_choice`` (``tq_redis/ops/claim.py``, public as ``ops.claim_choice``) reads a ready
     set and claims a choice; the dock reuses it."""
     users: set[tuple[str, str]] = set()
     for path in (ROOT / "tq_redis").rglob("*.py"):
@@ -101,15 +104,15 @@ def test_the_user_sampler_claim_loop_is_written_once():
                 continue
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and node.attr in ("ready_ids", "claim_ids"):
-                    users.add((path.name, fn.name))
-    assert users == {("ops_claim.py", "claim_choice")}
-    dock = (ROOT / "tq_redis" / "dock.py").read_text(encoding="utf-8")
+                    users.add((path.relative_to(ROOT / "tq_redis").as_posix(), fn.name))
+    assert users == {("ops/claim.py", "claim_choice")}
+    dock = (ROOT / "tq_redis" / "dock" / "dock.py").read_text(encoding="utf-8")
     assert "ops.claim_choice(" in dock
 
 
 def input_spec(name: str) -> tuple[int, int, bool]:
     """``(number of KEYS, leading fixed ARGV count, more ARGV may follow)`` from the script's header."""
-    header = (ROOT / "lua" / f"{name}.lua").read_text(encoding="utf-8").split("]]", 1)[0]
+    header = (ROOT / "tq_redis" / "lua" / f"{name}.lua").read_text(encoding="utf-8").split("]]", 1)[0]
     section = header.split("Input:", 1)[1].split("Output:", 1)[0]
     keys = len(re.findall(r"^\s*KEYS\[\d+\]", section, re.MULTILINE))
     fixed, variadic = 0, False

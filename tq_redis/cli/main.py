@@ -1,0 +1,342 @@
+"""The ``tq-redis`` command: ``up``, ``storage-unit``, ``status``, ``demo``, and the admin steps of a shared
+Redis: ``acl`` (a namespace's ACL user), ``load-library`` (the function library), ``namespace``
+and ``cleanup`` (abandoned state: :mod:`tq_redis.cli.namespaces`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from tq_redis.cli import namespaces as cli_namespaces
+
+
+def _start_redis(args: argparse.Namespace, password: str):
+    """The embedded single server, or with ``--cluster N`` an N-master cluster; both require ``password``."""
+    if args.cluster:
+        from tq_redis.server.embedded_cluster import EmbeddedCluster
+
+        return EmbeddedCluster(args.cluster, host=args.host, data_dir=args.data_dir,
+                               appendonly=args.appendonly, password=password).start()
+    from tq_redis.server.embedded import EmbeddedServer
+
+    return EmbeddedServer(port=args.port, data_dir=args.data_dir, appendonly=args.appendonly, host=args.host,
+                          password=password).start()
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _attach_file(directory: str, url: str, namespace: str) -> str:
+    """Write the attach settings (the URL holds the password) to a file only this user can read."""
+    import shlex
+
+    path = os.path.join(directory, "attach.env")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"export TQ_REDIS_URL={shlex.quote(url)}\nexport TQ_NAMESPACE={shlex.quote(namespace)}\n")
+    return path
+
+
+def _say_what_is_reachable(args: argparse.Namespace, server, nodes, attach: str) -> None:
+    """What ``up`` serves, who can reach it and what protects it; where the attach settings are."""
+    from tq_redis.redact import redact
+
+    kind = f"{args.cluster}-master cluster; any node's URL works" if args.cluster else "single server"
+    print(f"tq-redis up: {redact(server.url)} namespace {args.namespace!r} ({kind})")
+    ends = ", ".join(f"{n.host}:{n.port}" for n in getattr(server, "nodes", [server]))
+    where = "from this host only" if args.host in _LOOPBACK else "from other hosts too (no TLS: a trusted network only)"
+    print(f"  Redis: {ends}, {where}; every connection needs its password, drawn at random now")
+    if nodes is not None:
+        print(f"  storage nodes: {', '.join(nodes.addresses)} (TCP, from this host only) and a unix socket each "
+              f"(shared memory); each admits only clients presenting the access key it registered in this Redis")
+    print("  so the password is the one secret: it is in the attach file, which only this user can read")
+    print(f"attach with: source {attach}   (exports TQ_REDIS_URL, password included, and TQ_NAMESPACE; "
+          f"Ctrl-C stops)", flush=True)
+
+
+def _clean_up_after_killed_jobs(args: argparse.Namespace, url: str) -> None:
+    """What jobs killed with SIGKILL left: their embedded servers' directories on this host, and,
+    on a server that keeps its data across runs, namespaces past their namespace_ttl."""
+    from tq_redis.monitor import namespaces
+    from tq_redis.server import leftovers
+
+    for directory in leftovers.remove_abandoned():
+        print(f"tq-redis up: removed {directory} (left by a killed job)", flush=True)
+    if args.data_dir is not None:
+        for ns in namespaces.gc(url)["dropped"]:
+            print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", flush=True)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from tq_redis.backends.dram.launcher import start_local_nodes
+    from tq_redis.server import acl, connections
+
+    if args.cluster and args.port is not None:
+        print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
+              file=sys.stderr)
+        return 2
+    server = _start_redis(args, acl.new_password())
+    private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
+    nodes = None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if args.units > 0:
+            nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
+                                      token=args.token, spill=args.spill)
+        r = connections.sync_client(server.url)
+        r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
+                                                                   "options": {}}))
+        r.close()
+        _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
+        _clean_up_after_killed_jobs(args, server.url)
+        while not stop.wait(0.5):
+            if not server.alive():
+                print("tq-redis up: the Redis server exited", file=sys.stderr)
+                return 1
+    finally:
+        if nodes is not None:
+            nodes.stop()
+        server.stop(remove_data=args.data_dir is None)
+        shutil.rmtree(private, ignore_errors=True)
+        print("tq-redis up: stopped", flush=True)
+    return 0
+
+
+def _cmd_storage_unit(argv: list[str]) -> int:
+    from tq_redis.backends.dram.server import main as node_main
+
+    return node_main(argv)
+
+
+def _one_line(command: str, error: BaseException) -> int:
+    """Print ``error`` as one line on stderr (no traceback; its URL is already redacted); exit status 1."""
+    print(f"tq-redis {command}: " + " ".join(str(error).split()), file=sys.stderr)
+    return 1
+
+
+def _redis_failure(url: str, exc: redis.RedisError) -> Exception:
+    """What a Redis error means to a CLI user: a refusal (credentials, ACL) or an unreachable server."""
+    from tq_redis.errors import ConnectionFailed
+    from tq_redis.redact import redact
+    from tq_redis.server import policy as server_policy
+
+    typed = server_policy.typed_error(url, exc)
+    if typed is not None:
+        return typed
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return ConnectionFailed(
+            f"cannot reach Redis at {redact(url)} ({exc}); check that the server is running, that the host "
+            f"and port are right, and that this machine may connect to it"
+        )
+    return exc
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tq_redis.errors import TQError
+    from tq_redis.monitor.status import render, snapshot
+    from tq_redis.server import connections
+
+    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    if not url:
+        print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        # one try with a short timeout: a user waiting at a terminal learns at once what to check
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=3, socket_timeout=10)
+    except TQError as exc:
+        return _one_line("status", exc)
+    try:
+        while True:
+            try:
+                snap = snapshot(r, args.namespace)
+            except redis.RedisError as exc:
+                return _one_line("status", _redis_failure(url, exc))
+            if args.json:
+                print(json.dumps(snap, indent=2, sort_keys=True))
+            else:
+                if args.watch:
+                    print("\033[2J\033[H", end="")
+                print(render(snap), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.interval)  # a refresh interval for a human watching, not synchronisation
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        r.close()
+
+
+def _admin_url(args: argparse.Namespace, command: str) -> str | None:
+    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    if not url:
+        print(f"tq-redis {command}: pass --redis URL (an admin user's) or set TQ_REDIS_URL", file=sys.stderr)
+    return url
+
+
+def _cmd_load_library(args: argparse.Namespace) -> int:
+    """Load the function library on every primary (an admin step on a shared Redis)."""
+    from tq_redis.errors import TQError
+    from tq_redis.server import connections
+    from tq_redis.server import library as scripts
+    from tq_redis.server import policy as server_policy
+
+    url = _admin_url(args, "load-library")
+    if not url:
+        return 2
+    try:
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=5)
+    except TQError as exc:
+        return _one_line("load-library", exc)
+    try:
+        nodes = scripts.load_everywhere(r)
+    except redis.RedisError as exc:
+        return _one_line("load-library", _redis_failure(url, exc))
+    finally:
+        r.close()
+    where = ", ".join(n for n in nodes if n) or server_policy.redact(url)
+    print(f"tq-redis load-library: library {scripts.LIBRARY_NAME} version {scripts.library()[1]} loaded on {where}")
+    return 0
+
+
+def _cmd_acl(args: argparse.Namespace) -> int:
+    """Print (or apply) the ACL rules of a namespace's user."""
+    from tq_redis.errors import TQError
+    from tq_redis.server import acl, connections
+
+    try:
+        user = args.user or acl.default_user(args.namespace, args.role)
+        password = args.password or os.environ.get("TQ_ACL_PASSWORD") or acl.new_password()
+        line = acl.setuser_args(user, args.namespace, password, args.role)
+    except TQError as exc:
+        print(f"tq-redis acl: {exc}", file=sys.stderr)
+        return 2
+    if not args.apply:
+        print(acl.render(line))
+        if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+            print(f"# generated password for {user}: {password}", file=sys.stderr)
+        return 0
+    url = _admin_url(args, "acl --apply")
+    if not url:
+        return 2
+    try:
+        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=5)
+        try:
+            sent = acl.apply(r, user, args.namespace, password, args.role)
+        finally:
+            r.close()
+    except redis.RedisError as exc:
+        return _one_line("acl", _redis_failure(url, exc))
+    except TQError as exc:
+        return _one_line("acl", exc)
+    left_out = [a for a in line if a not in sent]
+    note = f" (this server does not know {', '.join(left_out)}: left out)" if left_out else ""
+    print(f"tq-redis acl: user {user} set for namespace {args.namespace!r} ({args.role}){note}")
+    if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+        print(f"password: {password}")
+    return 0
+
+
+def _version_line() -> str:
+    """The package version, and whether this install copies batches with the native module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tq_redis.codec import batchscan, fastcopy
+
+    try:
+        ver = version("tq-redis")
+    except PackageNotFoundError:
+        ver = "(not installed)"
+    settings = fastcopy.configure()
+    copies = (
+        f"native batch copies on, up to {settings['threads']} thread(s)"
+        if settings
+        else "native batch copies off (Python loops; see TQ_NATIVE_COPY, or install a C compiler and reinstall)"
+    )
+    scans = (
+        "native batch scans on"
+        if batchscan.NATIVE
+        else "native batch scans off (Python; see TQ_NATIVE_SCAN, or install a C compiler and reinstall)"
+    )
+    return f"tq-redis {ver}: {copies}; {scans}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tq-redis", description="tq-redis: controller-less RL data gateway")
+    parser.add_argument("--version", action="version", version=_version_line())
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded Valkey (or --cluster N) + DRAM storage nodes in the foreground, "
+                        "private to this user (a random password; see the README's Security section)")
+    up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
+    up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
+    up.add_argument("--spill", default=None, metavar="URL",
+                    help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
+    up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
+    up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
+    up.add_argument("--token", default=os.environ.get("TQ_STORAGE_TOKEN"), help="storage-node auth token")
+    up.add_argument("--cluster", type=int, default=0, metavar="N",
+                    help="start an N-master Redis Cluster (Valkey, cluster mode) instead of one server")
+    up.set_defaults(func=_cmd_up)
+
+    sub.add_parser("storage-unit", help="one DRAM storage node (see: tq-redis storage-unit --help)",
+                   add_help=False)
+
+    sub.add_parser("demo", help="the GRPO-shaped pipeline demo (see: tq-redis demo --help)", add_help=False)
+
+    status = sub.add_parser("status", help="partitions, progress per task, leases, storage nodes")
+    status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
+    status.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0)
+    status.set_defaults(func=_cmd_status)
+
+    load = sub.add_parser("load-library", help="admin: load the Lua function library on every primary")
+    load.add_argument("--redis", default=None, help="Redis URL of a user allowed to FUNCTION LOAD "
+                      "(default: $TQ_REDIS_URL)")
+    load.set_defaults(func=_cmd_load_library)
+
+    acl_cmd = sub.add_parser("acl", help="print (or --apply) the Redis ACL rules of a namespace's user")
+    acl_cmd.add_argument("namespace")
+    acl_cmd.add_argument("--user", default=None, help="user name (default: tq-NAMESPACE, tq-NAMESPACE-node)")
+    acl_cmd.add_argument("--password", default=None,
+                         help="the user's password (default: $TQ_ACL_PASSWORD, else a generated one)")
+    acl_cmd.add_argument("--role", choices=("client", "storage-node"), default="client",
+                         help="client: a job's ranks; storage-node: a DRAM node (registers itself only)")
+    acl_cmd.add_argument("--apply", action="store_true", help="run ACL SETUSER on the server (an admin's URL)")
+    acl_cmd.add_argument("--redis", default=None, help="Redis URL for --apply (default: $TQ_REDIS_URL)")
+    acl_cmd.set_defaults(func=_cmd_acl)
+    cli_namespaces.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "storage-unit":
+        return _cmd_storage_unit(argv[1:])
+    if argv and argv[0] == "demo":
+        from tq_redis.demo.main import main as demo_main
+
+        return demo_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

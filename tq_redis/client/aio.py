@@ -1,0 +1,266 @@
+"""``AsyncTransferQueueClient``: the asyncio client.
+
+The blocking ``TransferQueueClient`` (:mod:`tq_redis.client.blocking`) subclasses it, as the reference
+system's does, so one client object offers both ``put`` and ``await async_put``. Both run the
+same operations from :mod:`tq_redis.ops`; only the driver differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+from tensordict import TensorDict
+
+from tq_redis import ops
+from tq_redis.client import liveness
+from tq_redis.client.driver import AsyncDriver
+from tq_redis.client.methods import awaiting
+from tq_redis.errors import LeaseError
+from tq_redis.meta import BatchMeta, KVBatchMeta
+from tq_redis.ops import arguments, kv, streaming
+from tq_redis.reprs import attrs_repr
+
+R = TypeVar("R")
+
+
+def lease_task(metadata: BatchMeta) -> str:
+    """The task a leased batch belongs to (recorded by ``get_meta``)."""
+    arguments.batch_meta(metadata, "ack/nack/extend_lease")
+    task = metadata.get_extra_info("task_name")
+    if task is None or metadata.get_extra_info("delivery_counts") is None:
+        raise LeaseError("this BatchMeta holds no lease; get_meta(..., lease_s=S) hands out leased batches")
+    return task
+
+
+def make_context(redis_url: str, namespace: str, options: dict[str, Any]) -> ops.Context:
+    return ops.Context(
+        namespace=namespace,
+        redis_url=redis_url,
+        allow_pickle=bool(options.get("allow_pickle", False)),
+        nested_output=bool(options.get("nested_output", True)),
+        strict_schema=bool(options.get("strict_schema", False)),
+    )
+
+
+class AsyncTransferQueueClient:
+    """Asyncio client of one namespace. Stateless apart from its connection pool.
+
+    Args:
+        redis_url: the metadata plane, e.g. ``redis://host:6379/0``.
+        namespace: key prefix; clients of one job share it, other jobs use another.
+        client_id: a name for logs and metrics (random by default).
+        allow_pickle: pickle values the safe encoding cannot represent (and unpickle them on read).
+        nested_output: True (the default, the reference's layout): every tensor field whose
+            samples have dimensions comes back as a jagged nested tensor. False: a field whose
+            samples share one shape comes back dense.
+        strict_schema: raise ``ShapeConflict``/``DTypeConflict`` when a put's shape or dtype
+            differs from the field's first put, instead of making the field jagged (the
+            reference's behaviour, the default).
+        live: count this process as a live client of the namespace while the client is open
+            (a heartbeat thread per process and namespace, see :mod:`tq_redis.client.liveness`);
+            False for admin tools that must not keep a namespace in use.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str = "tq",
+        client_id: str | None = None,
+        *,
+        allow_pickle: bool = False,
+        nested_output: bool = True,
+        strict_schema: bool = False,
+        live: bool = True,
+    ) -> None:
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
+        self._ctx = make_context(redis_url, namespace, {
+            "allow_pickle": allow_pickle, "nested_output": nested_output, "strict_schema": strict_schema,
+        })
+        # redis.asyncio connections belong to the loop that opened them: one driver per loop.
+        self._async_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncDriver] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._open()
+        # this process counts as a live client of the namespace while a client is open (a
+        # heartbeat thread per process and namespace: tq-redis namespace list / drop read it),
+        # from its first operation that succeeded: a refused server (eviction policy, credentials)
+        # gets nothing written
+        self._attached = False
+        self._unattached = live
+        self._attach_lock = threading.Lock()
+
+    def _open(self) -> None:
+        """Open the connections this client needs before its first call: none here (a driver is
+        opened per event loop on first use); the blocking client opens its own driver."""
+
+    def __repr__(self) -> str:
+        return attrs_repr(self, ("namespace", "client_id"))
+
+    @property
+    def context(self) -> ops.Context:
+        """What operations of :mod:`tq_redis.ops` (and the facades' own) run against: the
+        namespace, this client's options and its data plane. Pass it to an operation and run
+        that with :meth:`arun` (or ``TransferQueueClient.run``)."""
+        return self._ctx
+
+    async def arun(self, op: ops.Op[R]) -> R:
+        """Run one operation (a generator of effects, see :mod:`tq_redis.client.driver`) on this loop."""
+        result = await self._async_driver().run(op)
+        if self._unattached:
+            self._attach()
+        return result
+
+    def _attach(self) -> None:
+        """Count this process as a live client of the namespace (once per client)."""
+        with self._attach_lock:
+            if self._unattached:
+                self._unattached = False
+                self._attached = True
+                liveness.attach(self.redis_url, self.namespace)
+
+    def _async_driver(self) -> AsyncDriver:
+        loop = asyncio.get_running_loop()
+        driver = self._async_drivers.get(loop)
+        if driver is None:
+            driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
+        return driver
+
+    # the parameters and result types of these are their operations' (written once, there)
+    async_get_meta = awaiting(ops.get_meta, doc="See :meth:`tq_redis.TransferQueueClient.get_meta`.")
+
+    async_put = awaiting(ops.put, doc="See :meth:`tq_redis.TransferQueueClient.put`.")
+
+    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
+        return await self.arun(ops.get_data(self._ctx, metadata))
+
+    async_get_meta_and_data = awaiting(
+        ops.get_meta_and_data, doc="See :meth:`tq_redis.TransferQueueClient.get_meta_and_data`."
+    )
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        await self.arun(ops.set_custom_meta(self._ctx, metadata))
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        await self.arun(ops.clear_samples(self._ctx, metadata))
+
+    async def async_clear_partition(self, partition_id: str) -> None:
+        await self.arun(ops.clear_partition(self._ctx, partition_id))
+
+    async def async_get_production_status(
+        self, data_fields: Sequence[str], partition_id: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return await self.arun(ops.production_status(self._ctx, data_fields, partition_id))
+
+    async def async_get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return await self.arun(ops.consumption_status(self._ctx, task_name, partition_id))
+
+    async def async_check_production_status(self, data_fields: Sequence[str], partition_id: str) -> bool:
+        _, status = await self.async_get_production_status(data_fields, partition_id)
+        return bool(len(status) and status.all())
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        _, status = await self.async_get_consumption_status(task_name, partition_id)
+        return bool(len(status) and status.all())
+
+    async def async_reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        return await self.arun(ops.reset_consumption(self._ctx, partition_id, task_name))
+
+    async def async_get_partition_list(self) -> list[str]:
+        return await self.arun(ops.get_partition_list(self._ctx))
+
+    async def async_ack(self, metadata: BatchMeta) -> None:
+        """As :meth:`TransferQueueClient.ack`."""
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "ack"))
+
+    async def async_nack(self, metadata: BatchMeta) -> list[int]:
+        """As :meth:`TransferQueueClient.nack`."""
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "nack"))
+
+    async def async_extend_lease(self, metadata: BatchMeta, seconds: float) -> None:
+        """As :meth:`TransferQueueClient.extend_lease`."""
+        return await self.arun(ops.settle(self._ctx, metadata, lease_task(metadata), "extend", seconds))
+
+    # -- KV API (tq_redis.ops.kv) and streaming (tq_redis.ops.streaming) --------------------------------
+
+    async def async_kv_put(self, key: str, partition_id: str, fields: Any = None,
+                           tag: dict[str, Any] | None = None,
+                           data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_put`."""
+        tags = None if tag is None else [tag]
+        return await self.arun(kv.batch_put(self._ctx, [key], partition_id, fields, tags, data_parser,
+                                                   single=True))
+
+    async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
+                                 tags: list[dict[str, Any]] | None = None,
+                                 data_parser: kv.DataParser | None = None) -> KVBatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_put`."""
+        return await self.arun(kv.batch_put(self._ctx, keys, partition_id, fields, tags, data_parser))
+
+    async def async_kv_batch_get(self, keys: list[str] | str, partition_id: str,
+                                 select_fields: list[str] | str | None = None) -> TensorDict:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_get`."""
+        return await self.arun(kv.batch_get(self._ctx, keys, partition_id, select_fields))
+
+    async def async_kv_batch_get_by_meta(self, meta: KVBatchMeta,
+                                         select_fields: list[str] | str | None = None) -> TensorDict:
+        """See :meth:`tq_redis.TransferQueueClient.kv_batch_get_by_meta`."""
+        return await self.arun(kv.batch_get_by_meta(self._ctx, meta, select_fields))
+
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
+        return await self.arun(kv.list_keys(self._ctx, partition_id))
+
+    async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
+        """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""
+        await self.arun(kv.clear(self._ctx, keys, partition_id))
+
+    async def async_kv_retrieve_meta(self, keys: list[str] | str, partition_id: str,
+                                     create: bool = False) -> BatchMeta:
+        """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_meta`."""
+        return await self.arun(kv.retrieve_meta(self._ctx, keys, partition_id, create))
+
+    async def async_kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        """See :meth:`tq_redis.TransferQueueClient.kv_retrieve_keys`."""
+        return await self.arun(kv.retrieve_keys(self._ctx, global_indexes, partition_id))
+
+    async def async_seal_partition(self, partition_id: str) -> bool:
+        """See :meth:`tq_redis.TransferQueueClient.seal_partition`."""
+        return await self.arun(streaming.seal_partition(self._ctx, partition_id))
+
+    async def async_reopen_partition(self, partition_id: str) -> bool:
+        """See :meth:`tq_redis.TransferQueueClient.reopen_partition`."""
+        return await self.arun(streaming.reopen_partition(self._ctx, partition_id))
+
+    async def async_close(self) -> None:
+        """Close this event loop's Redis pool and the store connections."""
+        driver = self._async_drivers.pop(asyncio.get_running_loop(), None)
+        if driver is not None:
+            await driver.close()
+        if self._ctx.storage is not None:
+            self._ctx.storage.close()
+        self._detach()
+
+    def close(self) -> None:
+        """Drop the store connections (each Redis pool closes with its event loop)."""
+        self._async_drivers.clear()
+        if self._ctx.storage is not None:
+            self._ctx.storage.close()
+        self._detach()
+
+    def _detach(self) -> None:
+        """This client closed: it no longer keeps the process a live client of the namespace."""
+        with self._attach_lock:
+            self._unattached = False
+            if self._attached:
+                self._attached = False
+                liveness.detach(self.redis_url, self.namespace)

@@ -1,0 +1,7 @@
+"""What an operator looks at.
+
+* :mod:`tq_redis.monitor.status` -- a read-only snapshot of a namespace (``tq-redis status``);
+* :mod:`tq_redis.monitor.exporter` -- the Prometheus exporter and its scrape-time collector (the
+  instruments the drivers and stores record into are in :mod:`tq_redis.instruments`);
+* :mod:`tq_redis.monitor.namespaces` -- the namespaces on a server: find, size and drop them.
+"""

@@ -1,0 +1,800 @@
+"""One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
+
+(A little over 600 lines: 25 wrappers and their reply types, kept together so the shared reply
+readers stay in one place.)
+
+Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
+this module is the only place that builds their argument lists and reads their replies. For each
+script, one function of the same name takes the partition's (or channel's) keys and Python values
+and returns a :class:`Transition`: the ``FCall`` effect to yield and the reader that turns the reply
+into a named result. Each script's header is its contract; each wrapper's docstring points at it.
+So an ARGV change touches two files: the script and its wrapper here.
+
+Operations (generators of effects, see :mod:`tq_redis.ops.effects`) run a transition alone::
+
+    first_id = yield from transitions.reserve(pk, n, schemas).call()
+
+or with other effects in one round trip (:func:`pipeline`, or by hand with ``t.effect`` in a
+``Pipe`` and ``t.read(reply)`` afterwards)::
+
+    _, added = yield from transitions.pipeline(transitions.insert(pk, first_id, n, schemas), Cmd(("ZADD", ...)))
+
+Reply codes are decoded here, once. A code every caller answers with the same error raises it here
+(a sealed partition on insert, a schema conflict, a missing partition or sample on a write); codes
+that callers treat differently come back as fields of the result. The decoders shared by several
+replies live here too: :func:`tag_rows` (per-sample tags) and :func:`schema_pairs` (field schemas).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, NoReturn, TypeVar
+
+import numpy as np
+import torch
+
+from tq_redis.errors import (
+    InvalidArgument,
+    LibraryNotLoaded,
+    PartitionClosed,
+    PartitionSealed,
+    SampleNotFound,
+    UnknownPartition,
+    UnsupportedValue,
+)
+from tq_redis.meta import bitmaps
+from tq_redis.meta.keys import ChannelKeys, PartitionKeys, check_name, storage_nodes_key
+from tq_redis.meta.schemas import check_compatible
+from tq_redis.ops.effects import Cmd, FCall, Pipe, WaitThenCall, WaitToken
+from tq_redis.storage.manager import Placement
+
+if TYPE_CHECKING:
+    from tq_redis.samplers import SamplerPlan
+
+R = TypeVar("R")
+
+NO_SCHEMAS: Mapping[str, str] = MappingProxyType({})
+"""No field offered (a reserve or insert of samples without fields, a KV look-up)."""
+
+STRICT_MARK = "!"
+"""Prefix of a schema offered as strict: it must equal the registered one (lua/includes/schemas.lua)."""
+
+
+class Transition(Generic[R]):
+    """One call of a Lua transition: the effect to yield and how to read its reply."""
+
+    __slots__ = ("effect", "read")
+
+    def __init__(self, effect: FCall, read: Callable[[Any], R]) -> None:
+        self.effect = effect
+        self.read = read
+
+    def __repr__(self) -> str:
+        return f"Transition({self.effect!r})"
+
+    def call(self) -> Generator[FCall, Any, R]:
+        """Run it alone: ``result = yield from t.call()``."""
+        return self.read((yield self.effect))
+
+    def call_after(self, wait: WaitToken) -> Generator[WaitThenCall, Any, R]:
+        """Run it the moment ``wait`` ends, in the wait's round trip where the driver can
+        (:class:`~tq_redis.ops.effects.WaitThenCall`): ``result = yield from t.call_after(wait)``."""
+        _, reply = yield WaitThenCall(wait, self.effect)
+        return self.read(reply)
+
+
+def pipeline(*calls: Transition[Any] | Cmd) -> Generator[Pipe, Any, list[Any]]:
+    """Run transitions (and plain commands) in one round trip: each transition's reply is read
+    (in order, so the first failing reader raises), each command's is returned as it came."""
+    replies = yield Pipe(tuple(c.effect if isinstance(c, Transition) else c for c in calls))
+    return [c.read(r) if isinstance(c, Transition) else r for c, r in zip(calls, replies)]
+
+
+# ------------------------------------------------------------------ shared encoders and decoders
+
+
+def clock_ms() -> int:
+    """The client clock in milliseconds, for what it only labels (a partition's creation time);
+    lease deadlines are the server's time, read inside the scripts."""
+    return int(time.time() * 1000)
+
+
+def _now(now_ms: int | None) -> int:
+    return clock_ms() if now_ms is None else now_ms
+
+
+def text(value: Any) -> str:
+    """A reply element (bytes from redis-py) as ``str``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def id_ranges(ids: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted first): compact ids for a Lua argument."""
+    out: list[str] = []
+    ordered = sorted(ids)
+    start = prev = ordered[0]
+    for i in ordered[1:]:
+        if i != prev + 1:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = i
+        prev = i
+    out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(out)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return value.tolist()
+    raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
+
+
+def encode_tag(value: Any) -> str:
+    """A tag (custom meta) value as the JSON text ``set_tags`` stores.
+
+    Raises:
+        UnsupportedValue: the value has no JSON form (bytes, objects, tuple keys, a cycle ...).
+    """
+    try:
+        return json.dumps(value, default=_json_default, separators=(",", ":"))
+    except UnsupportedValue:
+        raise
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnsupportedValue(
+            f"custom meta value {value!r:.120} is not JSON-serialisable ({exc}); use str keys and "
+            f"JSON values (None, bool, int, float, str, list, dict)"
+        ) from None
+
+
+def _pairs(flat: Sequence[Any]) -> list[tuple[str, Any]]:
+    return [(text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def schema_pairs(flat: Sequence[Any]) -> dict[str, str]:
+    """``{field: schema JSON}`` from a reply's flat ``{field, schema, ...}`` (fields without a
+    registered schema, ``false`` in Lua, are left out)."""
+    return {name: text(schema) for name, schema in _pairs(flat) if schema}
+
+
+def tag_rows(flat: Sequence[Any], n: int) -> list[dict[str, Any]]:
+    """Per-sample tag dicts from a reply's flat ``{name, [JSON or nil per sample], ...}``.
+
+    Each tag column is decoded with one ``json.loads`` of the joined values (a batch of 1024
+    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls)."""
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
+    for name, values in _pairs(flat):
+        present = [i for i, raw in enumerate(values) if raw is not None]
+        if not present:
+            continue
+        raws = [values[i] for i in present]
+        try:
+            if isinstance(raws[0], bytes):
+                decoded = json.loads(b"[" + b",".join(raws) + b"]")
+            else:
+                decoded = json.loads("[" + ",".join(raws) + "]")
+        except (TypeError, ValueError):  # a value not written by set_tags: one at a time
+            decoded = [json.loads(raw) for raw in raws]
+        if len(decoded) != len(present):  # e.g. a value holding a bare "1,2": one at a time
+            decoded = [json.loads(raw) for raw in raws]
+        for i, value in zip(present, decoded):
+            rows[i][name] = value
+    return rows
+
+
+def _flat_schemas(schemas: Mapping[str, str], strict: bool) -> list[str]:
+    """``field, schema`` pairs for a script; strict schemas carry a leading :data:`STRICT_MARK`."""
+    mark = STRICT_MARK if strict else ""
+    return [x for name, schema in schemas.items() for x in (name, mark + schema)]
+
+
+def raise_schema_conflict(field: str, registered: Any, offered: str) -> NoReturn:
+    """Raise the error of a field whose offered schema differs from the registered one."""
+    check_compatible(field, json.loads(text(registered)), json.loads(offered))
+    # check_compatible raises for every real difference; equal JSON would not have conflicted
+    raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {text(registered)}")
+
+
+def _conflict(reply: Sequence[Any], schemas: Mapping[str, str]) -> NoReturn:
+    """A ``{0, field, registered}`` reply: the offered schema of ``field`` conflicts."""
+    field = text(reply[1])
+    offered = schemas.get(field)
+    if offered is None:
+        raise InvalidArgument(f"field {field!r} conflicts with its registered schema {text(reply[2])}")
+    raise_schema_conflict(field, reply[2], offered)
+
+
+def _sealed(partition: str) -> PartitionSealed:
+    return PartitionSealed(
+        f"partition {partition!r} is sealed: no more samples were promised; insert into a new partition"
+    )
+
+
+def _closed(partition: str) -> PartitionClosed:
+    return PartitionClosed(
+        f"partition {partition!r} was sealed and then cleared, so nothing may be put into it again "
+        f"(a late writer would bring back data nobody clears); write to a new partition, or call "
+        f"reopen_partition({partition!r}) first to create it again on purpose"
+    )
+
+
+def _missing_partition(partition: str) -> UnknownPartition:
+    return UnknownPartition(f"partition {partition!r} does not exist (cleared, or never created)")
+
+
+# ------------------------------------------------------------------ results
+
+
+class ClaimReply(NamedTuple):
+    """A batch handed to a task (``lua/claim.lua``, ``lua/claim_ids.lua``)."""
+
+    last_event_id: str  # what to pass to `wait` when ids is empty
+    ids: list[int]  # the batch; empty when not enough was ready
+    schemas: dict[str, str]  # field -> schema JSON of the required fields
+    tags: list[dict[str, Any]] | None  # per id; None when no id or no tag
+    deliveries: list[int]  # delivery count per id (lease mode), else empty
+    next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
+    registered: bool  # the waiter was registered: BLPOP the task's wake list next
+    inline: bool | None = None  # with ids: whether the partition keeps values inline (None: not said)
+    values: dict[str, list[bytes | None]] | None = None  # with_values: field -> inline value per id (None: in a store)
+
+
+class ClaimIdsReply(NamedTuple):
+    """``lua/claim_ids.lua``: the claimed batch, or which chosen ids were taken meanwhile."""
+
+    claimed: ClaimReply | None  # None: nothing was marked
+    taken: list[int]  # chosen ids no longer free (when claimed is None)
+    partition_missing: bool
+
+
+class ReadySet(NamedTuple):
+    """``lua/ready_ids.lua``: every sample ready for a task."""
+
+    last_event_id: str
+    ids: list[int]  # ascending
+    next_lapse_ms: int  # ms until the task's earliest lease lapses (server clock), -1 if none
+
+
+def _read_placement(fields: Sequence[str], reply: Sequence[Any]) -> Placement:
+    flat = reply[0]
+    rings: list[str] = [""] * (len(flat) // 2)
+    for ring, index in zip(flat[::2], flat[1::2]):
+        rings[int(index)] = text(ring)
+    index = {f: None if raw is None else np.frombuffer(raw, "<u2") for f, raw in zip(fields, reply[1:])}
+    return Placement(rings, index)
+
+
+class Visibility(NamedTuple):
+    """``lua/check_visible.lua``: which ids were not alive, or which lack a field."""
+
+    not_alive: list[int]
+    field: str | None  # the first field not produced for some alive id
+    not_produced: list[int]  # the ids lacking ``field``
+    placement: Placement | None = None  # where the values were put, when asked for
+
+    @property
+    def ok(self) -> bool:
+        return not self.not_alive and self.field is None
+
+
+class Settled(NamedTuple):
+    """``lua/settle.lua``."""
+
+    count: int  # samples settled
+    not_held: list[int]  # ids whose lease this caller no longer held
+
+
+class Cleared(NamedTuple):
+    """``lua/clear.lua``: ids that were alive, the partition's fields, the trash's earlier size,
+    the rings the partition's store values were put under."""
+
+    ids: list[int]
+    fields: list[str]
+    older: int
+    rings: list[str] = []
+
+
+class Dropped(NamedTuple):
+    """``lua/drop_partition.lua``: the alive bitmap as it was, the fields, the trash's earlier
+    size, and whether the samples may have bytes in the store (False: every value was inline)."""
+
+    alive: bytes | None
+    fields: list[str]
+    older: int
+    in_store: bool
+    rings: list[str] = []  # the rings its store values were put under
+
+    def alive_ids(self) -> list[int]:
+        return bitmaps.set_ids(self.alive)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What is left of a partition for one task (``lua/progress.lua``)."""
+
+    last_event_id: str
+    exists: bool
+    sealed: bool
+    alive: int
+    pending: int
+    ready: int
+
+    @property
+    def drained(self) -> bool:
+        """Sealed, and the task has consumed every sample for good."""
+        return self.sealed and self.pending == 0
+
+    @property
+    def settled(self) -> bool:
+        """Sealed, and every sample still pending is ready: nothing more can arrive."""
+        return self.sealed and self.pending == self.ready
+
+
+class KeyResolution(NamedTuple):
+    """``lua/kv_resolve.lua``: user keys mapped to sample ids."""
+
+    ids: list[int]  # per key; -1 where unknown (look-up only)
+    created: int  # keys that got a fresh id
+    schemas: dict[str, str]  # fields produced for every key with an id, in registration order
+    tags: list[dict[str, Any]]  # per key
+
+
+class KeyListing(NamedTuple):
+    """``lua/kv_list.lua``: a page of the live user keys of a partition."""
+
+    cursor: str  # where the next page starts; "0": this was the last
+    keys: list[str]
+    ids: list[int]
+    tags: list[dict[str, Any]]
+
+
+class ChannelPut(NamedTuple):
+    """``lua/channel_put.lua``."""
+
+    appended: bool
+    missing: bool  # the channel does not exist
+    qsize: int  # after the append
+    last_gets_id: str  # when full: XREAD the `gets` stream from here
+
+
+class ChannelPop(NamedTuple):
+    """``lua/channel_pop.lua``."""
+
+    popped: bool
+    missing: bool  # the channel does not exist
+    entries: list[bytes]  # oldest first
+    last_puts_id: str  # when not enough is queued: XREAD the `puts` stream from here
+
+
+# ------------------------------------------------------------------ samples: insert and write
+
+
+def _read_insert(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
+    """``{1, ...}`` done, ``{0, field, registered}`` a schema conflict, ``{-3}`` sealed, ``{-4}``
+    sealed and cleared."""
+    code = int(reply[0])
+    if code == -3:
+        raise _sealed(partition)
+    if code == -4:
+        raise _closed(partition)
+    if code == 0:
+        _conflict(reply, schemas)
+
+
+def _read_reserve(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> int:
+    _read_insert(partition, schemas, reply)
+    return int(reply[1])
+
+
+def reserve(
+    pk: PartitionKeys, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False
+) -> Transition[int]:
+    """``lua/reserve.lua``: allocate ``count`` new ids (the first one is the result) after checking
+    the offered ``{field: canonical schema JSON}``. Raises ``PartitionSealed`` (``PartitionClosed``
+    once sealed and cleared) or the conflict."""
+    args = (count, *_flat_schemas(schemas, strict))
+    return Transition(FCall("reserve", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
+
+
+def insert(
+    pk: PartitionKeys, first_id: int | None, count: int, schemas: Mapping[str, str] = NO_SCHEMAS,
+    strict: bool = False, *, values: Sequence[bytes] = (), now_ms: int | None = None, ring: str | None = None,
+) -> Transition[int]:  # fmt: skip
+    """``lua/insert.lua``: make ``count`` new samples alive with the fields of ``schemas`` produced;
+    the first id is the result. Either ids ``first_id..`` from ``reserve`` whose bytes are stored
+    already (under the store's ``ring``, if it places keys itself), or (``first_id`` None) small
+    ``values`` (``count`` per field, field-major) stored inline with the bits while the ids are
+    allocated, in one step. Raises ``PartitionSealed``, ``PartitionClosed`` or the schema conflict."""
+    start = "" if first_id is None else first_id
+    args = (start, count, _now(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
+    return Transition(FCall("insert", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
+
+
+def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
+    """``{1}`` written, ``{-1}`` no partition, ``{-2, id...}`` ids not alive, ``{0, field, reg}``."""
+    code = int(reply[0])
+    if code == -1:
+        raise _missing_partition(partition)
+    if code == -2:
+        raise SampleNotFound(f"samples {[int(x) for x in reply[1:11]]} of partition {partition!r} were cleared")
+    if code == 0:
+        _conflict(reply, schemas)
+
+
+def produce(
+    pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False,
+    inline_values: Sequence[bytes] = (), ring: str | None = None,
+) -> Transition[None]:  # fmt: skip
+    """``lua/produce.lua``: mark fields of existing samples produced: their bytes are stored (under
+    the store's ``ring``, if it places keys itself), or come here as ``inline_values`` (``len(ids)``
+    per field of ``schemas``, field-major). Raises ``UnknownPartition``, ``SampleNotFound`` or the
+    schema conflict."""
+    args = (ring or "", len(schemas), *_flat_schemas(schemas, strict), len(ids), *ids, *inline_values)
+    return Transition(FCall("produce", (pk.meta,), args), partial(_read_write, pk.partition, schemas))
+
+
+def set_tags(
+    pk: PartitionKeys, ids: Sequence[int], names: Sequence[str], rows: Sequence[Mapping[str, Any]]
+) -> Transition[None]:
+    """``lua/set_tags.lua``: write tag ``names`` of samples ``ids`` from ``rows`` (one dict per id;
+    a name missing from a row leaves that sample's tag unchanged). Raises ``UnknownPartition`` or
+    ``SampleNotFound``, ``InvalidArgument`` for a bad name, ``UnsupportedValue`` for a non-JSON value."""
+    args: list[Any] = [len(ids), *ids]
+    for name in names:
+        check_name("custom meta key", name)
+        args.append(name)
+        args.extend(encode_tag(row[name]) if name in row else "" for row in rows)
+    return Transition(FCall("set_tags", (pk.meta,), tuple(args)), partial(_read_write, pk.partition, NO_SCHEMAS))
+
+
+def _read_visible(reply: Sequence[Any], fields: Sequence[str] = ()) -> Visibility:
+    code = int(reply[0])
+    if code == -1:
+        return Visibility([int(i) for i in reply[1:]], None, [])
+    if code == -2:
+        return Visibility([], text(reply[1]), [int(i) for i in reply[2:]])
+    placement = _read_placement(fields, reply[1]) if len(reply) > 1 else None
+    return Visibility([], None, [], placement)
+
+
+def check_visible(
+    pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str] = (), *, placement: bool = False
+) -> Transition[Visibility]:
+    """``lua/check_visible.lua``: whether ``ids`` are alive and have every one of ``fields``; with
+    ``placement``, also where their store values were put (``Visibility.placement``, for ids in
+    ascending order)."""
+    args = (id_ranges(ids), "1" if placement else "", *fields)
+    return Transition(FCall("check_visible", (pk.meta,), args), partial(_read_visible, fields=list(fields)))
+
+
+class InlineRead(NamedTuple):
+    """``lua/read_inline.lua``: the visibility check and, when it passed, the inline values."""
+
+    visibility: Visibility
+    values: dict[str, dict[int, bytes]]  # field -> {id: value} of the values kept inline
+
+
+def _read_inline(ids: Sequence[int], fields: Sequence[str], reply: Sequence[Any]) -> InlineRead:
+    if int(reply[0]) != 0:
+        return InlineRead(_read_visible(reply), {})
+    flat = reply[1]
+    order = sorted(set(ids))
+    n = len(order)
+    values: dict[str, dict[int, bytes]] = {}
+    if flat:
+        for k, name in enumerate(fields):
+            column = flat[k * n : (k + 1) * n]
+            values[name] = {i: v for i, v in zip(order, column, strict=True) if v is not None}
+    return InlineRead(Visibility([], None, []), values)
+
+
+def read_inline(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[InlineRead]:
+    """``lua/read_inline.lua``: check that ``ids`` are alive with every one of ``fields`` and return
+    the values of theirs kept inline (one round trip for small values)."""
+    args = (id_ranges(ids), *fields)
+    return Transition(FCall("read_inline", (pk.meta,), args), partial(_read_inline, list(ids), list(fields)))
+
+
+# ------------------------------------------------------------------ claims
+
+
+def _claim_reply(
+    last_id: Any, ids: list, schemas: list, tags: list, deliveries: list, next_lapse: Any, registered: bool,
+    inline: bool | None = None,
+) -> ClaimReply:  # fmt: skip
+    tag_list = tag_rows(tags, len(ids)) if tags and ids else None
+    return ClaimReply(
+        text(last_id), [int(i) for i in ids], schema_pairs(schemas), tag_list, [int(d) for d in deliveries],
+        int(next_lapse), registered, inline,
+    )  # fmt: skip
+
+
+def _read_claim(reply: Sequence[Any], fields: Sequence[str] = ()) -> ClaimReply:
+    last_id, ids, schemas, tags, deliveries, next_lapse, *rest = reply
+    inline = bool(int(rest[1])) if len(rest) > 1 else None
+    got = _claim_reply(last_id, ids, schemas, tags, deliveries, next_lapse, bool(rest and int(rest[0])), inline)
+    if len(rest) > 2 and got.ids:
+        got = got._replace(values=_claimed_values(rest[2], len(got.ids), fields))
+    return got
+
+
+def _claimed_values(flat: Sequence[Any], n: int, fields: Sequence[str]) -> dict[str, list[bytes | None]]:
+    """The claim's inline values (field-major over its ``n`` ids) per field; all None when the
+    partition keeps nothing inline (the script then sends none)."""
+    if not flat:
+        return {f: [None] * n for f in fields}
+    if len(flat) != n * len(fields):
+        raise LibraryNotLoaded(
+            f"the claim script returned {len(flat)} inline values for {n} ids x {len(fields)} fields: the "
+            f"server runs another tq-redis library than this client's; run `tq-redis load-library --redis URL`"
+        )
+    return {f: [v if v else None for v in flat[k * n:(k + 1) * n]] for k, f in enumerate(fields)}
+
+
+def claim(
+    pk: PartitionKeys, task: str, plan: SamplerPlan, fields: Sequence[str], *, lease_ms: int = 0,
+    max_deliveries: int = 0, waiter: str | None = None, wait_ms: int = 0, with_values: bool = False,
+) -> Transition[ClaimReply]:  # fmt: skip
+    """``lua/claim.lua``: a batch chosen by the built-in sampler ``plan`` from the samples with
+    every one of ``fields`` that ``task`` has not consumed. With ``waiter``, a claim that hands
+    out nothing registers it as waiting ``wait_ms`` (else removes it from the task's waiters).
+    A lease runs ``lease_ms`` from the server's time when the script runs (no client clock).
+    ``with_values``: the reply also holds the batch's inline values of ``fields``
+    (:attr:`ClaimReply.values`), read in the same atomic step."""
+    waiting = (waiter, wait_ms) if waiter else ()
+    sampler = plan.args()
+    if with_values:
+        kind, nopts, *options = sampler
+        sampler = (kind, nopts + 1, *options, "_values", "1")
+    args = (
+        task, plan.batch_size, lease_ms, max_deliveries, *sampler, len(fields), *fields, *waiting,
+    )  # fmt: skip
+    read = partial(_read_claim, fields=list(fields)) if with_values else _read_claim
+    return Transition(FCall("claim", (pk.meta,), args), read)
+
+
+def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:
+    code = int(reply[0])
+    if code == 1:
+        return ClaimIdsReply(_claim_reply(*reply[1:7], False), [], False)
+    if code == -1:
+        return ClaimIdsReply(None, [], True)
+    return ClaimIdsReply(None, [int(i) for i in reply[1:]], False)
+
+
+def claim_ids(
+    pk: PartitionKeys, task: str, sampled: Sequence[int], consumed: Sequence[int], fields: Sequence[str], *,
+    lease_ms: int = 0,
+) -> Transition[ClaimIdsReply]:  # fmt: skip
+    """``lua/claim_ids.lua``: hand out ``sampled`` and mark ``consumed`` (leased with ``lease_ms``)
+    only if every one of them is still free for ``task``."""
+    args = (
+        task, lease_ms, len(sampled), *sampled, len(consumed), *consumed,
+        len(fields), *fields,
+    )  # fmt: skip
+    return Transition(FCall("claim_ids", (pk.meta,), args), _read_claim_ids)
+
+
+def _read_ready(reply: Sequence[Any]) -> ReadySet:
+    last_id, bitmap, next_lapse = reply
+    return ReadySet(text(last_id), bitmaps.set_ids(bitmap), int(next_lapse))
+
+
+def ready_ids(
+    pk: PartitionKeys, task: str, fields: Sequence[str], *, max_deliveries: int = 0
+) -> Transition[ReadySet]:
+    """``lua/ready_ids.lua``: every sample ready for ``task`` (for a sampler running in Python)."""
+    args = (task, max_deliveries, len(fields), *fields)
+    return Transition(FCall("ready_ids", (pk.meta,), args), _read_ready)
+
+
+def _read_flag(reply: Any) -> bool:
+    return int(reply) == 1
+
+
+def wait(pk: PartitionKeys, task: str, waiter: str, timeout_ms: int, last_event_id: str) -> Transition[bool]:
+    """``lua/wait.lua``: register ``waiter`` unless an event came after ``last_event_id``; True
+    when registered (BLPOP the task's wake list next), False: claim again at once."""
+    return Transition(FCall("wait", (pk.meta,), (task, waiter, timeout_ms, last_event_id)), _read_flag)
+
+
+def _read_settle(reply: Sequence[Any]) -> Settled:
+    return Settled(int(reply[0]), [int(x) for x in reply[1:]])
+
+
+def settle(
+    pk: PartitionKeys, task: str, action: str, ids: Sequence[int], fences: Sequence[int], lease_ms: int = 1
+) -> Transition[Settled]:
+    """``lua/settle.lua``: ``action`` ('ack', 'nack' or 'extend' by ``lease_ms`` from the server's
+    time) the leases of ``ids``, each only if still held with its delivery count in ``fences`` (0: any)."""
+    pairs = [x for pair in zip(ids, fences) for x in pair]
+    args = (task, action, lease_ms, *pairs)
+    return Transition(FCall("settle", (pk.meta,), args), _read_settle)
+
+
+def unclaim(pk: PartitionKeys, task: str, ids: Sequence[int], fences: Sequence[int]) -> Transition[int]:
+    """``lua/unclaim.lua``: hand back ``ids`` a claim of ``task`` just took (``fences``: the delivery
+    count each was leased with, 0 without a lease), as if the claim had not been made; the result is
+    how many went back."""
+    pairs = [x for pair in zip(ids, fences) for x in pair]
+    return Transition(FCall("unclaim", (pk.meta,), (task, *pairs)), int)
+
+
+# ------------------------------------------------------------------ clearing and the trash
+
+
+def _read_clear(reply: Sequence[Any]) -> Cleared:
+    cleared, fields, older, rings = reply
+    return Cleared([int(i) for i in cleared], [text(f) for f in fields], int(older), [text(r) for r in rings])
+
+
+def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
+    """``lua/clear.lua``: remove samples (bits first); their ids move to the trash."""
+    return Transition(FCall("clear", (pk.meta,), tuple(ids)), _read_clear)
+
+
+def _read_drop(reply: Sequence[Any]) -> Dropped:
+    alive, fields, older, in_store, rings = reply
+    return Dropped(alive or None, [text(f) for f in fields], int(older), bool(int(in_store)), [text(r) for r in rings])
+
+
+def drop_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[Dropped]:
+    """``lua/drop_partition.lua``: delete the partition's metadata; alive samples go to the trash;
+    a sealed partition stays closed (``PartitionClosed`` for later puts)."""
+    return Transition(FCall("drop_partition", (pk.meta,), (_now(now_ms),)), _read_drop)
+
+
+def trash_add(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str], ring: str | None = None) -> Transition[int]:
+    """``lua/trash_add.lua``: record samples whose bytes (of ``fields``, put under the store's
+    ``ring`` if it places keys itself) must be deleted; the result is how many ids the trash holds now."""
+    return Transition(FCall("trash_add", (pk.meta,), (id_ranges(ids), ring or "", *fields)), int)
+
+
+def trash_done(pk: PartitionKeys, ids: Sequence[int]) -> Transition[int]:
+    """``lua/trash_done.lua``: the bytes of ``ids`` are deleted; the result is what is left."""
+    return Transition(FCall("trash_done", (pk.meta,), (id_ranges(ids),)), int)
+
+
+# ------------------------------------------------------------------ consumption and streaming
+
+
+def reset_consumption(pk: PartitionKeys, task: str | None = None) -> Transition[bool]:
+    """``lua/reset_consumption.lua``: ``task`` (None: every task) consumes from scratch; False
+    when the partition does not exist."""
+    return Transition(FCall("reset_consumption", (pk.meta,), (task or "",)), bool)
+
+
+def seal_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[bool]:
+    """``lua/seal_partition.lua``: no more inserts; True if this call sealed it."""
+    return Transition(FCall("seal_partition", (pk.meta,), (_now(now_ms),)), bool)
+
+
+def _read_progress(reply: Sequence[Any]) -> Progress:
+    last, exists, sealed, alive, pending, ready = reply
+    return Progress(text(last), bool(exists), bool(sealed), int(alive), int(pending), int(ready))
+
+
+def progress(pk: PartitionKeys, task: str, fields: Sequence[str] = ()) -> Transition[Progress]:
+    """``lua/progress.lua``: what is left of the partition for ``task`` reading ``fields``."""
+    return Transition(FCall("progress", (pk.meta,), (task, len(fields), *fields)), _read_progress)
+
+
+# ------------------------------------------------------------------ the KV API
+
+
+def _read_resolve(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> KeyResolution | None:
+    code = int(reply[0])
+    if code == -1:
+        return None
+    if code == -4:
+        raise _closed(partition)
+    if code == 0:
+        _conflict(reply, schemas)
+    _, ids, created, common, tags = reply
+    return KeyResolution([int(i) for i in ids], int(created), schema_pairs(common), tag_rows(tags, len(ids)))
+
+
+def kv_resolve(
+    pk: PartitionKeys, keys: Sequence[str], create: bool, schemas: Mapping[str, str] = NO_SCHEMAS,
+    strict: bool = False, *, now_ms: int | None = None,
+) -> Transition[KeyResolution | None]:  # fmt: skip
+    """``lua/kv_resolve.lua``: the sample id of each user key, fresh ids for unknown keys with
+    ``create`` (after checking ``schemas``); None when the partition does not exist (look-up
+    only). Raises the schema conflict, or ``PartitionClosed`` (creating in a sealed, cleared one)."""
+    args = (1 if create else 0, _now(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
+    return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, pk.partition, schemas))
+
+
+def kv_unmap(pk: PartitionKeys, pairs: Sequence[tuple[str, int]]) -> Transition[int]:
+    """``lua/kv_unmap.lua``: forget each ``(key, id)`` still mapped so; how many were removed."""
+    return Transition(FCall("kv_unmap", (pk.meta,), tuple(x for pair in pairs for x in pair)), int)
+
+
+def _read_kv_list(reply: Sequence[Any]) -> KeyListing:
+    cursor, keys, ids, tags = reply
+    return KeyListing(text(cursor), [text(k) for k in keys], [int(i) for i in ids], tag_rows(tags, len(ids)))
+
+
+def kv_list(pk: PartitionKeys, cursor: str = "0", count: int = 256) -> Transition[KeyListing]:
+    """``lua/kv_list.lua``: a page of about ``count`` live user keys of the partition from
+    ``cursor`` (none if it does not exist)."""
+    return Transition(FCall("kv_list", (pk.meta,), (cursor, count)), _read_kv_list)
+
+
+# ------------------------------------------------------------------ storage nodes
+
+
+class Registry(NamedTuple):
+    """Reply of ``lua/read_registry.lua``."""
+
+    now: float  #: the server's clock, in seconds
+    entries: list[tuple[str, bytes]]  #: (node id, registration JSON as the node wrote it), every node
+
+
+def _read_registry(reply: Sequence[Any]) -> Registry:
+    sec, usec, flat = reply
+    return Registry(int(sec) + int(usec) / 1e6, [(text(k), v) for k, v in zip(flat[::2], flat[1::2])])
+
+
+def read_registry(namespace: str) -> Transition[Registry]:
+    """``lua/read_registry.lua``: the server's clock and every storage-node registration of the
+    namespace, in one call (no ``EVAL``: a namespace's ACL user may run only the library)."""
+    return Transition(FCall("read_registry", (storage_nodes_key(namespace),), ()), _read_registry)
+
+
+# ------------------------------------------------------------------ channels
+
+
+def _read_channel_put(reply: Sequence[Any]) -> ChannelPut:
+    code = int(reply[0])
+    if code == 1:
+        return ChannelPut(True, False, int(reply[1]), "")
+    if code == -1:
+        return ChannelPut(False, True, 0, "")
+    return ChannelPut(False, False, 0, text(reply[1]))
+
+
+def channel_put(ck: ChannelKeys, qkey: str, entry: str | bytes) -> Transition[ChannelPut]:
+    """``lua/channel_put.lua``: append ``entry`` ("<weight>|<payload>") to queue ``qkey`` unless full."""
+    return Transition(FCall("channel_put", (ck.meta,), (qkey, entry)), _read_channel_put)
+
+
+def _read_channel_pop(reply: Sequence[Any]) -> ChannelPop:
+    code = int(reply[0])
+    if code == 1:
+        return ChannelPop(True, False, list(reply[1]), "")
+    if code == -1:
+        return ChannelPop(False, True, [], "")
+    return ChannelPop(False, False, [], text(reply[1]))
+
+
+def channel_pop(
+    ck: ChannelKeys, qkey: str, target: float | None = None, *, fit: bool = False
+) -> Transition[ChannelPop]:
+    """``lua/channel_pop.lua``: pop the head entry (``target`` None), the fewest head entries whose
+    weights reach ``target``, or with ``fit`` RLinf's get_batch rule (head entries that fit under
+    ``target``); all or nothing."""
+    if target is None:
+        rule, arg = "one", ""
+    else:
+        rule, arg = ("fit" if fit else "reach"), repr(target)
+    return Transition(FCall("channel_pop", (ck.meta,), (qkey, rule, arg)), _read_channel_pop)
+
+
+BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
+    f.__name__: f
+    for f in (
+        reserve, insert, produce, set_tags, check_visible, read_inline,
+        claim, claim_ids, ready_ids, wait, settle, unclaim,
+        clear, drop_partition, trash_add, trash_done,
+        reset_consumption, seal_partition, progress,
+        kv_resolve, kv_unmap, kv_list,
+        read_registry, channel_put, channel_pop,
+    )
+}  # fmt: skip
+"""The wrapper of each ``lua/<name>.lua``, by script name."""
