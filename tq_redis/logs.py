@@ -8,9 +8,9 @@ the reference's recipes call.
 from __future__ import annotations
 
 import logging
-import os
 
 from tq_redis.errors import ConfigError
+from tq_redis.settings import settings
 
 LEVEL_ENV = "TQ_LOGGING_LEVEL"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -23,12 +23,12 @@ def get_logger(name: str | None, default_level: str = "WARNING") -> logging.Logg
     Raises:
         ConfigError: the level is not a logging level name (``DEBUG``, ``INFO``, ...) or number.
     """
-    level_text = os.environ.get(LEVEL_ENV) or default_level
+    level_text = settings.logging_level or default_level
     level = logging.getLevelName(level_text.upper()) if isinstance(level_text, str) else level_text
     if isinstance(level_text, str) and level_text.isdigit():
         level = int(level_text)
     if not isinstance(level, int):
-        source = LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default_level"
+        source = LEVEL_ENV if settings.logging_level else "default_level"
         raise ConfigError(
             f"{source}={level_text!r} is not a logging level; use DEBUG, INFO, WARNING, ERROR or CRITICAL"
         )

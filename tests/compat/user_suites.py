@@ -135,8 +135,8 @@ def run(suite: UserSuite, src: Path, run_dir: Path, extra_args: tuple[str, ...] 
     deselect_file, report = run_dir / "deselected.json", run_dir / "report.jsonl"
     deselect_file.write_text(json.dumps(sorted(suite.deselected)), encoding="utf-8")
     report.unlink(missing_ok=True)
-    stub = subprocess.run([sys.executable, "-m", "tq_redis.integrations.alias", "--pythonpath"], cwd=_REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    stub = subprocess.run([sys.executable, "-m", "tq_redis.integrations.alias", "--pythonpath"], cwd=_REPO,
+                          capture_output=True, text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items()
            if k not in ("TQ_REDIS_URL", "TQ_NAMESPACE", "RAY_ADDRESS", "PYTEST_ADDOPTS", "TQ_TEST_BACKEND")}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", TQ_COMPAT_DESELECT=str(deselect_file),

@@ -142,7 +142,7 @@ def test_errors_surface_on_wait_and_async_wait(server, namespace):
 def test_a_failed_put_nobody_waited_for_is_logged_and_raised_by_close(server, namespace, caplog):
     ch = _create(server, namespace, "gone")
     _connect(server, namespace, "gone").delete()
-    with caplog.at_level(logging.ERROR, logger="tq_redis.channel.channel"):
+    with caplog.at_level(logging.ERROR, logger="tq_redis.channel"):
         ch.put("never queued", async_op=True)  # handle dropped
         with pytest.raises(ChannelNotFound):
             ch.close()

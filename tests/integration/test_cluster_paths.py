@@ -406,7 +406,7 @@ def test_demo_on_a_cluster_with_a_storage_node_trains_every_sample_once(cluster,
     admin = make_client(cluster.url, namespace)
     admin.redis.hset(config_key(namespace), "mark", "kept")  # the namespace's settings, restored after the run
     node = subprocess.Popen(
-        [sys.executable, "-m", "tq_redis.cli.main", "storage-unit", "--redis", cluster.urls[2], "--namespace", namespace,
+        [sys.executable, "-m", "tq_redis.cli", "storage-unit", "--redis", cluster.urls[2], "--namespace", namespace,
          "--capacity", "256MiB", "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -25,8 +25,8 @@ from tq_redis.backends.dram.launcher import spawn_node, start_local_nodes
 from tq_redis.backends.dram.node import Refused, StorageNode
 from tq_redis.backends.dram.placement import Ring
 from tq_redis.backends.dram.protocol import ST_FULL
-from tq_redis.backends.dram.store import DramStore, StorageAuthError
-from tq_redis.errors import DataMissing, StorageError, StorageFull, StorageUnavailable
+from tq_redis.backends.dram.store import DramStore
+from tq_redis.errors import DataMissing, StorageAuthError, StorageError, StorageFull, StorageUnavailable
 from tq_redis.meta.keys import pending_deletes_key, storage_nodes_key
 from tq_redis.storage.base import StorageClient, StoreContext, create_store
 from tq_redis.units import parse_size

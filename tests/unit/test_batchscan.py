@@ -182,7 +182,8 @@ def test_without_the_native_module_the_joins_leave_the_work_to_the_caller(monkey
 def test_a_stale_native_build_is_not_used(monkeypatch) -> None:
     # an editable checkout whose C module predates this Python module runs in Python, not half-native
     code = (
-        "import sys, types; stale = types.ModuleType('tq_redis.codec._scan'); stale.segments = stale.crc32_keys = print; "
+        "import sys, types; stale = types.ModuleType('tq_redis.codec._scan'); "
+        "stale.segments = stale.crc32_keys = print; "
         "sys.modules['tq_redis.codec._scan'] = stale; from tq_redis.codec import batchscan; print(batchscan.NATIVE)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,8 +8,9 @@ import torch
 
 from tq_redis.codec import buffers
 from tq_redis.codec import tensors as codec
-from tq_redis.codec.buffers import MIN_BYTES, BufferCache, _parse_limit
+from tq_redis.codec.buffers import MIN_BYTES, BufferCache
 from tq_redis.errors import ConfigError
+from tq_redis.settings import settings
 
 BIG = 3 * MIN_BYTES + 123  # not a multiple of anything in particular
 
@@ -90,13 +91,18 @@ def test_trim_releases_idle_buffers() -> None:
     ("text", "expected"),
     [(None, 1 << 30), ("", 1 << 30), ("0", 0), ("off", 0), ("512MiB", 512 << 20), ("2GB", 2 * 10**9)],
 )
-def test_limit_from_environment(text: str | None, expected: int) -> None:
-    assert _parse_limit(text) == expected
+def test_limit_from_environment(text: str | None, expected: int, monkeypatch) -> None:
+    if text is None:
+        monkeypatch.delenv("TQ_BUFFER_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("TQ_BUFFER_CACHE", text)
+    assert settings.buffer_cache == expected
 
 
-def test_bad_limit_is_a_config_error() -> None:
+def test_bad_limit_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("TQ_BUFFER_CACHE", "lots")
     with pytest.raises(ConfigError, match="TQ_BUFFER_CACHE: cannot read size"):
-        _parse_limit("lots")
+        settings.buffer_cache  # noqa: B018
 
 
 def test_decode_reuses_the_memory_of_a_dropped_batch_and_writes_every_row() -> None:

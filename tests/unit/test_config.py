@@ -139,7 +139,9 @@ def test_parse_size(text, expected):
 def test_sizes_are_parsed_and_formatted_in_one_module_only():
     """tq_redis/units.py holds the one size parser and the one byte formatter."""
     root = Path(units.__file__).parent
-    own = re.compile(r'def (parse_size|format_size|_?fmt_bytes|_?human\w*|_size)\(|for unit in \("B", "KiB"|_SIZE_UNITS = ')
+    own = re.compile(
+        r'def (parse_size|format_size|_?fmt_bytes|_?human\w*|_size)\(|for unit in \("B", "KiB"|_SIZE_UNITS = '
+    )
     found = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if own.search(p.read_text(encoding="utf-8")))
     assert found == ["units.py"]
     assert units.format_size(512) == "512 B" and units.format_size(1536) == "1.5 KiB"

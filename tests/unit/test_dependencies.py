@@ -50,7 +50,8 @@ for name in ("matplotlib", "rich", "fsspec"):
 seen = {}
 import tq_redis as tq
 seen["client"] = tq.TransferQueueClient.__name__
-import tq_redis.cli.main, tq_redis.dock.dock, tq_redis.channel.channel, tq_redis.integrations.dataloader, tq_redis.monitor.status
+import tq_redis.cli.main, tq_redis.dock.dock, tq_redis.channel.channel
+import tq_redis.integrations.dataloader, tq_redis.monitor.status
 stderr = io.StringIO()
 with contextlib.redirect_stderr(stderr):
     seen["cli_demo"] = [tq_redis.cli.main.main(["demo", "--steps", "1", "--out", sys.argv[2]]), stderr.getvalue()]

@@ -1,4 +1,5 @@
-"""How the dram store reads a put batch's values (``tq_redis/backends/dram/values.py`` ``PutValues``): sizes and bytes."""
+"""How the dram store reads a put batch's values (``tq_redis/backends/dram/values.py``, ``PutValues``):
+sizes and bytes."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ Before anything is written, ``init`` checks the server as every client does at f
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any
 
@@ -32,6 +31,7 @@ from tq_redis.samplers import sampler_spec
 from tq_redis.server import acl, connections, durability, leftovers, ray_discovery
 from tq_redis.server import policy as server_policy
 from tq_redis.server.embedded import EmbeddedServer
+from tq_redis.settings import settings
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -138,7 +138,7 @@ def _attach_to_ray_job_system(cfg: dict[str, Any], conf: Any) -> None:
         return
     cfg["redis"]["url"] = found["url"]
     given_namespace = isinstance(conf, dict) and "namespace" in conf
-    if not given_namespace and not os.environ.get("TQ_NAMESPACE"):
+    if not given_namespace and not settings.namespace:
         cfg["namespace"] = found["namespace"]
 
 
@@ -215,7 +215,8 @@ def close() -> None:
 
 def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, str, bool]:
     """(url, namespace, allow_pickle) from the arguments, ``tq_redis.init()``, the environment
-    or, inside a Ray job, the system the job published (see :mod:`tq_redis.server.ray_discovery`); the facades (channels, docks) use it."""
+    or, inside a Ray job, the system the job published (see :mod:`tq_redis.server.ray_discovery`).
+    The facades (channels, docks) find their server with it."""
     if namespace is not None:  # given: checked as given ("" is refused, not taken as "unset")
         names.namespace(namespace)
     try:
@@ -224,12 +225,12 @@ def resolve_target(redis_url: str | None, namespace: str | None) -> tuple[str, s
         client = None
     if redis_url is None and client is not None:
         return client.redis_url, namespace or client.namespace, client.context.allow_pickle
-    url = redis_url or os.environ.get("TQ_REDIS_URL")
+    url = redis_url or settings.redis_url
     if not url:
         found = ray_discovery.lookup()
         if found is not None:
-            return found["url"], namespace or os.environ.get("TQ_NAMESPACE") or found["namespace"], False
+            return found["url"], namespace or settings.namespace or found["namespace"], False
         raise ConfigError(
             "Channel needs the Redis URL: pass redis_url=, export TQ_REDIS_URL, or call tq_redis.init() first"
         )
-    return url, namespace or os.environ.get("TQ_NAMESPACE") or "tq", False
+    return url, namespace or settings.namespace or "tq", False

@@ -13,9 +13,9 @@ the calls were made, as RLinf's channel actor runs one caller's requests: each o
 turn at the queue in issue order, and one that has to wait (an empty queue for a get, a full one
 for a put) steps aside so later operations proceed, except those on the same key and of the same
 kind (put, or get/get_batch), which queue behind it so they stay FIFO. Waiting operations share one
-blocked ``XREAD``, so a handle uses at most ``MAX_CONNECTIONS`` (:mod:`tq_redis.channel.driver`) + 1 connections however many
-operations are in flight. A put issued with ``async_op=True`` and never waited on still lands: on
-``close()``, when the object is garbage-collected, and when the process exits (``atexit`` and
+blocked ``XREAD``, so a handle uses at most ``MAX_CONNECTIONS`` (:mod:`tq_redis.channel.driver`) + 1
+connections however many operations are in flight. A put issued with ``async_op=True`` and never
+waited on still lands: on ``close()``, when the object is garbage-collected, and when the process exits (``atexit`` and
 multiprocessing's exit hook), the handle first finishes every put issued through it. An operation's
 error is raised by ``ChannelWork.wait()`` / ``await ChannelWork.async_wait()``; a put's error that
 no handle reported is raised by ``close()`` (and logged when nobody can see it any more).

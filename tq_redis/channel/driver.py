@@ -37,7 +37,7 @@ MAX_CONNECTIONS = 8  # command connections per handle; waiting operations share 
 _WATCH_BLOCK_MS = 5000
 _WATCH_COUNT = 128
 
-logger = logging.getLogger("tq_redis.channel.channel")  # the channel's logger, whichever module logs
+logger = logging.getLogger(__name__)
 
 
 def _stream_id(value: Any) -> tuple[int, int]:

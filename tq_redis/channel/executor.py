@@ -36,7 +36,7 @@ Start = Callable[[Any], Awaitable[Any]]  # one call: given the executor's resour
 
 _EXIT_WARN_S = 10.0
 
-logger = logging.getLogger("tq_redis.channel.channel")  # the channel's logger, whichever module logs
+logger = logging.getLogger(__name__)
 
 
 class _Job:

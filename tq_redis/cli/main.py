@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import redis
 
 from tq_redis.cli import namespaces as cli_namespaces
+from tq_redis.settings import settings
 
 
 def _start_redis(args: argparse.Namespace, password: str):
@@ -149,7 +150,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from tq_redis.monitor.status import render, snapshot
     from tq_redis.server import connections
 
-    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    url = args.redis or settings.redis_url
     if not url:
         print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
         return 2
@@ -180,7 +181,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _admin_url(args: argparse.Namespace, command: str) -> str | None:
-    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    url = args.redis or settings.redis_url
     if not url:
         print(f"tq-redis {command}: pass --redis URL (an admin user's) or set TQ_REDIS_URL", file=sys.stderr)
     return url
@@ -218,14 +219,14 @@ def _cmd_acl(args: argparse.Namespace) -> int:
 
     try:
         user = args.user or acl.default_user(args.namespace, args.role)
-        password = args.password or os.environ.get("TQ_ACL_PASSWORD") or acl.new_password()
+        password = args.password or settings.acl_password or acl.new_password()
         line = acl.setuser_args(user, args.namespace, password, args.role)
     except TQError as exc:
         print(f"tq-redis acl: {exc}", file=sys.stderr)
         return 2
     if not args.apply:
         print(acl.render(line))
-        if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+        if not (args.password or settings.acl_password):
             print(f"# generated password for {user}: {password}", file=sys.stderr)
         return 0
     url = _admin_url(args, "acl --apply")
@@ -244,7 +245,7 @@ def _cmd_acl(args: argparse.Namespace) -> int:
     left_out = [a for a in line if a not in sent]
     note = f" (this server does not know {', '.join(left_out)}: left out)" if left_out else ""
     print(f"tq-redis acl: user {user} set for namespace {args.namespace!r} ({args.role}){note}")
-    if not (args.password or os.environ.get("TQ_ACL_PASSWORD")):
+    if not (args.password or settings.acl_password):
         print(f"password: {password}")
     return 0
 
@@ -259,10 +260,10 @@ def _version_line() -> str:
         ver = version("tq-redis")
     except PackageNotFoundError:
         ver = "(not installed)"
-    settings = fastcopy.configure()
+    copy_config = fastcopy.configure()
     copies = (
-        f"native batch copies on, up to {settings['threads']} thread(s)"
-        if settings
+        f"native batch copies on, up to {copy_config['threads']} thread(s)"
+        if copy_config
         else "native batch copies off (Python loops; see TQ_NATIVE_COPY, or install a C compiler and reinstall)"
     )
     scans = (
@@ -282,14 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "private to this user (a random password; see the README's Security section)")
     up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    up.add_argument("--namespace", default=settings.namespace or "tq")
     up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
     up.add_argument("--spill", default=None, metavar="URL",
                     help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
     up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
     up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
-    up.add_argument("--token", default=os.environ.get("TQ_STORAGE_TOKEN"), help="storage-node auth token")
+    up.add_argument("--token", default=settings.storage_token, help="storage-node auth token")
     up.add_argument("--cluster", type=int, default=0, metavar="N",
                     help="start an N-master Redis Cluster (Valkey, cluster mode) instead of one server")
     up.set_defaults(func=_cmd_up)
@@ -301,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="partitions, progress per task, leases, storage nodes")
     status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
-    status.add_argument("--namespace", default=os.environ.get("TQ_NAMESPACE", "tq"))
+    status.add_argument("--namespace", default=settings.namespace or "tq")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     status.add_argument("--interval", type=float, default=1.0)

@@ -7,16 +7,16 @@ on this host's temp directory.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 from tq_redis.errors import TQError
+from tq_redis.settings import settings
 from tq_redis.units import format_size
 
 
 def _url(args: argparse.Namespace, command: str) -> str | None:
-    url = args.redis or os.environ.get("TQ_REDIS_URL")
+    url = args.redis or settings.redis_url
     if not url:
         print(f"tq-redis {command}: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
     return url

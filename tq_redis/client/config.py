@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import copy
 import difflib
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from tq_redis.errors import ConfigError
 from tq_redis.server import durability, sentinel
 from tq_redis.server import policy as server_policy
-from tq_redis.server.connections import CLUSTER_ENV, check_url, parse_cluster_flag
+from tq_redis.server.connections import check_url, parse_cluster_flag
+from tq_redis.settings import settings
 from tq_redis.units import parse_size
 
 DEFAULTS: dict[str, Any] = {
@@ -160,12 +160,12 @@ def load(conf: Any = None) -> dict[str, Any]:
     out = copy.deepcopy(DEFAULTS)
     for name in unknown:  # kept as given, as the reference merges them; nothing reads them
         out[name] = given[name]
-    if os.environ.get("TQ_REDIS_URL"):
-        out["redis"]["url"] = os.environ["TQ_REDIS_URL"]
-    if os.environ.get("TQ_NAMESPACE"):
-        out["namespace"] = os.environ["TQ_NAMESPACE"]
-    if os.environ.get(CLUSTER_ENV):
-        out["redis"]["cluster"] = parse_cluster_flag(os.environ[CLUSTER_ENV], CLUSTER_ENV)
+    if settings.redis_url:
+        out["redis"]["url"] = settings.redis_url
+    if settings.namespace:
+        out["namespace"] = settings.namespace
+    if settings.redis_cluster is not None:
+        out["redis"]["cluster"] = settings.redis_cluster
     _from_reference(given, out)
     for section in _OUR_SECTIONS & set(given):
         value = given[section]

@@ -26,13 +26,14 @@ import redis
 
 from tq_redis.meta.keys import clients_key, config_key
 from tq_redis.server import connections
+from tq_redis.settings import settings
 
-log = logging.getLogger("tq_redis.client.liveness")
+log = logging.getLogger(__name__)
 
 __all__ = ["BEAT_S", "GONE_AFTER_S", "attach", "beat", "detach", "live_clients"]
 
 #: how often a process's entry is written (``TQ_HEARTBEAT_S``, default 10)
-BEAT_S = float(os.environ.get("TQ_HEARTBEAT_S") or 10.0)
+BEAT_S = settings.heartbeat_s
 #: an entry not written again for this long counts as a client that is gone (SIGKILLed, cut off)
 GONE_AFTER_S = 3 * BEAT_S
 

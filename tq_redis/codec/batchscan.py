@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from tq_redis.settings import settings
 
 __all__ = ["NATIVE", "crc32_keys", "join_framed", "join_rows", "plain_segments"]
 
@@ -27,7 +28,7 @@ _NATIVE_FUNCTIONS = ("segments", "crc32_keys", "join_framed", "join_rows")
 
 
 def _load_native() -> Any:
-    if os.environ.get("TQ_NATIVE_SCAN", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not settings.native_scan:
         return None
     try:
         from tq_redis.codec import _scan

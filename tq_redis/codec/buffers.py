@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import threading
 import weakref
 
 import numpy as np
+
+from tq_redis.settings import settings
 
 __all__ = ["BufferCache", "cache", "take", "trim"]
 
@@ -35,21 +36,6 @@ MIN_BYTES = 1 << 20
 GRANULE = 2 << 20
 #: a cached buffer up to this factor larger than the request may serve it
 SLACK = 1.25
-
-
-def _parse_limit(text: str | None) -> int:
-    """``TQ_BUFFER_CACHE``: a size such as ``1GiB`` or ``512MB``; ``0`` or ``off`` disables the cache."""
-    if text is None or not text.strip():
-        return 1 << 30
-    if text.strip().lower() in ("0", "off", "none"):
-        return 0
-    from tq_redis.errors import ConfigError
-    from tq_redis.units import parse_size
-
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise ConfigError(f"TQ_BUFFER_CACHE: {exc}, or 0 to turn the buffer cache off") from None
 
 
 def _fresh(size: int) -> mmap.mmap:
@@ -141,7 +127,7 @@ class BufferCache:
         return released
 
 
-cache = BufferCache(_parse_limit(os.environ.get("TQ_BUFFER_CACHE")))
+cache = BufferCache(settings.buffer_cache)
 
 
 def take(nbytes: int) -> np.ndarray:

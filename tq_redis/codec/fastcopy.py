@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tq_redis.errors import ConfigError
+from tq_redis.settings import settings
 
 __all__ = ["NATIVE", "configure", "copy_table", "gather_rows"]
 
@@ -35,24 +35,18 @@ Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buf
 
 
 def _threads_from_env() -> int:
-    text = os.environ.get("TQ_COPY_THREADS", "").strip()
-    if not text:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cpus = os.cpu_count() or 1
-        return max(1, min(4, cpus))
+    threads = settings.copy_threads
+    if threads is not None:
+        return threads
     try:
-        threads = int(text)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ConfigError(f"TQ_COPY_THREADS={text!r}: expected a whole number of threads >= 1")
-    return threads
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def _load_native() -> Any:
-    if os.environ.get("TQ_NATIVE_COPY", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not settings.native_copy:
         return None
     try:
         from tq_redis.codec import _copy

@@ -44,7 +44,6 @@ This module is the command line and the public face; the demo lives in one modul
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ from typing import Any
 from tq_redis.demo.config import STAGES, DemoConfig, DemoFailed, Span
 from tq_redis.demo.pipeline import run_demo
 from tq_redis.demo.report import format_summary
+from tq_redis.settings import settings
 
 __all__ = ["STAGES", "DemoConfig", "DemoFailed", "Span", "build_parser", "format_summary", "main", "run_demo"]
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--namespace",
-        default=os.environ.get("TQ_NAMESPACE", d.namespace),
+        default=settings.namespace or d.namespace,
         help="key namespace (default: $TQ_NAMESPACE or tq)",
     )
     p.add_argument("--out", default=d.out, help=f"directory for the timeline PNG and JSON ({d.out})")

@@ -132,7 +132,8 @@ def summarize(
     url: str,
     namespace: str,
 ) -> dict[str, Any]:
-    """The run's figures (the keys :func:`tq_redis.demo.main.run_demo` documents, but the file paths and ``total_s``)."""
+    """The run's figures (the keys :func:`tq_redis.demo.main.run_demo` documents, but the file paths and
+    ``total_s``)."""
     stages = {stage: _stage_figures([s for s in spans if s.stage == stage]) for stage in STAGES}
     wall = max(t_end - t_go, 1e-9)
     busy_sum = sum(st["busy_s"] for st in stages.values())

@@ -33,7 +33,7 @@ from tq_redis.ops.effects import Cmd, Pipe, Wait
 from tq_redis.reprs import attrs_repr
 
 Op = ops.Op
-log = logging.getLogger("tq_redis.dock.dock")  # the dock's logger, whichever of its modules logs
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300
 DEFAULT_TIMEOUT_INTERVAL_S = 5

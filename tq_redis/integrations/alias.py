@@ -245,7 +245,7 @@ def install_transfer_queue_alias(propagate: bool = False) -> types.ModuleType:
 
 # ------------------------------------------------------------- the stub for subprocesses / Ray
 
-_STUB_SOURCE = f'''"""Stub written by tq_redis.integrations.alias: importing transfer_queue installs the tq-redis alias."""
+_STUB_SOURCE = f'''"""Written by tq_redis.integrations.alias: importing transfer_queue installs the tq-redis alias."""
 {_STUB_MARK} = True
 import tq_redis.integrations.alias as _compat
 

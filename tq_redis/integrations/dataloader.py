@@ -31,6 +31,7 @@ from tq_redis.meta import BatchMeta
 from tq_redis.ops import streaming
 from tq_redis.ops.batch import read_claimed
 from tq_redis.reprs import attrs_repr
+from tq_redis.settings import settings as env
 
 Batch = tuple[TensorDict, BatchMeta]
 
@@ -69,13 +70,13 @@ def connection_settings(config: Any) -> dict[str, Any]:
             client = get_client()
             settings.update(redis_url=client.redis_url, namespace=settings["namespace"] or client.namespace)
         except NotInitialized:
-            settings["redis_url"] = os.environ.get("TQ_REDIS_URL")
+            settings["redis_url"] = env.redis_url
     if not settings["redis_url"]:
         raise ConfigError(
             "no Redis URL: pass the config tq_redis.init() returned, call tq_redis.init(), "
             "or export TQ_REDIS_URL"
         )
-    settings["namespace"] = settings["namespace"] or os.environ.get("TQ_NAMESPACE") or "tq"
+    settings["namespace"] = settings["namespace"] or env.namespace or "tq"
     return settings
 
 

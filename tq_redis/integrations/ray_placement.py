@@ -69,6 +69,7 @@ from tq_redis.errors import ConfigError, ConnectionFailed, InvalidArgument, Stor
 from tq_redis.meta.keys import storage_nodes_key
 from tq_redis.redact import redact
 from tq_redis.server import connections
+from tq_redis.settings import settings
 from tq_redis.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def _target(redis_url: str | None, namespace: str | None) -> tuple[str, str]:
 
     found = None
     if redis_url is None:
-        redis_url = os.environ.get("TQ_REDIS_URL") or None
+        redis_url = settings.redis_url
     if redis_url is None:
         found = ray_discovery.lookup()
         if found is None:
@@ -296,7 +297,7 @@ def _target(redis_url: str | None, namespace: str | None) -> tuple[str, str]:
         redis_url = found["url"]
     check_url(redis_url)
     if namespace is None:
-        namespace = os.environ.get("TQ_NAMESPACE") or (found or {}).get("namespace") or "tq"
+        namespace = settings.namespace or (found or {}).get("namespace") or "tq"
     return redis_url, names.namespace(namespace)
 
 
@@ -312,7 +313,7 @@ def _spec(
         raise InvalidArgument(f"start_timeout must be a positive number of seconds, not {start_timeout!r}")
     return {
         "capacity": str(capacity), "per_node": per_node, "shm": bool(shm),
-        "token": token if token is not None else os.environ.get("TQ_STORAGE_TOKEN") or None,
+        "token": token if token is not None else settings.storage_token,
         "listen_host": listen_host, "extra_args": ["--spill", spill] if spill else [],
         "start_timeout": float(start_timeout), "log_level": log_level,
     }  # fmt: skip

@@ -33,7 +33,6 @@ from tq_redis.ops.effects import Cmd, Offload, Pipe, Wait
 from tq_redis.ops.transitions import text
 from tq_redis.storage.manager import Placement
 
-
 WAIT_SLICE_S = 5.0  # a waiting operation re-runs its script at least this often
 _OBJECT, _REF = b"o", b"r"
 

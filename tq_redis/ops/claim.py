@@ -11,6 +11,7 @@ each event wakes one waiting consumer, who passes the token on if it got somethi
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import uuid
@@ -31,6 +32,8 @@ from tq_redis.ops.status import describe_partition
 from tq_redis.ops.transitions import ClaimReply
 from tq_redis.redact import redact
 from tq_redis.server import durability
+
+log = logging.getLogger(__name__)
 
 MODES = ("fetch", "force_fetch", "insert")
 
@@ -153,7 +156,12 @@ def fetch(
             if user_registered or registered:
                 yield Cmd(("ZREM", pk.waiters(task_name), waiter))
             if meta is None:
+                if waiter:
+                    log.debug("claim %s/%s: nothing ready after waiting %.1f s", pk.partition, task_name, timeout)
                 return BatchMeta.empty()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("claim %s/%s: %d of %d sample(s), ids %s%s", pk.partition, task_name, meta.size, batch_size,
+                          transitions.id_ranges(meta.global_indexes), f", leased {lease_s} s" if lease_ms else "")
             unconfirmed = yield Unconfirmed()
             if unconfirmed:  # durable mode could not confirm the claim: see not_durable_claim
                 raise (yield from not_durable_claim(ctx, pk, task_name, meta, unconfirmed[0], shared))
@@ -165,6 +173,8 @@ def fetch(
             user_registered = user_registered or registered
         if next_lapse >= 0:  # a lease of this task lapses sooner (the server says when): re-check then
             remaining = min(remaining, max(0.001, next_lapse / 1000))
+        log.debug("claim %s/%s: nothing ready for %d sample(s) of %s; waiting up to %.1f s",
+                  pk.partition, task_name, batch_size, fields, remaining)
         if registered:
             # the next claim rides behind the wait; its lease runs from the server's time when it
             # runs, so a leasing claim may wait and claim in one round trip too

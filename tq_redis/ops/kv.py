@@ -55,7 +55,6 @@ from tq_redis.ops.data_parser import DataParser, apply_data_parser
 from tq_redis.ops.effects import Cmd, Pipe
 from tq_redis.ops.transitions import text
 
-
 # ------------------------------------------------------------------ helpers
 
 

@@ -21,7 +21,6 @@ from tq_redis.ops.context import Context, Op, check_fields
 from tq_redis.ops.effects import Cmd, Wait
 from tq_redis.ops.transitions import Progress
 
-
 WAIT_SLICE_S = 5.0
 """Longest single XREAD BLOCK while waiting without a deadline (the loop re-checks after it)."""
 

@@ -50,6 +50,7 @@ from redis.exceptions import AskError, AuthenticationError
 from redis.retry import Retry
 
 from tq_redis.server import sentinel
+from tq_redis.settings import parse_flag, settings
 
 try:  # a dependency (redis[hiredis]); without it every command takes redis-py's packer
     from hiredis import pack_command as _pack_command
@@ -62,9 +63,6 @@ CLUSTER_ENV = "TQ_REDIS_CLUSTER"
 SCHEMES = ("redis", "rediss", "unix")
 PROBE_TIMEOUT_S = 2.0
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_AUTO = {"", "auto", "none", "null"}
 
 _lock = threading.Lock()
 _declared: dict[str, bool] = {}
@@ -101,16 +99,9 @@ def check_url(url: Any) -> str:
 
 def parse_cluster_flag(value: Any, where: str = "redis.cluster") -> bool | None:
     """``True``/``False``, or ``None`` (detect), from a bool, None, or ``1/0/true/false/yes/no/auto``."""
-    if value is None or isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    if text in _AUTO:
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):  # a YAML/JSON null written out
         return None
-    raise ConfigError(f"{where}={value!r} is not understood: use true or false (or leave it unset to detect)")
+    return parse_flag(value, where, auto=True)
 
 
 def declare_cluster(url: str, cluster: Any) -> None:
@@ -171,7 +162,7 @@ def cluster_mode(url: str, cluster: Any = None) -> bool:
         declared = _declared.get(url)
     if declared is not None:
         return declared
-    flag = parse_cluster_flag(os.environ.get(CLUSTER_ENV), CLUSTER_ENV)
+    flag = settings.redis_cluster
     if flag is not None:
         return flag
     return bool(detect_cluster(url))

@@ -32,13 +32,13 @@ took it; a cluster pipeline spreads over several).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tq_redis.errors import ConfigError, DurabilityUnsupported, NotDurable
+from tq_redis.settings import settings
 
 ENV = "TQ_REDIS_DURABLE"
 TIMEOUT_ENV = "TQ_REDIS_DURABLE_TIMEOUT_MS"
@@ -155,7 +155,7 @@ def parse(value: Any, timeout_ms: Any = None, where: str = "redis.durable") -> D
 
 def from_env() -> Durability:
     """The setting of ``TQ_REDIS_DURABLE`` / ``TQ_REDIS_DURABLE_TIMEOUT_MS`` (``none`` when unset)."""
-    return parse(os.environ.get(ENV) or None, os.environ.get(TIMEOUT_ENV) or None, ENV)
+    return parse(settings.redis_durable, settings.redis_durable_timeout_ms, ENV)
 
 
 def declare(url: str, setting: Any, timeout_ms: Any = None) -> None:

@@ -31,7 +31,6 @@ both drivers run (see :mod:`tq_redis.client.driver`); :func:`typed_error` maps R
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 from collections.abc import Generator
@@ -51,8 +50,9 @@ from tq_redis.errors import (
 )
 from tq_redis.redact import redact
 from tq_redis.server import library as scripts
+from tq_redis.settings import settings
 
-log = logging.getLogger("tq_redis")
+log = logging.getLogger(__name__)
 
 ON_EVICTION_ENV = "TQ_REDIS_ON_EVICTION"
 LOAD_LIBRARY_ENV = "TQ_REDIS_LOAD_LIBRARY"
@@ -85,10 +85,10 @@ def parse(name: str, value: Any, where: str | None = None) -> str:
     return text
 
 
-def declare(url: str, **settings: Any) -> None:
+def declare(url: str, **declared: Any) -> None:
     """Record ``init``'s settings for ``url`` (``on_eviction=``, ``load_library=``; None forgets one)."""
     with _lock:
-        for name, value in settings.items():
+        for name, value in declared.items():
             if value is None:
                 _declared.pop((url, name), None)
             else:
@@ -112,7 +112,7 @@ def setting(url: str, name: str) -> str:
         value = _declared.get((url, name))
     if value is not None:
         return value
-    env = os.environ.get(_ENV[name], "").strip()
+    env = getattr(settings, f"redis_{name}")
     return parse(name, env, _ENV[name]) if env else DEFAULTS[name]
 
 

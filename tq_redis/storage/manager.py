@@ -13,6 +13,7 @@ was put on whatever nodes joined or left since. Other stores ignore it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,9 @@ from tq_redis.codec.batches import ValueChain, ValueTable, total_bytes
 from tq_redis.errors import DataMissing
 from tq_redis.meta.keys import PartitionKeys
 from tq_redis.storage.base import Buffer, Segments, StorageClient, StoreContext, create_store
+from tq_redis.units import format_size
+
+log = logging.getLogger(__name__)
 
 
 class Placement(NamedTuple):
@@ -81,12 +85,15 @@ class KVStorageManager:
             for d in ("put", "get", "delete")
         }
 
-    def _record(self, direction: str, started: float, values: int, nbytes: int) -> None:
+    def _record(self, direction: str, pk: PartitionKeys, started: float, values: int, nbytes: int) -> None:
         bytes_counter, values_counter, seconds = self._m[direction]
-        seconds.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        seconds.observe(took)
         values_counter.inc(values)
         if nbytes:
             bytes_counter.inc(nbytes)
+        log.debug("store %s %s %s: %d value(s), %s in %.2f ms", self.backend, direction, pk.partition, values,
+                  format_size(nbytes), took * 1000)
 
     @property
     def store(self) -> StorageClient:
@@ -118,7 +125,7 @@ class KVStorageManager:
         keys = self.keys_for(pk, ids, encoded)
         values = ValueChain(list(encoded.values()))  # keeps the codec's row blocks visible to the store
         ring = self.store.put(keys, values)
-        self._record("put", started, len(keys), total_bytes(values))
+        self._record("put", pk, started, len(keys), total_bytes(values))
         return ring if isinstance(ring, str) else None
 
     def get(
@@ -135,7 +142,7 @@ class KVStorageManager:
             raw = self.store.get_placed(keys, placement.rings, key_rings(ids, fields, placement))
         else:
             raw = self.store.get(keys)
-        self._record("get", started, len(raw), total_bytes(raw))
+        self._record("get", pk, started, len(raw), total_bytes(raw))
         return by_field(raw, fields, len(ids))
 
     def read(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> StoreRead:
@@ -151,7 +158,7 @@ class KVStorageManager:
                 raw, ring, missing = self.store.get(keys), None, np.empty(0, np.intp)
             except DataMissing as exc:
                 return StoreRead(None, None, np.arange(len(keys)), exc)
-        self._record("get", started, len(raw), total_bytes(raw))
+        self._record("get", pk, started, len(raw), total_bytes(raw))
         return StoreRead(raw, ring, missing)
 
     @staticmethod
@@ -183,7 +190,7 @@ class KVStorageManager:
             return by_field(first.values, fields, len(ids))
         started = time.perf_counter()
         again = self.store.get_placed([keys[p] for p in redo.tolist()], placement.rings, index[redo])
-        self._record("get", started, len(again), total_bytes(again))
+        self._record("get", pk, started, len(again), total_bytes(again))
         return by_field(replaced(first.values, redo, again), fields, len(ids))
 
     def delete(self, pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str], rings: Sequence[str] = ()) -> None:
@@ -195,7 +202,7 @@ class KVStorageManager:
                 self.store.delete(keys, rings)
             else:
                 self.store.delete(keys)
-            self._record("delete", started, len(keys), 0)
+            self._record("delete", pk, started, len(keys), 0)
 
     def close(self) -> None:
         if self._store is not None:

@@ -38,8 +38,9 @@ from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, Storage
 from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key, storage_rings_key
 from tq_redis.ops import transitions
 from tq_redis.redact import public_registration, redact
+from tq_redis.settings import settings
 
-log = logging.getLogger("tq_redis.backends.dram.store")
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_FORGET_AFTER_S", "NodeDiscovery", "forget_nodes", "forgettable"]
 
@@ -143,7 +144,7 @@ class NodeDiscovery:
         self.registry_wait_s = float(registry_wait_s)
         self.redis_url = redis_url
         self.namespace = namespace
-        self.token = token if token is not None else os.environ.get("TQ_STORAGE_TOKEN") or None
+        self.token = token if token is not None else settings.storage_token
         self.timeout_s = float(timeout_s)
         self.shm = bool(shm)
         self.refresh_s = float(refresh_s)

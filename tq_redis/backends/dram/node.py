@@ -36,7 +36,7 @@ from tq_redis.backends.dram.spill import SpillTier
 from tq_redis.redact import redact
 from tq_redis.units import format_size
 
-log = logging.getLogger("tq_redis.dram_server")
+log = logging.getLogger(__name__)
 
 __all__ = ["Extent", "Refused", "StorageNode", "Txn"]
 

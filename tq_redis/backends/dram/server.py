@@ -59,9 +59,10 @@ from tq_redis.backends.dram.session import Admission, Limits, Session
 from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key
 from tq_redis.redact import redact
 from tq_redis.server import connections
+from tq_redis.settings import settings
 from tq_redis.units import format_size, parse_size
 
-log = logging.getLogger("tq_redis.dram_server")
+log = logging.getLogger(__name__)
 
 __all__ = ["StorageNode", "main"]
 
@@ -75,7 +76,7 @@ class _Server:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stop = threading.Event()
-        self.token: str | None = args.token or os.environ.get("TQ_STORAGE_TOKEN") or None
+        self.token: str | None = args.token or settings.storage_token
         # what a client must present in its HELLO: a fresh random secret, published only in this
         # namespace's registry, so only users that may read the namespace's keys in Redis get in
         self.access = secrets.token_urlsafe(32)
@@ -383,7 +384,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a tq-redis DRAM storage node that registers itself in Redis.",
     )
     p.add_argument(
-        "--redis", default=os.environ.get("TQ_REDIS_URL"),
+        "--redis", default=settings.redis_url,
         help="Redis/Valkey URL of the metadata plane (default: $TQ_REDIS_URL, which keeps a password in it "
         "off the command line, where every user of the host can read it)",
     )  # fmt: skip

@@ -45,7 +45,7 @@ from tq_redis.backends.dram.protocol import (
     set_blocking_timeout,
 )
 
-log = logging.getLogger("tq_redis.dram_server")
+log = logging.getLogger(__name__)
 
 __all__ = ["Admission", "Limits", "Session"]
 

@@ -26,7 +26,7 @@ from typing import Any
 from tq_redis.errors import BackendNotInstalled, ConfigError
 from tq_redis.redact import redact
 
-log = logging.getLogger("tq_redis.dram_server")
+log = logging.getLogger(__name__)
 
 __all__ = ["SpillTier"]
 
