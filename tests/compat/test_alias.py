@@ -18,6 +18,7 @@ from tests.conftest import make_client
 from tq_redis.client import config
 from tq_redis.errors import ConfigError
 from tq_redis.integrations import alias as compat
+from tq_redis.integrations import controller
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_alias_maps_public_names_onto_tq_redis(clean_modules):
     assert BatchMeta is tq_redis.BatchMeta and KVBatchMeta is tq_redis.KVBatchMeta
     assert BaseSampler is tq_redis.BaseSampler and tq.SeqlenBalancedSampler is tq_redis.SeqlenBalancedSampler
     assert tq.kv_batch_put is tq_redis.kv_batch_put and tq.get_client is tq_redis.get_client
-    assert tq.init is compat.init and tq.close is compat.close  # these add the controller inspector
+    assert tq.init is controller.init and tq.close is controller.close  # these add the controller inspector
     assert tq.StorageKeyNotFoundError is StorageKeyNotFoundError is tq_redis.StorageKeyNotFoundError
     assert chunk_batch_fn.__module__ == "tq_redis.integrations.dataloader" and callable(get_seqlen_balanced_partitions)
     assert "kv_put" in dir(tq.interface)
@@ -87,7 +88,7 @@ def test_stub_on_pythonpath_installs_the_alias_in_a_child_process(clean_modules,
 def test_inspector_reads_partitions_keys_tags_and_production(server, namespace):
     writer = make_client(server.url, namespace)
     given = {"redis": {"url": server.url}, "namespace": namespace, "controller": {"relax_owner_token": "t1"}}
-    inspector = compat.ControllerInspector(compat._shareable_conf(given))
+    inspector = controller.ControllerInspector(controller._shareable_conf(given))
     try:
         writer.kv_batch_put(keys=["a", "b"], partition_id="p", tags=[{"step": 0, "tags": ["x"]}, {}],
                             fields=TensorDict({"ids": torch.arange(4).reshape(2, 2)}, batch_size=[2]))
@@ -136,7 +137,7 @@ def test_alias_serves_the_modules_the_reference_recipes_import(clean_modules, mo
     effective = config.load(conf)  # what init() makes of it
     assert effective["storage"]["units"] == 3 and effective["storage"]["backend"] == "dram"
     assert effective["sampler"] == "SequentialSampler"
-    assert hasattr(TransferQueueController, "options") and TransferQueueController is compat.TransferQueueController
+    assert hasattr(TransferQueueController, "options") and TransferQueueController is controller.TransferQueueController
     with pytest.raises(ModuleNotFoundError):
         import transfer_queue.storage.simple_storage  # noqa: F401  - an internal of the reference
 
