@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tq_redis.ops import canonical
-from tq_redis.ops.transitions import id_ranges
+from tq_redis.ops.encoding import id_ranges
 
 
 def test_id_ranges_examples():

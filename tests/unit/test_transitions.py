@@ -32,7 +32,7 @@ from tq_redis.errors import (
 )
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, storage_nodes_key
 from tq_redis.ops import claim as ops_claim
-from tq_redis.ops import transitions
+from tq_redis.ops import encoding, transitions
 from tq_redis.ops.effects import Cmd, FCall, Pipe
 from tq_redis.ops.transitions import (
     ChannelPop,
@@ -210,7 +210,7 @@ def test_optional_arguments_take_their_documented_defaults():
     assert transitions.reserve(PK, 3).effect.args == (3,)
     assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", 0)  # no ring: not placed
     now = transitions.seal_partition(PK).effect.args[0]
-    assert abs(now - transitions.clock_ms()) < 60_000
+    assert abs(now - encoding.clock_ms()) < 60_000
 
 
 def test_set_tags_rejects_bad_names_and_values():
@@ -457,25 +457,25 @@ def test_channel_pop_reads_popped_not_enough_and_missing():
 
 def test_tag_rows_decode_bytes_and_str_columns_per_sample():
     flat = [b"len", [b"3", None, b"[1,2]"], "uid", ['"a"', '"b"', None], b"none", [None, None, None]]
-    assert transitions.tag_rows(flat, 3) == [{"len": 3, "uid": "a"}, {"uid": "b"}, {"len": [1, 2]}]
-    assert transitions.tag_rows([], 2) == [{}, {}]
+    assert encoding.tag_rows(flat, 3) == [{"len": 3, "uid": "a"}, {"uid": "b"}, {"len": [1, 2]}]
+    assert encoding.tag_rows([], 2) == [{}, {}]
 
 
 def test_tag_rows_never_shift_values_between_samples():
     # A stored value that is a JSON list fragment must not be spread over two samples.
     with pytest.raises(ValueError):
-        transitions.tag_rows([b"v", [b"1,2", None]], 2)
+        encoding.tag_rows([b"v", [b"1,2", None]], 2)
 
 
 def test_schema_pairs_leave_out_unregistered_fields():
-    assert transitions.schema_pairs([b"a", F32.encode(), b"b", None, "c", ""]) == {"a": F32}
-    assert transitions.schema_pairs([]) == {}
+    assert encoding.schema_pairs([b"a", F32.encode(), b"b", None, "c", ""]) == {"a": F32}
+    assert encoding.schema_pairs([]) == {}
 
 
 def test_tags_round_trip_through_encode_and_decode():
     values = [7, 2.5, "x", [1, 2], {"k": None}, True]
-    flat = [b"t", [transitions.encode_tag(v).encode() for v in values]]
-    assert [row["t"] for row in transitions.tag_rows(flat, len(values))] == values
+    flat = [b"t", [encoding.encode_tag(v).encode() for v in values]]
+    assert [row["t"] for row in encoding.tag_rows(flat, len(values))] == values
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from tq_redis.ops import transitions
 from tq_redis.ops.channel_rules import FIT, ONE, WeightedItem
 from tq_redis.ops.context import Context, Op, storage
 from tq_redis.ops.effects import Cmd, Offload, Pipe, Wait
-from tq_redis.ops.transitions import text
+from tq_redis.ops.encoding import text
 from tq_redis.storage.manager import Placement
 
 WAIT_SLICE_S = 5.0  # a waiting operation re-runs its script at least this often

@@ -24,7 +24,7 @@ from tq_redis import samplers
 from tq_redis.errors import InvalidArgument, LeaseLost, NotDurable
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, check_name, config_key
-from tq_redis.ops import arguments, script_budget, transitions
+from tq_redis.ops import arguments, encoding, script_budget, transitions
 from tq_redis.ops.context import Context, Op, batchmeta_schema, check_fields, group_by_partition
 from tq_redis.ops.data import allocate
 from tq_redis.ops.effects import Cmd, Pause, Unconfirmed, WaitToken
@@ -161,7 +161,7 @@ def fetch(
                 return BatchMeta.empty()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("claim %s/%s: %d of %d sample(s), ids %s%s", pk.partition, task_name, meta.size, batch_size,
-                          transitions.id_ranges(meta.global_indexes), f", leased {lease_s} s" if lease_ms else "")
+                          encoding.id_ranges(meta.global_indexes), f", leased {lease_s} s" if lease_ms else "")
             unconfirmed = yield Unconfirmed()
             if unconfirmed:  # durable mode could not confirm the claim: see not_durable_claim
                 raise (yield from not_durable_claim(ctx, pk, task_name, meta, unconfirmed[0], shared))

@@ -20,7 +20,7 @@ from tq_redis.meta.keys import PartitionKeys, kept_partitions_key, partitions_ke
 from tq_redis.ops import arguments, script_budget, transitions
 from tq_redis.ops.context import Context, Op, group_by_partition, storage
 from tq_redis.ops.effects import Cmd, Offload, Pipe
-from tq_redis.ops.transitions import text
+from tq_redis.ops.encoding import text
 from tq_redis.storage.manager import KVStorageManager
 
 CLEAR_COST = 4

@@ -43,7 +43,7 @@ from tq_redis.ops.clear import discard_bytes
 from tq_redis.ops.context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
 from tq_redis.ops.data_parser import DataParser, apply_data_parser
 from tq_redis.ops.effects import Cmd, Offload
-from tq_redis.ops.transitions import text
+from tq_redis.ops.encoding import text
 from tq_redis.storage.base import Segments, join_segments
 from tq_redis.storage.manager import INLINE_MAX_BATCH_BYTES, KVStorageManager, Placement, by_field
 

@@ -47,13 +47,13 @@ from tq_redis.errors import (
 from tq_redis.meta import BatchMeta, KVBatchMeta
 from tq_redis.meta.keys import PartitionKeys, partitions_key
 from tq_redis.meta.schemas import to_batchmeta_schema
-from tq_redis.ops import arguments, script_budget, transitions
+from tq_redis.ops import arguments, encoding, script_budget, transitions
 from tq_redis.ops.clear import CLEAR_COST, delete_bytes
 from tq_redis.ops.context import Context, Op, storage
 from tq_redis.ops.data import check_one_batch_dim, encode_batch, get_data, set_custom_meta, write_fields
 from tq_redis.ops.data_parser import DataParser, apply_data_parser
 from tq_redis.ops.effects import Cmd, Pipe
-from tq_redis.ops.transitions import text
+from tq_redis.ops.encoding import text
 
 # ------------------------------------------------------------------ helpers
 
@@ -268,7 +268,7 @@ def batch_put(
         for t in tags:
             for name, value in t.items():
                 names.tag_name(name)
-                transitions.encode_tag(value)  # a value with no JSON form fails before any write
+                encoding.encode_tag(value)  # a value with no JSON form fails before any write
     td = None
     if fields is not None:
         td = _single_row(fields) if single else _batch(fields, len(keys))

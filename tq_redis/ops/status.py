@@ -20,10 +20,10 @@ from tq_redis.errors import UnknownField, UnknownPartition
 from tq_redis.meta import BatchMeta, bitmaps
 from tq_redis.meta.keys import PartitionKeys, partitions_key
 from tq_redis.meta.schemas import to_batchmeta_schema
-from tq_redis.ops import transitions
+from tq_redis.ops import encoding
 from tq_redis.ops.context import Context, Op, check_fields
 from tq_redis.ops.effects import Cmd, Pipe
-from tq_redis.ops.transitions import text
+from tq_redis.ops.encoding import text
 
 
 def describe_partition(
@@ -70,7 +70,7 @@ def describe_partition(
     if tagnames and id_list:
         names = [text(t) for t in tagnames]
         values = yield Pipe(tuple(Cmd(("HMGET", pk.tag(t), *id_list)) for t in names))
-        custom = transitions.tag_rows([x for pair in zip(names, values) for x in pair], len(id_list))
+        custom = encoding.tag_rows([x for pair in zip(names, values) for x in pair], len(id_list))
     return BatchMeta.from_columns(id_list, pk.partition, schema, production_status=ready, custom_meta=custom)
 
 

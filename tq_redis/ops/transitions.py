@@ -28,7 +28,6 @@ replies live here too: :func:`tag_rows` (per-sample tags) and :func:`schema_pair
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
-import torch
 
 from tq_redis.errors import (
     InvalidArgument,
@@ -45,12 +43,19 @@ from tq_redis.errors import (
     PartitionSealed,
     SampleNotFound,
     UnknownPartition,
-    UnsupportedValue,
 )
 from tq_redis.meta import bitmaps
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, check_name, storage_nodes_key
 from tq_redis.meta.schemas import check_compatible
 from tq_redis.ops.effects import Cmd, FCall, Pipe, WaitThenCall, WaitToken
+from tq_redis.ops.encoding import (
+    clock_ms,
+    encode_tag,
+    id_ranges,
+    schema_pairs,
+    tag_rows,
+    text,
+)
 from tq_redis.storage.manager import Placement
 
 if TYPE_CHECKING:
@@ -95,96 +100,7 @@ def pipeline(*calls: Transition[Any] | Cmd) -> Generator[Pipe, Any, list[Any]]:
     return [c.read(r) if isinstance(c, Transition) else r for c, r in zip(calls, replies)]
 
 
-# ------------------------------------------------------------------ shared encoders and decoders
-
-
-def clock_ms() -> int:
-    """The client clock in milliseconds, for what it only labels (a partition's creation time);
-    lease deadlines are the server's time, read inside the scripts."""
-    return int(time.time() * 1000)
-
-
-def _now(now_ms: int | None) -> int:
-    return clock_ms() if now_ms is None else now_ms
-
-
-def text(value: Any) -> str:
-    """A reply element (bytes from redis-py) as ``str``."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def id_ranges(ids: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted first): compact ids for a Lua argument."""
-    out: list[str] = []
-    ordered = sorted(ids)
-    start = prev = ordered[0]
-    for i in ordered[1:]:
-        if i != prev + 1:
-            out.append(f"{start}-{prev}" if prev != start else str(start))
-            start = i
-        prev = i
-    out.append(f"{start}-{prev}" if prev != start else str(start))
-    return ",".join(out)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray | torch.Tensor):
-        return value.tolist()
-    raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
-
-
-def encode_tag(value: Any) -> str:
-    """A tag (custom meta) value as the JSON text ``set_tags`` stores.
-
-    Raises:
-        UnsupportedValue: the value has no JSON form (bytes, objects, tuple keys, a cycle ...).
-    """
-    try:
-        return json.dumps(value, default=_json_default, separators=(",", ":"))
-    except UnsupportedValue:
-        raise
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UnsupportedValue(
-            f"custom meta value {value!r:.120} is not JSON-serialisable ({exc}); use str keys and "
-            f"JSON values (None, bool, int, float, str, list, dict)"
-        ) from None
-
-
-def _pairs(flat: Sequence[Any]) -> list[tuple[str, Any]]:
-    return [(text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
-
-
-def schema_pairs(flat: Sequence[Any]) -> dict[str, str]:
-    """``{field: schema JSON}`` from a reply's flat ``{field, schema, ...}`` (fields without a
-    registered schema, ``false`` in Lua, are left out)."""
-    return {name: text(schema) for name, schema in _pairs(flat) if schema}
-
-
-def tag_rows(flat: Sequence[Any], n: int) -> list[dict[str, Any]]:
-    """Per-sample tag dicts from a reply's flat ``{name, [JSON or nil per sample], ...}``.
-
-    Each tag column is decoded with one ``json.loads`` of the joined values (a batch of 1024
-    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls)."""
-    rows: list[dict[str, Any]] = [{} for _ in range(n)]
-    for name, values in _pairs(flat):
-        present = [i for i, raw in enumerate(values) if raw is not None]
-        if not present:
-            continue
-        raws = [values[i] for i in present]
-        try:
-            if isinstance(raws[0], bytes):
-                decoded = json.loads(b"[" + b",".join(raws) + b"]")
-            else:
-                decoded = json.loads("[" + ",".join(raws) + "]")
-        except (TypeError, ValueError):  # a value not written by set_tags: one at a time
-            decoded = [json.loads(raw) for raw in raws]
-        if len(decoded) != len(present):  # e.g. a value holding a bare "1,2": one at a time
-            decoded = [json.loads(raw) for raw in raws]
-        for i, value in zip(present, decoded):
-            rows[i][name] = value
-    return rows
+# ------------------------------------------------------------------ schemas and refusals
 
 
 def _flat_schemas(schemas: Mapping[str, str], strict: bool) -> list[str]:
@@ -411,7 +327,7 @@ def insert(
     ``values`` (``count`` per field, field-major) stored inline with the bits while the ids are
     allocated, in one step. Raises ``PartitionSealed``, ``PartitionClosed`` or the schema conflict."""
     start = "" if first_id is None else first_id
-    args = (start, count, _now(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
+    args = (start, count, clock_ms(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
     return Transition(FCall("insert", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
@@ -646,7 +562,7 @@ def _read_drop(reply: Sequence[Any]) -> Dropped:
 def drop_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[Dropped]:
     """``lua/drop_partition.lua``: delete the partition's metadata; alive samples go to the trash;
     a sealed partition stays closed (``PartitionClosed`` for later puts)."""
-    return Transition(FCall("drop_partition", (pk.meta,), (_now(now_ms),)), _read_drop)
+    return Transition(FCall("drop_partition", (pk.meta,), (clock_ms(now_ms),)), _read_drop)
 
 
 def trash_add(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str], ring: str | None = None) -> Transition[int]:
@@ -671,7 +587,7 @@ def reset_consumption(pk: PartitionKeys, task: str | None = None) -> Transition[
 
 def seal_partition(pk: PartitionKeys, *, now_ms: int | None = None) -> Transition[bool]:
     """``lua/seal_partition.lua``: no more inserts; True if this call sealed it."""
-    return Transition(FCall("seal_partition", (pk.meta,), (_now(now_ms),)), bool)
+    return Transition(FCall("seal_partition", (pk.meta,), (clock_ms(now_ms),)), bool)
 
 
 def _read_progress(reply: Sequence[Any]) -> Progress:
@@ -706,7 +622,7 @@ def kv_resolve(
     """``lua/kv_resolve.lua``: the sample id of each user key, fresh ids for unknown keys with
     ``create`` (after checking ``schemas``); None when the partition does not exist (look-up
     only). Raises the schema conflict, or ``PartitionClosed`` (creating in a sealed, cleared one)."""
-    args = (1 if create else 0, _now(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
+    args = (1 if create else 0, clock_ms(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
     return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, pk.partition, schemas))
 
 
