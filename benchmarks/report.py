@@ -1,20 +1,23 @@
-"""Generate the README's performance section from ``benchmarks/results/all.json``.
+"""Generate the benchmark figures of the docs and the README from ``benchmarks/results/all.json``.
 
-The section lies between ``<!-- perf:start -->`` and ``<!-- perf:end -->`` in ``README.md``
-(under ``## Benchmarks``; both are added before ``## Differences from the reference system``
-when missing). It states when, where and at which commit the figures were measured, and has one
-table with P1-P5 of ``ARCHITECTURE.md`` ("Performance targets"): our figure, the reference
-system's, how many times better ours is, the target and whether it is met; then links to the
-PNG charts. ``python -m benchmarks`` calls this at the end of a full run.
+The full section lies between ``<!-- perf:start -->`` and ``<!-- perf:end -->`` in
+``docs/benchmarks.md`` (added at its end when missing). It states when, where and at which commit
+the figures were measured, and has one table with P1-P7 of ``ARCHITECTURE.md`` ("Performance
+targets"): our figure, the reference system's, how many times better ours is, the target and
+whether it is met; then what the figures mean and the PNG charts. The README's ``## Benchmarks``
+holds a summary of the same run (P1-P5) between ``<!-- perf-summary:start -->`` and
+``<!-- perf-summary:end -->``, with a link to the page. ``python -m benchmarks`` calls this at the
+end of a full run.
 
-Run: ``python -m benchmarks.report [--results benchmarks/results/all.json] [--readme README.md]``
-(``--print`` writes the section to stdout and leaves the README alone).
+Run: ``python -m benchmarks.report [--results benchmarks/results/all.json] [--doc docs/benchmarks.md]
+[--readme README.md]`` (``--print`` writes the full section to stdout and leaves both files alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -27,8 +30,10 @@ from benchmarks.p5_path import describe as describe_path
 
 START = "<!-- perf:start -->"
 END = "<!-- perf:end -->"
+SUMMARY_START = "<!-- perf-summary:start -->"
+SUMMARY_END = "<!-- perf-summary:end -->"
+SUMMARY_MEASURES = ("P1", "P2", "P3", "P4", "P5")
 HEADING = "## Benchmarks"
-ANCHOR = "## Differences from the reference system (deliberate)"
 CHARTS = ("p1_throughput", "p2_get_meta", "p3_concurrency", "p4_tiny", "p5_pipeline")
 ONE_M = 1_048_576
 
@@ -394,8 +399,11 @@ def _rows_p7(merged: dict[str, Any]) -> list[Row]:
 # ----------------------------------------------------------------------------------------
 # The section
 # ----------------------------------------------------------------------------------------
-def build_section(merged: dict[str, Any], results_link: str = "benchmarks/results") -> str:
-    """The Markdown between the markers (without them)."""
+def build_section(
+    merged: dict[str, Any], results_link: str = "benchmarks/results", measures_link: str | None = "benchmarks/README.md"
+) -> str:
+    """The Markdown between the markers (without them); links are relative to the file it goes in
+    (``measures_link=None``: ``benchmarks/README.md`` is named, not linked, as outside the docs' sources)."""
     machine = merged.get("machine") or {}
     versions = merged.get("versions") or {}
     measures = merged.get("measures") or {}
@@ -435,7 +443,7 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         "",
         '"tq-redis vs reference" is how many times better tq-redis is: ours / reference for rates, '
         "reference / ours for latencies. What each measure does: "
-        "[benchmarks/README.md](benchmarks/README.md).",
+        + (f"[benchmarks/README.md]({measures_link})." if measures_link else "`benchmarks/README.md`."),
         "",
         "P5's two overhead rows run the same pipeline two ways. With *CPU compute* the stages' work "
         "runs on the cores the six worker processes share with their clients, Redis, the storage "
@@ -509,56 +517,88 @@ def build_section(merged: dict[str, Any], results_link: str = "benchmarks/result
         notes.append("errors: " + "; ".join(e.replace("|", "\\|") for e in errors))
     if notes:
         lines += ["", *(f"> {n}" for n in notes)]
-    charts = [f"[{m.split('_', 1)[0].upper()}]({results_link}/{m}.png)" for m in CHARTS if m in measures]
+    charts = [f"![{m.split('_', 1)[0].upper()}]({results_link}/{m}.png)" for m in CHARTS if m in measures]
     if charts:
-        lines += ["", "Charts: " + " · ".join(charts)]
+        lines += ["", "Charts:", "", *(f"{chart}\n" for chart in charts)]
+    return "\n".join(lines).rstrip("\n")
+
+
+def build_summary(merged: dict[str, Any], doc_link: str = "docs/benchmarks.md") -> str:
+    """The README's short form of the same run: when and where, and the P1-P5 rows."""
+    machine = merged.get("machine") or {}
+    versions = merged.get("versions") or {}
+    measures = merged.get("measures") or {}
+    dates = sorted(d for d in (doc.get("date") for doc in measures.values()) if d)
+    when = merged.get("started") or (dates[0] if dates else merged.get("date", "?"))
+    rows: list[Row] = []
+    for build in (_rows_p1, _rows_p2, _rows_p3, _rows_p4, _rows_p5):
+        rows.extend(row for row in build(merged) if row[0] in SUMMARY_MEASURES)
+    lines = [
+        "<!-- generated by `python -m benchmarks.report` from benchmarks/results/all.json; edits are overwritten -->",
+        "",
+        f"tq-redis against `transferqueue=={versions.get('transferqueue') or '?'}` (\"the reference\") in one "
+        f"run on {machine.get('cpu_count', '?')} shared cores, {str(when)[:10]}:",
+        "",
+        "| # | measure | tq-redis | reference | tq-redis vs reference | target met |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {pid} | {label} | {ours} | {ref} | {gain} | {_met(met)} |"
+              for pid, label, ours, ref, gain, _target, met in rows]  # fmt: skip
+    lines += [
+        "",
+        f"The machine, the targets, P1-TCP, P6 and P7, where P5's overhead goes, and the charts: "
+        f"[docs/benchmarks.md]({doc_link}).",
+    ]
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, section: str) -> bool:
-    """Replace the text between the markers (adding heading and markers when missing).
+def update_block(path: Path, section: str, start: str = START, end: str = END, heading: str = HEADING) -> bool:
+    """Replace the text between the markers ``start`` and ``end`` (adding heading and markers at the
+    end of the file when missing).
 
     Returns:
         ``True`` if the file changed.
     """
-    text = readme.read_text()
-    block = f"{START}\n{section}\n{END}"
-    if START in text and END in text:
-        pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    text = path.read_text()
+    block = f"{start}\n{section}\n{end}"
+    if start in text and end in text:
+        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
         new = pattern.sub(lambda _: block, text, count=1)
     else:
-        insert = f"{HEADING}\n\n{block}\n\n"
-        if ANCHOR in text:
-            new = text.replace(ANCHOR, insert + ANCHOR, 1)
-        else:
-            new = text.rstrip("\n") + "\n\n" + insert.rstrip("\n") + "\n"
+        new = text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
     if new == text:
         return False
-    readme.write_text(new)
+    path.write_text(new)
     return True
 
 
+def _relative(target: Path, start: Path) -> str:
+    """``target`` as a link from a file in directory ``start``."""
+    return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Read ``all.json`` and rewrite the README section (or print it)."""
+    """Read ``all.json`` and rewrite the docs' section and the README's summary (or print the section)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS_DIR / "all.json", help="merged results JSON")
+    parser.add_argument("--doc", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="page to rewrite")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README to rewrite")
-    parser.add_argument("--print", action="store_true", help="print the section; leave the README alone")
+    parser.add_argument("--print", action="store_true", help="print the section; leave the files alone")
     args = parser.parse_args(argv)
     if not args.results.exists():
         print(f"{args.results} not found: run python -m benchmarks first", file=sys.stderr)
         return 1
     merged = json.loads(args.results.read_text())
-    try:
-        link = args.results.resolve().parent.relative_to(args.readme.resolve().parent).as_posix()
-    except ValueError:
-        link = args.results.resolve().parent.as_posix()
-    section = build_section(merged, link)
+    doc_dir = args.doc.parent
+    section = build_section(merged, _relative(args.results.parent, doc_dir), measures_link=None)
     if args.print:
         print(section)
         return 0
-    changed = update_readme(args.readme, section)
-    print(f"{'rewrote' if changed else 'unchanged:'} {args.readme} ({START} ... {END})", flush=True)
+    changed = update_block(args.doc, section)
+    print(f"{'rewrote' if changed else 'unchanged:'} {args.doc} ({START} ... {END})", flush=True)
+    summary = build_summary(merged, _relative(args.doc, args.readme.parent))
+    changed = update_block(args.readme, summary, SUMMARY_START, SUMMARY_END)
+    print(f"{'rewrote' if changed else 'unchanged:'} {args.readme} ({SUMMARY_START} ... {SUMMARY_END})", flush=True)
     return 0
 
 

@@ -117,3 +117,22 @@ def test_p6_keeps_the_round_with_the_least_command_time_and_lists_every_round():
     )
     section = report.build_section(merged)
     assert "26,178/s (38.2 µs command time a claim, best of 3 rounds: 51.0 / 38.2 / 39.0 µs)" in section
+
+
+def test_the_docs_page_gets_the_full_section_and_the_readme_a_summary_linking_to_it(tmp_path: Path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "all.json").write_text(RESULTS.read_text())
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# Benchmarks\n\nintro\n\n{report.START}\nSTALE FIGURES\n{report.END}\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Benchmarks\n\n{report.SUMMARY_START}\n{report.SUMMARY_END}\n\n## next\n")
+    assert report.main(["--results", str(results / "all.json"), "--doc", str(doc), "--readme", str(readme)]) == 0
+    page, front = doc.read_text(), readme.read_text()
+    assert page.startswith("# Benchmarks\n\nintro\n") and "STALE FIGURES" not in page
+    assert "| P6 |" in page and "![P1](../benchmarks/results/p1_throughput.png)" in page
+    assert "`benchmarks/README.md`" in page  # outside the docs' sources: named, not linked
+    summary = front.split(report.SUMMARY_START, 1)[1].split(report.SUMMARY_END, 1)[0]
+    assert "| P1 |" in summary and "| P5 |" in summary and "| P6 |" not in summary
+    assert "[docs/benchmarks.md](docs/benchmarks.md)" in summary and front.endswith("## next\n")
