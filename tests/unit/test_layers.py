@@ -61,3 +61,22 @@ def test_a_type_only_cycle_inside_a_package_breaks_the_contract(tmp_path):
     done = _lint(root)
     assert done.returncode != 0
     assert "No cycles are allowed in tq_redis.meta" in done.stdout
+
+
+def test_tools_that_need_no_tensors_start_without_torch():
+    """A storage node, the key layout, the effects and the status snapshot import neither torch nor
+    tensordict: the package ``__init__`` files that gather public names import them lazily."""
+    code = (
+        "import sys\n"
+        "import tq_redis.backends.dram.server, tq_redis.meta.keys, tq_redis.ops.effects, tq_redis.monitor.status\n"
+        "import tq_redis.settings, tq_redis.server.connections\n"
+        "from tq_redis import ops, meta\n"
+        "print(sorted(m for m in ('torch', 'tensordict') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+    # and the names they gather are still there when asked for
+    check = "from tq_redis import ops, meta; print(ops.get_meta.__module__, meta.BatchMeta.__module__)"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.stdout.split() == ["tq_redis.ops.claim", "tq_redis.meta.batch_meta"], done.stderr[-2000:]

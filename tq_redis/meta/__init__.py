@@ -31,21 +31,54 @@ The package also holds what the metadata plane is made of below the batch classe
 
 from __future__ import annotations
 
-from tq_redis.errors import KeyNotInBatch
-from tq_redis.meta.batch_meta import BatchMeta
-from tq_redis.meta.kv_batch_meta import KVBatchMeta
-from tq_redis.meta.schema_entries import extract_field_schema, field_kind
-from tq_redis.meta.schemas import KIND_JAGGED, KIND_NDARRAY, KIND_OBJECT, KIND_STRIDED, KIND_TENSOR
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it, imported on first use: importing the key layout
+# (``tq_redis.meta.keys``) in a storage node or ``tq-redis status`` must not import torch
+_EXPORTS = {
+    "BatchMeta": "tq_redis.meta.batch_meta",
+    "KIND_JAGGED": "tq_redis.meta.schemas",
+    "KIND_NDARRAY": "tq_redis.meta.schemas",
+    "KIND_OBJECT": "tq_redis.meta.schemas",
+    "KIND_STRIDED": "tq_redis.meta.schemas",
+    "KIND_TENSOR": "tq_redis.meta.schemas",
+    "KVBatchMeta": "tq_redis.meta.kv_batch_meta",
+    "KeyNotInBatch": "tq_redis.errors",
+    "extract_field_schema": "tq_redis.meta.schema_entries",
+    "field_kind": "tq_redis.meta.schema_entries",
+}
 
 __all__ = [
+    "BatchMeta",
     "KIND_JAGGED",
     "KIND_NDARRAY",
     "KIND_OBJECT",
     "KIND_STRIDED",
     "KIND_TENSOR",
-    "BatchMeta",
     "KVBatchMeta",
     "KeyNotInBatch",
     "extract_field_schema",
     "field_kind",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from tq_redis.errors import KeyNotInBatch
+    from tq_redis.meta.batch_meta import BatchMeta
+    from tq_redis.meta.kv_batch_meta import KVBatchMeta
+    from tq_redis.meta.schema_entries import extract_field_schema, field_kind
+    from tq_redis.meta.schemas import KIND_JAGGED, KIND_NDARRAY, KIND_OBJECT, KIND_STRIDED, KIND_TENSOR
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

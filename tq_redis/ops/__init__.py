@@ -32,30 +32,48 @@ Modules of this package import each other directly, never this ``__init__``; the
 
 from __future__ import annotations
 
-from tq_redis.ops.batch import get_meta_and_data
-from tq_redis.ops.claim import (
-    MODES,
-    USER_SAMPLER_ATTEMPTS,
-    ChoiceClaim,
-    Chooser,
-    claim_choice,
-    get_meta,
-    reset_consumption,
-    settle,
-)
-from tq_redis.ops.clear import CLEAR_COST, clear_partition, clear_samples, delete_bytes, discard_bytes, empty_trash
-from tq_redis.ops.context import Context, Op, canonical, storage, write_config
-from tq_redis.ops.data import get_data, put, set_custom_meta
-from tq_redis.ops.status import consumption_status, get_partition_list, production_status
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it, imported on first use: importing one module of the
+# package (``tq_redis.ops.effects``, say) must not import every operation, and torch with them
+_EXPORTS = {
+    "CLEAR_COST": "tq_redis.ops.clear",
+    "ChoiceClaim": "tq_redis.ops.claim",
+    "Chooser": "tq_redis.ops.claim",
+    "Context": "tq_redis.ops.context",
+    "MODES": "tq_redis.ops.claim",
+    "Op": "tq_redis.ops.context",
+    "USER_SAMPLER_ATTEMPTS": "tq_redis.ops.claim",
+    "canonical": "tq_redis.ops.context",
+    "claim_choice": "tq_redis.ops.claim",
+    "clear_partition": "tq_redis.ops.clear",
+    "clear_samples": "tq_redis.ops.clear",
+    "consumption_status": "tq_redis.ops.status",
+    "delete_bytes": "tq_redis.ops.clear",
+    "discard_bytes": "tq_redis.ops.clear",
+    "empty_trash": "tq_redis.ops.clear",
+    "get_data": "tq_redis.ops.data",
+    "get_meta": "tq_redis.ops.claim",
+    "get_meta_and_data": "tq_redis.ops.batch",
+    "get_partition_list": "tq_redis.ops.status",
+    "production_status": "tq_redis.ops.status",
+    "put": "tq_redis.ops.data",
+    "reset_consumption": "tq_redis.ops.claim",
+    "set_custom_meta": "tq_redis.ops.data",
+    "settle": "tq_redis.ops.claim",
+    "storage": "tq_redis.ops.context",
+    "write_config": "tq_redis.ops.context",
+}
 
 __all__ = [
     "CLEAR_COST",
-    "MODES",
-    "USER_SAMPLER_ATTEMPTS",
     "ChoiceClaim",
     "Chooser",
     "Context",
+    "MODES",
     "Op",
+    "USER_SAMPLER_ATTEMPTS",
     "canonical",
     "claim_choice",
     "clear_partition",
@@ -76,3 +94,34 @@ __all__ = [
     "storage",
     "write_config",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from tq_redis.ops.batch import get_meta_and_data
+    from tq_redis.ops.claim import (
+        MODES,
+        USER_SAMPLER_ATTEMPTS,
+        ChoiceClaim,
+        Chooser,
+        claim_choice,
+        get_meta,
+        reset_consumption,
+        settle,
+    )
+    from tq_redis.ops.clear import CLEAR_COST, clear_partition, clear_samples, delete_bytes, discard_bytes, empty_trash
+    from tq_redis.ops.context import Context, Op, canonical, storage, write_config
+    from tq_redis.ops.data import get_data, put, set_custom_meta
+    from tq_redis.ops.status import consumption_status, get_partition_list, production_status
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
