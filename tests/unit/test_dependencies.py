@@ -37,6 +37,7 @@ def test_core_install_pulls_neither_the_demo_libraries_nor_fsspec() -> None:
     assert "torch" in core and "redis" in core  # the metadata was read
     assert not core & set(EXTRAS_ONLY), f"core dependencies name {sorted(core & set(EXTRAS_ONLY))}"
     assert {"rich", "matplotlib"} <= extras["demo"]
+    assert extras["monitor"] == {"rich"}  # `tq-redis status` tables
     assert {"fsspec", "s3fs"} <= extras["s3"]
     assert "tq-redis" in extras["test"]  # [test] pulls [demo] and [s3]: the tests use both
 
@@ -51,7 +52,8 @@ seen = {}
 import tq_redis as tq
 seen["client"] = tq.TransferQueueClient.__name__
 import tq_redis.cli.main, tq_redis.dock.dock, tq_redis.channel.channel
-import tq_redis.integrations.dataloader, tq_redis.monitor.status
+import tq_redis.integrations.dataloader, tq_redis.monitor.status, tq_redis.monitor.status_view
+seen["status_rich"] = tq_redis.monitor.status_view.have_rich()
 stderr = io.StringIO()
 with contextlib.redirect_stderr(stderr):
     seen["cli_demo"] = [tq_redis.cli.main.main(["demo", "--steps", "1", "--out", sys.argv[2]]), stderr.getvalue()]
@@ -83,6 +85,7 @@ def test_without_the_extras_the_package_works_and_the_rest_names_what_to_install
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["client"] == "TransferQueueClient"
     assert seen["loaded"] == []
+    assert seen["status_rich"] is False  # `tq-redis status` prints plain text then
     for what, extra in (("fsspec_store", "[s3]"), ("spill", "[s3]"), ("demo", "[demo]")):
         kind, message = seen[what]
         assert kind == "BackendNotInstalled", (what, kind, message)

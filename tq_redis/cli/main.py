@@ -145,39 +145,83 @@ def _redis_failure(url: str, exc: redis.RedisError) -> Exception:
     return exc
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _open_monitor(command: str, url: str | None):
+    """A short-timeout client of ``url`` for a read-only view, or the exit status of a one-line error."""
     from tq_redis.errors import TQError
-    from tq_redis.monitor.status import render, snapshot
     from tq_redis.server import connections
 
-    url = args.redis or settings.redis_url
     if not url:
-        print("tq-redis status: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
+        print(f"tq-redis {command}: pass --redis URL or set TQ_REDIS_URL", file=sys.stderr)
         return 2
     try:
         # one try with a short timeout: a user waiting at a terminal learns at once what to check
-        r = connections.sync_client(url, reconnect=False, socket_connect_timeout=3, socket_timeout=10)
+        return connections.sync_client(url, reconnect=False, socket_connect_timeout=3, socket_timeout=10)
     except TQError as exc:
-        return _one_line("status", exc)
+        return _one_line(command, exc)
+    except redis.RedisError as exc:
+        return _one_line(command, _redis_failure(url, exc))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from tq_redis.monitor import status_view
+    from tq_redis.monitor.status import rates, snapshot
+
+    url = args.redis or settings.redis_url
+    r = _open_monitor("status", url)
+    if isinstance(r, int):
+        return r
+    previous = None
     try:
         while True:
             try:
                 snap = snapshot(r, args.namespace)
             except redis.RedisError as exc:
                 return _one_line("status", _redis_failure(url, exc))
+            rate = rates(previous, snap)
             if args.json:
-                print(json.dumps(snap, indent=2, sort_keys=True))
+                print(json.dumps({**snap, "rates": rate} if args.watch else snap, indent=2, sort_keys=True),
+                      flush=True)
             else:
-                if args.watch:
-                    print("\033[2J\033[H", end="")
-                print(render(snap), flush=True)
+                status_view.show(snap, rate, clear=args.watch, plain=args.plain)
             if not args.watch:
                 return 0
+            previous = snap
             time.sleep(args.interval)  # a refresh interval for a human watching, not synchronisation
     except KeyboardInterrupt:
         return 0
     finally:
         r.close()
+
+
+def _serve_until_stopped(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _cmd_exporter(args: argparse.Namespace) -> int:
+    """Serve one namespace's gauges at ``/metrics`` until SIGINT/SIGTERM."""
+    from tq_redis.monitor.exporter import serve_namespace
+
+    url = args.redis or settings.redis_url
+    r = _open_monitor("exporter", url)
+    if isinstance(r, int):
+        return r
+    try:
+        r.ping()  # say at once when the server is unreachable, not at the first scrape
+    except redis.RedisError as exc:
+        return _one_line("exporter", _redis_failure(url, exc))
+    finally:
+        r.close()
+    server, endpoint, collector = serve_namespace(url, args.namespace, args.port, args.host)
+    print(f"tq-redis exporter: namespace {args.namespace!r} at {endpoint}", flush=True)
+    try:
+        _serve_until_stopped(threading.Event())
+    finally:
+        server.shutdown()
+        server.server_close()
+        collector.close()
+    return 0
 
 
 def _admin_url(args: argparse.Namespace, command: str) -> str | None:
@@ -300,13 +344,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="the GRPO-shaped pipeline demo (see: tq-redis demo --help)", add_help=False)
 
-    status = sub.add_parser("status", help="partitions, progress per task, leases, storage nodes")
+    status = sub.add_parser("status", help="per partition: claimable, progress, leases, waiters, poison; "
+                            "where bytes live; the server's memory and policy")
     status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
     status.add_argument("--namespace", default=settings.namespace or "tq")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--watch", action="store_true",
+                        help="refresh every --interval seconds until Ctrl-C, with rates since the last refresh")
+    status.add_argument("--plain", action="store_true", help="plain text even where rich is installed")
     status.add_argument("--interval", type=float, default=1.0)
     status.set_defaults(func=_cmd_status)
+
+    exporter = sub.add_parser("exporter", help="serve one namespace's Prometheus gauges at /metrics "
+                              "(read from Redis once per scrape)")
+    exporter.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
+    exporter.add_argument("--namespace", default=settings.namespace or "tq")
+    exporter.add_argument("--port", type=int, default=9464, help="HTTP port (0: a free one)")
+    exporter.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    exporter.set_defaults(func=_cmd_exporter)
 
     load = sub.add_parser("load-library", help="admin: load the Lua function library on every primary")
     load.add_argument("--redis", default=None, help="Redis URL of a user allowed to FUNCTION LOAD "

@@ -21,50 +21,112 @@ from prometheus_client.core import GaugeMetricFamily
 
 from tq_redis.instruments import REGISTRY
 
+_TASK = ["namespace", "partition", "task"]
+_PARTITION = ["namespace", "partition"]
 
-class QueueDepthCollector:
-    """Scrape-time gauges from Redis: ready-unconsumed samples and leases per partition and task."""
+# name -> (help, labels, how a task's / partition's status gives the value); every one a gauge read
+# from Redis at scrape time, so every process (and the standalone exporter) reports the same numbers
+TASK_GAUGES: dict[str, tuple[str, Any]] = {
+    "tq_redis_queue_depth": ("Samples the task can claim now (produced, not claimed, not leased)",
+                             lambda s: s["claimable"]),
+    "tq_redis_unclaimed": ("Alive samples the task has not claimed, produced or not", lambda s: s["unclaimed"]),
+    "tq_redis_consumed": ("Samples the task consumed for good (claimed, not in flight, not poison)",
+                          lambda s: s["consumed"]),
+    "tq_redis_consumed_ratio": ("Consumed samples over the partition's samples (0..1)", lambda s: s["pct"] / 100.0),
+    "tq_redis_in_flight": ("Leased samples not yet acked", lambda s: s["in_flight"]),
+    "tq_redis_leases_lapsed": ("Leases past their deadline, handed back by the task's next claim",
+                               lambda s: s["lapsed"]),
+    "tq_redis_redelivered_samples": ("Samples delivered more than once (a lapsed or nacked lease)",
+                                     lambda s: s["redelivered"]),
+    "tq_redis_poison": ("Samples put aside after max_deliveries", lambda s: s["poison"]),
+    "tq_redis_waiters": ("Consumers blocked in get_meta on the task", lambda s: s["waiters"]),
+}
+PARTITION_GAUGES: dict[str, tuple[str, Any]] = {
+    "tq_redis_partition_samples": ("Live samples per partition", lambda p: p["samples"]),
+    "tq_redis_partition_age_seconds": ("Seconds since the partition was created", lambda p: p["age_s"]),
+    "tq_redis_inline_values": ("Values kept inline in Redis", lambda p: p["inline"]["values"]),
+    "tq_redis_inline_bytes": ("Bytes Redis spends on the partition's inline values", lambda p: p["inline"]["bytes"]),
+}
+
+
+class NamespaceCollector:
+    """Scrape-time gauges of one namespace, from one :func:`~tq_redis.monitor.status.snapshot` per scrape:
+    per task claimable (``tq_redis_queue_depth``), consumed, in flight, lapsed, redelivered, poison
+    and waiters; per field production; per partition samples, age and inline bytes; per storage
+    node used bytes, capacity, spilled bytes and heartbeat age; the server's memory."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
         from tq_redis.server import connections
 
         self.namespace = namespace
-        self._redis = connections.sync_client(redis_url, socket_timeout=2)
+        self._redis = connections.sync_client(redis_url, socket_timeout=5)
+        self.last_error: str | None = None
+
+    def close(self) -> None:
+        self._redis.close()
 
     def collect(self):
         from tq_redis.monitor.status import snapshot
 
-        depth = GaugeMetricFamily("tq_redis_queue_depth", "Samples not yet consumed by a task",
-                                  labels=["namespace", "partition", "task"])
-        in_flight = GaugeMetricFamily("tq_redis_in_flight", "Leased samples not yet acked",
-                                      labels=["namespace", "partition", "task"])
-        samples = GaugeMetricFamily("tq_redis_partition_samples", "Live samples per partition",
-                                    labels=["namespace", "partition"])
+        ns = self.namespace
+        up = GaugeMetricFamily("tq_redis_namespace_up", "1 when the last scrape read the namespace from Redis",
+                               labels=["namespace"])
         try:
-            snap = snapshot(self._redis, self.namespace)
-        except Exception:  # a scrape must not crash the exporter; the gauges are simply absent
-            snap = {"partitions": []}
+            snap = snapshot(self._redis, ns)
+            self.last_error = None
+        except Exception as exc:  # a scrape must not crash the exporter: tq_redis_namespace_up says it failed
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            up.add_metric([ns], 0)
+            yield up
+            return
+        up.add_metric([ns], 1)
+        yield up
+        task_families = {n: GaugeMetricFamily(n, h, labels=_TASK) for n, (h, _) in TASK_GAUGES.items()}
+        part_families = {n: GaugeMetricFamily(n, h, labels=_PARTITION) for n, (h, _) in PARTITION_GAUGES.items()}
+        produced = GaugeMetricFamily("tq_redis_field_produced", "Samples with the field produced",
+                                     labels=[*_PARTITION, "field"])
+        produced_ratio = GaugeMetricFamily("tq_redis_field_produced_ratio",
+                                           "Samples with the field produced over the partition's samples (0..1)",
+                                           labels=[*_PARTITION, "field"])
         for p in snap["partitions"]:
-            samples.add_metric([self.namespace, p["id"]], p["samples"])
+            for name, (_, value) in PARTITION_GAUGES.items():
+                v = value(p)
+                if v is not None:
+                    part_families[name].add_metric([ns, p["id"]], float(v))
+            for f, s in p["fields"].items():
+                produced.add_metric([ns, p["id"], f], s["produced"])
+                produced_ratio.add_metric([ns, p["id"], f], s["pct"] / 100.0)
             for task, s in p["tasks"].items():
-                depth.add_metric([self.namespace, p["id"], task], p["samples"] - s["consumed"] - s["in_flight"])
-                in_flight.add_metric([self.namespace, p["id"], task], s["in_flight"])
-        used = GaugeMetricFamily("tq_redis_node_used_bytes", "Bytes held by a storage node", labels=["node"])
-        capacity = GaugeMetricFamily("tq_redis_node_capacity_bytes", "Memory budget of a storage node",
-                                     labels=["node"])
+                for name, (_, value) in TASK_GAUGES.items():
+                    task_families[name].add_metric([ns, p["id"], task], float(value(s)))
+        yield from part_families.values()
+        yield produced
+        yield produced_ratio
+        yield from task_families.values()
+        node = ["namespace", "node"]
+        used = GaugeMetricFamily("tq_redis_node_used_bytes", "Bytes held by a storage node", labels=node)
+        capacity = GaugeMetricFamily("tq_redis_node_capacity_bytes", "Memory budget of a storage node", labels=node)
+        spilled = GaugeMetricFamily("tq_redis_node_spilled_bytes", "Bytes a storage node spilled", labels=node)
         age = GaugeMetricFamily("tq_redis_node_heartbeat_age_seconds", "Seconds since a node's last heartbeat",
-                                labels=["node"])
-        for node in snap.get("storage_nodes", []):
-            used.add_metric([node["id"]], float(node.get("used", 0)))
-            capacity.add_metric([node["id"]], float(node.get("capacity", 0)))
-            if "heartbeat_age_s" in node:
-                age.add_metric([node["id"]], node["heartbeat_age_s"])
-        yield samples
-        yield depth
-        yield in_flight
-        yield used
-        yield capacity
-        yield age
+                                labels=node)
+        for n in snap.get("storage_nodes", []):
+            used.add_metric([ns, n["id"]], float(n.get("used", 0)))
+            capacity.add_metric([ns, n["id"]], float(n.get("capacity", 0)))
+            spilled.add_metric([ns, n["id"]], float(n.get("spilled_bytes") or 0))
+            if "heartbeat_age_s" in n:
+                age.add_metric([ns, n["id"]], n["heartbeat_age_s"])
+        yield from (used, capacity, spilled, age)
+        server = snap["server"]
+        memory = GaugeMetricFamily("tq_redis_server_used_memory_bytes", "Memory the Redis server uses "
+                                   "(summed over a cluster's primaries)", labels=["namespace"])
+        memory.add_metric([ns], float(server["used_memory"]))
+        limit = GaugeMetricFamily("tq_redis_server_maxmemory_bytes", "The server's maxmemory (0: no limit)",
+                                  labels=["namespace"])
+        limit.add_metric([ns], float(server["maxmemory"]))
+        yield from (memory, limit)
+
+
+QueueDepthCollector = NamespaceCollector  # the name it had before the standalone exporter
 
 
 _exporter_lock = threading.Lock()
@@ -95,9 +157,23 @@ def stop_exporter() -> None:
             _exporter["server"].server_close()
         if "collector" in _exporter:
             REGISTRY.unregister(_exporter["collector"])
+            _exporter["collector"].close()
         _exporter.clear()
 
 
 def endpoint() -> str | None:
     """The exporter's URL, or None when it is not running."""
     return _exporter.get("endpoint")
+
+
+def serve_namespace(redis_url: str, namespace: str, port: int = 0, addr: str = "127.0.0.1"):
+    """The standalone exporter (``tq-redis exporter``): ``/metrics`` of one namespace, read from
+    Redis once per scrape, in a registry of its own (no per-process instruments: a rank's own
+    latencies are its exporter's). Returns ``(server, url, collector)``; ``server.shutdown()`` stops it."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    collector = NamespaceCollector(redis_url, namespace)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, f"http://{addr}:{server.server_address[1]}/metrics", collector

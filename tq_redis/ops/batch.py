@@ -61,7 +61,9 @@ def read_claimed(ctx: Context, meta: BatchMeta, values: dict[str, list[bytes | N
     if not values:
         return (yield from get_data(ctx, meta))
     ids = list(meta.global_indexes)
+    store = yield from storage(ctx)
+    for column in values.values():
+        store.count_inline("get", column)
     if any(None in column for column in values.values()):
-        store = yield from storage(ctx)
         values = yield from fill_from_store(store, ctx.keys(meta.partition_ids[0]), ids, values)
     return decode_batch(ctx, list(values), values, len(ids))

@@ -152,6 +152,7 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     store = yield from storage(ctx)
     inline = inline_payload(values, store.inline_max_bytes)
     if inline is not None:  # small values: ids, values and bits in one script, one round trip
+        store.count_inline("put", inline)
         first, _ = yield from transitions.pipeline(
             transitions.insert(pk, None, n, schemas, ctx.strict_schema, values=inline),
             Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
@@ -255,6 +256,7 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         # One partition, small values, no tags: the produce script checks the partition, the
         # samples and the schemas itself and writes values and bits at once (one round trip).
         pk = ctx.keys(next(iter(groups)))
+        store.count_inline("put", inline)
         yield from transitions.produce(pk, metadata.global_indexes, schemas, ctx.strict_schema, inline).call()
         return _with_fields(metadata, schemas)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
@@ -305,6 +307,7 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
                     calls.append(transitions.set_tags(pk, ids[piece], tag_names, tag_rows[piece]))
                 calls.append(transitions.produce(pk, ids[piece], schemas, ctx.strict_schema, piece_inline, ring=ring))
                 yield from transitions.pipeline(*calls)
+                store.count_inline("put", piece_inline)
         except (UnknownPartition, SampleNotFound) as exc:
             if part_inline is None:  # a clear won the race: what this put stored must not outlive it
                 note = yield from _discard_cleared(store, pk, ids, list(schemas), ring)
@@ -504,6 +507,7 @@ def _read_inline_first(
         for f in fields:
             column = read.values.get(f, {})
             got[f].extend(column.get(i) for i in piece)
+            store.count_inline("get", column.values())
     ctx.inline_partitions[pk.partition] = inline
     return (yield from fill_from_store(store, pk, ids, got))
 

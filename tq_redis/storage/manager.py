@@ -84,6 +84,21 @@ class KVStorageManager:
                 instruments.STORE_SECONDS.labels(d, backend))
             for d in ("put", "get", "delete")
         }
+        self._inline = {d: (instruments.BYTES.labels(d, "inline"), instruments.VALUES.labels(d, "inline"))
+                        for d in ("put", "get")}
+
+    def count_inline(self, direction: str, values: Iterable[Any]) -> None:
+        """Count values moved inline (in the metadata plane, store label ``inline``): ``put`` or
+        ``get``; ``None`` entries (values that live in a store) are skipped."""
+        bytes_counter, values_counter = self._inline[direction]
+        count = nbytes = 0
+        for value in values:
+            if value is not None:
+                count += 1
+                nbytes += len(value)
+        if count:
+            values_counter.inc(count)
+            bytes_counter.inc(nbytes)
 
     def _record(self, direction: str, pk: PartitionKeys, started: float, values: int, nbytes: int) -> None:
         bytes_counter, values_counter, seconds = self._m[direction]
