@@ -184,6 +184,25 @@ class LeaseLost(LeaseError):
         self.by_partition = dict(by_partition or {})
 
 
+class ReservationLost(TQError):
+    """A commit (or lease extension) named a group reservation that is no longer held: it was
+    committed already, aborted, or its lease lapsed on the server's clock and it was freed.
+    Nothing of the call was made visible and the bytes it stored are deleted; reserve again."""
+
+
+class StalenessExceeded(TQError, TimeoutError):
+    """A group reservation was refused by the partition's staleness bound: admitting it would let
+    samples be trained more versions after the one they started on than ``max_lag`` allows. It
+    waited ``timeout`` seconds (0: not at all) for the trainer to publish a newer version or for
+    reservations to be freed. ``version`` is the published policy version, ``capacity`` the
+    samples admitted at it."""
+
+    def __init__(self, message: str, version: int | None = None, capacity: int = 0):
+        super().__init__(message)
+        self.version = version
+        self.capacity = capacity
+
+
 class PermissionDenied(TQError, PermissionError):
     """Redis refused a command or key to this client's user (an ACL rule: ``NOPERM``), or its
     credentials. The message names the rule to grant; ``tq-redis acl NAMESPACE`` prints the rules

@@ -171,6 +171,15 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "read_registry": (transitions.read_registry("ns"), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
     "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
+    "group_reserve": (transitions.group_reserve(PK, "tok", 4, 500, 3, "w", 250), ("tok", 4, 500, 3, "w", 250)),
+    "group_extend": (transitions.group_extend(PK, "tok", 0, "c", ["a", "b"]), ("tok", 0, "c", "a", "b")),
+    "group_commit": (
+        transitions.group_commit(PK, "tok", "c", {"a": F32}, end_version=5, ring="r1", now_ms=NOW),
+        ("tok", "c", 5, NOW, "r1", 1, "a", F32),
+    ),
+    "group_abort": (transitions.group_abort(PK, "tok"), ("tok",)),
+    "policy_version": (transitions.policy_version(PK, 7), (7,)),
+    "admission_config": (transitions.admission_config(PK, 1, 8), (1, 8)),
 }
 
 
@@ -211,6 +220,21 @@ def test_optional_arguments_take_their_documented_defaults():
     assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", 0)  # no ring: not placed
     now = transitions.seal_partition(PK).effect.args[0]
     assert abs(now - encoding.clock_ms()) < 60_000
+
+
+def test_reservation_replies_are_read():
+    assert read("group_reserve", [1, 0, 40, "3", 9000]) == transitions.Reserved(True, 0, 40, "3", 9000)
+    refused = read("group_reserve", [-5, 1, "2", 0, 150])
+    assert not refused.ok and refused.trashed == 1 and refused.capacity == 0 and refused.next_lapse_ms == 150
+    with pytest.raises(PartitionSealed):
+        read("group_reserve", [-3, 0])
+    assert read("group_commit", [1, 0, 40]) == transitions.GroupReply(True, 0, 40)
+    assert not read("group_commit", [-6, 2]).held
+    assert not read("group_commit", [-7, 0]).held
+    with pytest.raises(DTypeConflict, match="'a'"):
+        read("group_commit", [0, b"a", I64.encode()])
+    assert read("policy_version", [0, "9"]) == (False, 9)
+    assert read("admission_config", ["", 0, 0]) == transitions.Admission(None, 0, 0)
 
 
 def test_set_tags_rejects_bad_names_and_values():

@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, streaming
+from tq_redis.ops import arguments, kv, reservations, streaming
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -240,6 +240,23 @@ class AsyncTransferQueueClient:
     async def async_reopen_partition(self, partition_id: str) -> bool:
         """See :meth:`tq_redis.TransferQueueClient.reopen_partition`."""
         return await self.arun(streaming.reopen_partition(self._ctx, partition_id))
+
+    async_reserve_group = awaiting(
+        reservations.reserve_group, doc="See :meth:`tq_redis.TransferQueueClient.reserve_group`."
+    )
+    async_commit_group = awaiting(
+        reservations.commit_group, doc="See :meth:`tq_redis.TransferQueueClient.commit_group`."
+    )
+    async_abort_group = awaiting(reservations.abort_group, doc="See :meth:`tq_redis.TransferQueueClient.abort_group`.")
+    async_extend_reservation = awaiting(
+        reservations.extend_reservation, doc="See :meth:`tq_redis.TransferQueueClient.extend_reservation`."
+    )
+    async_set_policy_version = awaiting(
+        reservations.set_policy_version, doc="See :meth:`tq_redis.TransferQueueClient.set_policy_version`."
+    )
+    async_set_staleness_bound = awaiting(
+        reservations.set_staleness_bound, doc="See :meth:`tq_redis.TransferQueueClient.set_staleness_bound`."
+    )
 
     async def async_close(self) -> None:
         """Close this event loop's Redis pool and the store connections."""

@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, streaming
+from tq_redis.ops import checkpoint, kv, reservations, streaming
 
 R = TypeVar("R")
 
@@ -233,6 +233,37 @@ class TransferQueueClient(AsyncTransferQueueClient):
         put into it raises ``PartitionClosed`` (a late writer must not bring its data back).
         Returns True if it was closed."""
         return self.run(streaming.reopen_partition(self._ctx, partition_id))
+
+    # -- group reservations and staleness admission (tq_redis.ops.reservations) ------------------
+
+    reserve_group = blocking(reservations.reserve_group, doc="""
+        Reserve ``n`` sample ids (a prompt group) in ``partition_id`` for ``lease_s`` seconds of the
+        server's clock, starting on ``policy_version`` (None: the trainer's published version).
+        Nothing is visible to consumers until ``commit_group``; ``abort_group`` or the lease's lapse
+        (a crashed producer) frees it. Under the partition's staleness bound it waits up to
+        ``timeout`` seconds for room, then raises ``StalenessExceeded``. Returns a ``Reservation``.""")
+
+    commit_group = blocking(reservations.commit_group, doc="""
+        Store the reserved group's ``data`` (one row per reserved sample) and make every sample
+        visible in one atomic step, tagged ``policy_version`` (start) and ``policy_version_end``.
+        A reservation commits at most once: one no longer held raises ``ReservationLost`` (nothing
+        visible, the stored bytes deleted). Returns the group's ``BatchMeta``.""")
+
+    abort_group = blocking(reservations.abort_group, doc="""
+        Free a reservation: nothing of it is ever visible, its slots are freed and bytes stored for
+        it are deleted. False if it was not held any more.""")
+
+    extend_reservation = blocking(reservations.extend_reservation, doc="""
+        Renew a reservation's lease for ``lease_s`` seconds from now (server time); returns it with
+        the new deadline. Raises ``ReservationLost`` if it is not held any more.""")
+
+    set_policy_version = blocking(reservations.set_policy_version, doc="""
+        Publish the policy version the trainer trains now: new reservations start on it and
+        reservations blocked by the staleness bound are woken. Returns the previous version.""")
+
+    set_staleness_bound = blocking(reservations.set_staleness_bound, doc="""
+        Admit reservations of ``partition_id`` only while the samples reserved and not freed stay
+        within ``(version + max_lag + 1) * batch_size`` (``max_lag=None`` removes the bound).""")
 
     def close(self) -> None:
         """Close the Redis pools and store connections."""

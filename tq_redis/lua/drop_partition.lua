@@ -2,7 +2,9 @@
   drop_partition: delete every metadata key of a partition except its id counter (so ids stay
   unique if the partition id is used again), its trash and the rings its values were put under:
   the alive samples move to the trash, which the client empties (trash_done) once their bytes are
-  deleted from their holders. A sealed partition stays closed (<p>:closed): a late writer's put
+  deleted from their holders. Group reservations in flight are freed (a commit of one then fails;
+  ids of those whose bytes may be stored go to the trash too); the staleness admission
+  (<p>:admission: bound, published version, admitted count) stays, like the id counter. A sealed partition stays closed (<p>:closed): a late writer's put
   is refused until reopen_partition. Idempotent.
 
   Input:
@@ -24,15 +26,20 @@
     <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
 -- @include chunks
 -- @include events
 -- @include prefix
+-- @include reservations
 
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
+  local reserved = redis.call('HKEYS', prefix .. 'resv')
+  for i = 1, #reserved do resv_free(prefix, reserved[i], resv_get(prefix, reserved[i])) end
+  redis.call('DEL', prefix .. 'resvdl')
   local older = redis.call('BITCOUNT', prefix .. 'trash')
   local rings = redis.call('HKEYS', prefix .. 'rings')
   if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1, rings} end

@@ -53,7 +53,7 @@ MAX_INSERT = 2**24
 """The most empty samples one ``get_meta(mode="insert")`` allocates (each is listed in its reply)."""
 
 
-def _as_tensordict(data: Any) -> TensorDict:
+def as_tensordict(data: Any) -> TensorDict:
     if isinstance(data, TensorDict):
         td = data
     elif isinstance(data, dict):
@@ -128,7 +128,7 @@ def put(
     ``data_parser`` (the reference's hook) may rewrite the batch's values in place first. With
     metadata, its ``custom_meta`` is stored as the samples' tags too, as the reference does.
     """
-    td = _as_tensordict(data)
+    td = as_tensordict(data)
     if data_parser is not None:
         td = apply_data_parser(td, data_parser)
     if metadata is None:

@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(A little over 600 lines: 25 wrappers and their reply types, kept together so the shared reply
+(A little over 800 lines: 31 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
@@ -702,6 +702,132 @@ def channel_pop(
     return Transition(FCall("channel_pop", (ck.meta,), (qkey, rule, arg)), _read_channel_pop)
 
 
+
+
+# ------------------------------------------------------------------ reservations and admission
+
+
+class Reserved(NamedTuple):
+    """``lua/group_reserve.lua``'s reply: ``ok`` with ids ``first..`` reserved until ``deadline_ms``
+    (server time) on ``version`` ('' none); else refused by the staleness bound (``capacity`` the
+    samples it admits at the published ``version``, ``next_lapse_ms`` until the earliest
+    reservation lapses, -1 none). ``trashed``: lapsed reservations whose ids went to the trash."""
+
+    ok: bool
+    trashed: int
+    first: int = -1
+    version: str = ""
+    deadline_ms: int = 0
+    capacity: int = 0
+    next_lapse_ms: int = -1
+
+
+class GroupReply(NamedTuple):
+    """``group_extend`` / ``group_commit`` / ``group_abort``: whether the reservation was held, how
+    many reservations went to the trash, and the deadline (extend) or first id (commit)."""
+
+    held: bool
+    trashed: int
+    value: int = 0
+
+
+def _read_group_reserve(partition: str, reply: Sequence[Any]) -> Reserved:
+    code, trashed = int(reply[0]), int(reply[1])
+    if code == -3:
+        raise _sealed(partition)
+    if code == -4:
+        raise _closed(partition)
+    if code == -5:
+        return Reserved(False, trashed, version=text(reply[2]), capacity=int(reply[3]), next_lapse_ms=int(reply[4]))
+    return Reserved(True, trashed, int(reply[2]), text(reply[3]), int(reply[4]))
+
+
+def group_reserve(
+    pk: PartitionKeys, token: str, count: int, lease_ms: int, version: int | None = None,
+    waiter: str | None = None, wait_ms: int = 0,
+) -> Transition[Reserved]:  # fmt: skip
+    """``lua/group_reserve.lua``: reserve ``count`` ids under ``token`` for ``lease_ms`` (server
+    time), starting on ``version`` (None: the published one); refused by the staleness bound, it
+    registers ``waiter`` for ``wait_ms``. Raises ``PartitionSealed`` or ``PartitionClosed``."""
+    args = (token, count, lease_ms, "" if version is None else version, waiter or "", wait_ms)
+    return Transition(FCall("group_reserve", (pk.meta,), args), partial(_read_group_reserve, pk.partition))
+
+
+def _read_group(reply: Sequence[Any]) -> GroupReply:
+    return GroupReply(int(reply[0]) == 1, int(reply[1]), int(reply[2]) if len(reply) > 2 else 0)
+
+
+def group_extend(
+    pk: PartitionKeys, token: str, lease_ms: int = 0, committer: str = "", fields: Sequence[str] = ()
+) -> Transition[GroupReply]:
+    """``lua/group_extend.lua``: renew the reservation's lease (``lease_ms`` 0: keep it); with a
+    ``committer`` (a commit call's id), make that call the only one that may store and commit the
+    group and record the ``fields`` it stores; ``value`` is the deadline (server ms). Not ``held``:
+    the reservation is gone, or another call is its committer."""
+    return Transition(FCall("group_extend", (pk.meta,), (token, lease_ms, committer, *fields)), _read_group)
+
+
+def _read_group_commit(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> GroupReply:
+    code = int(reply[0])
+    if code == 0:
+        _conflict(reply, schemas)
+    if code == -3:
+        raise _sealed(partition)
+    if code == -4:
+        raise _closed(partition)
+    return _read_group(reply)
+
+
+def group_commit(
+    pk: PartitionKeys, token: str, committer: str, schemas: Mapping[str, str], strict: bool = False, *,
+    end_version: int | None = None, values: Sequence[bytes] = (), ring: str | None = None, now_ms: int | None = None,
+) -> Transition[GroupReply]:  # fmt: skip
+    """``lua/group_commit.lua``: as commit call ``committer``, make the reserved group alive with
+    the fields of ``schemas`` (bytes stored, under ``ring`` if the store places keys, or ``values``
+    inline, field-major), tagged with its start and ``end_version``; ``value`` is the first id. Not ``held``: nothing
+    committed. Raises the schema conflict, ``PartitionSealed`` or ``PartitionClosed`` (the
+    reservation is freed then, its ids in the trash if bytes were recorded for them)."""
+    end = "" if end_version is None else end_version
+    args = (token, committer, end, clock_ms(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
+    return Transition(FCall("group_commit", (pk.meta,), args), partial(_read_group_commit, pk.partition, schemas))
+
+
+def group_abort(pk: PartitionKeys, token: str) -> Transition[GroupReply]:
+    """``lua/group_abort.lua``: free the reservation; not ``held`` if it was gone already."""
+    return Transition(FCall("group_abort", (pk.meta,), (token,)), _read_group)
+
+
+def _read_policy_version(reply: Sequence[Any]) -> tuple[bool, int | None]:
+    value = text(reply[1])
+    return int(reply[0]) == 1, int(value) if value else None
+
+
+def policy_version(pk: PartitionKeys, version: int) -> Transition[tuple[bool, int | None]]:
+    """``lua/policy_version.lua``: publish the trainer's ``version``; ``(published, previous or the
+    higher current one)``."""
+    return Transition(FCall("policy_version", (pk.meta,), (version,)), _read_policy_version)
+
+
+class Admission(NamedTuple):
+    """``lua/admission_config.lua``'s reply: the published version (None: none), samples admitted
+    and not freed, reservations in flight."""
+
+    version: int | None
+    admitted: int
+    reserved: int
+
+
+def _read_admission(reply: Sequence[Any]) -> Admission:
+    version = text(reply[0])
+    return Admission(int(version) if version else None, int(reply[1]), int(reply[2]))
+
+
+def admission_config(pk: PartitionKeys, max_lag: int | None, batch: int = 1) -> Transition[Admission]:
+    """``lua/admission_config.lua``: set the staleness bound (``max_lag`` None: remove it)."""
+    args = ("", "") if max_lag is None else (max_lag, batch)
+    return Transition(FCall("admission_config", (pk.meta,), args), _read_admission)
+
+
 BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
     f.__name__: f
     for f in (
@@ -711,6 +837,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         reset_consumption, seal_partition, progress,
         kv_resolve, kv_unmap, kv_list,
         read_registry, channel_put, channel_pop,
+        group_reserve, group_extend, group_commit, group_abort, policy_version, admission_config,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""
