@@ -10,6 +10,7 @@ reservers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -177,6 +178,33 @@ def test_clearing_the_partition_frees_its_reservations(rclient):
         rclient.commit_group(r, _group(2))
     assert not rclient.redis.exists(pk.resv, pk.resvdl, pk.trash)
     assert _data_keys(rclient, pk) == []
+
+
+def test_the_async_client_reserves_commits_aborts_and_waits_for_a_bump(real_server, namespace):
+    from tq_redis import AsyncTransferQueueClient
+
+    make_client(real_server.url, namespace).close()  # records the namespace's store (the redis one)
+    aclient = AsyncTransferQueueClient(real_server.url, namespace, nested_output=False)
+
+    async def main():
+        await aclient.async_set_staleness_bound("p", 0, 4)
+        r = await aclient.async_reserve_group("p", 4)
+        r = await aclient.async_extend_reservation(r, 60)
+        meta = await aclient.async_commit_group(r, _group(4), end_policy_version=0)
+        assert list(meta.global_indexes) == r.global_indexes
+        waiting = asyncio.create_task(aclient.async_reserve_group("p", 4, timeout=DEADLINE_S))
+        await asyncio.sleep(0)  # let it send its reservation (the bump may come before or after it)
+        assert await aclient.async_set_policy_version("p", 1) is None
+        second = await asyncio.wait_for(waiting, DEADLINE_S)
+        assert second.policy_version == 1
+        assert await aclient.async_abort_group(second) is True
+        with pytest.raises(ReservationLost):
+            await aclient.async_commit_group(second, _group(4))
+        got = await aclient.async_get_meta(["x"], 4, "p", task_name="t")
+        assert list(got.global_indexes) == r.global_indexes
+        await aclient.async_close()
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------ concurrency

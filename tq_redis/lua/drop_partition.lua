@@ -31,6 +31,7 @@
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
 -- @include chunks
+-- @include clock
 -- @include events
 -- @include prefix
 -- @include reservations
@@ -40,6 +41,7 @@ local function drop_partition(KEYS, ARGV)
   local reserved = redis.call('HKEYS', prefix .. 'resv')
   for i = 1, #reserved do resv_free(prefix, reserved[i], resv_get(prefix, reserved[i])) end
   redis.call('DEL', prefix .. 'resvdl')
+  if #reserved > 0 then admit_wake(prefix, server_ms()) end -- their slots are free
   local older = redis.call('BITCOUNT', prefix .. 'trash')
   local rings = redis.call('HKEYS', prefix .. 'rings')
   if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1, rings} end

@@ -27,7 +27,7 @@
     trashed: how many reservations had their ids put in the trash (the client deletes their bytes)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline  <p>:groups  <p>:closed
-    <p>:rings  <p>:loc:<field>  <p>:tagnames  <p>:tag:policy_version  <p>:tag:policy_version_end
+    <p>:rings  <p>:loc:<field>  <p>:tagnames  <p>:tag:<name> (policy_version, policy_version_end)
     <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
@@ -40,17 +40,7 @@
 -- @include prefix
 -- @include reservations
 -- @include schemas
-
-local function tag_range(prefix, name, first, count, value)
-  local key = prefix .. 'tag:' .. name
-  local hargs = {}
-  for i = 1, count do
-    hargs[#hargs + 1] = first + i - 1
-    hargs[#hargs + 1] = value
-  end
-  redis.call('HSET', key, unpack(hargs))
-  redis.call('SADD', prefix .. 'tagnames', name)
-end
+-- @include tags
 
 local function group_commit(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])

@@ -49,7 +49,7 @@ local function group_reserve(KEYS, ARGV)
   if capacity and count > capacity then
     local wait_ms = tonumber(ARGV[6]) or 0
     if waiter ~= '' and wait_ms > 0 then admit_wait(prefix, waiter, now, wait_ms) end
-    return {-5, trashed, published, capacity, next_lapse(prefix, now)}
+    return {-5, trashed, published, capacity, resv_next_lapse(prefix, now)}
   end
   if waiter ~= '' then redis.call('ZREM', prefix .. 'admitwaiters', waiter) end
   local first = redis.call('INCRBY', prefix .. 'seq', count) - count

@@ -18,11 +18,12 @@
   <p>:admitwake     LIST wake tokens for them (one per waiter when the bound may have moved)
 
   Offers:
+    ADMIT_KEY_TTL_MS                        how long the admission waiting keys outlive their last waiter
     resv_get(prefix, token)                 {first, count, version, owner, fields} or nil
     resv_put(prefix, token, rec, deadline)
     resv_free(prefix, token, rec)           forget it, free its slots; 1 if its ids went to the trash
     release_expired(prefix, now)            free lapsed reservations; how many went to the trash
-    next_lapse(prefix, now)                 ms until the earliest reservation lapses, -1 if none
+    resv_next_lapse(prefix, now)            ms until the earliest reservation lapses, -1 if none
     admit_capacity(prefix)                  samples the bound admits now (nil: no bound)
     admit_wake(prefix, now)                 wake every blocked reserver (the bound may have moved)
     admit_wait(prefix, waiter, now, wait_ms) register a blocked reserver until now + wait_ms
@@ -87,7 +88,7 @@ local function release_expired(prefix, now)
   return trashed
 end
 
-local function next_lapse(prefix, now)
+local function resv_next_lapse(prefix, now)
   local first = redis.call('ZRANGE', prefix .. 'resvdl', 0, 0, 'WITHSCORES')
   if #first == 0 then return -1 end
   return math.max(0, tonumber(first[2]) - now)

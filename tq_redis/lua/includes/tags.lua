@@ -4,6 +4,8 @@
 
   Offers:
     read_tags(prefix, ids)       flat {name1, {JSON value or false per id}, name2, ...}
+    tag_range(prefix, name, first, count, value)
+                                 tag `name` of ids first .. first + count - 1 set to one JSON value
   Touches:
     <p>:tagnames  <p>:tag:<name>
 ]]
@@ -19,4 +21,18 @@ local function read_tags(prefix, ids)
     out[#out + 1] = hmget_many(prefix .. 'tag:' .. names[i], ids)
   end
   return out
+end
+
+-- Tag `name` of the ids first .. first + count - 1 set to the JSON text `value`.
+local function tag_range(prefix, name, first, count, value)
+  local key = prefix .. 'tag:' .. name
+  for from = 0, count - 1, CHUNK do
+    local hargs = {}
+    for i = from, math.min(count, from + CHUNK) - 1 do
+      hargs[#hargs + 1] = first + i
+      hargs[#hargs + 1] = value
+    end
+    redis.call('HSET', key, unpack(hargs))
+  end
+  redis.call('SADD', prefix .. 'tagnames', name)
 end

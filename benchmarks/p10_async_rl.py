@@ -1,0 +1,119 @@
+"""P10: what a group reservation costs: reserve, commit and abort latency, and Redis CPU per call.
+
+A producer of asynchronous RL reserves a prompt group (``reserve_group``), generates, then commits
+it (``commit_group``) or aborts it (``abort_group``). Each operation runs ``--ops`` times (default
+2,000; quick 300) alone on a fresh namespace of an embedded Valkey and of Debian's Redis 7.0 where
+installed, with groups of ``--group`` samples (default 8) of two fields: small values (kept in
+Redis with the bits: one round trip) and, for ``commit (store)``, values in the ``redis`` store
+(the group's fields recorded, the bytes stored, then the commit: two scripts). The client-side
+latency is timed per call (p50, p99); the server's CPU per operation is ``INFO commandstats``'
+``cmdstat_fcall`` time (reset before each operation's run) divided by the operations run, with
+the fcalls per operation beside it. A staleness bound is configured for the partition (``max_lag``
+large enough never to refuse), so admission's bookkeeping is in the figures.
+
+Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--quick]`` (tq-redis only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import RESULTS_DIR, write_result
+
+MEASURE = "p10_async_rl"
+
+
+def _client(url: str, ns: str, inline_max_bytes: int):
+    from tq_redis import TransferQueueClient
+    from tq_redis.meta.keys import config_key
+
+    client = TransferQueueClient(url, ns, nested_output=False)
+    spec = {"backend": "redis", "options": {}, "inline_max_bytes": inline_max_bytes}
+    client.redis.hset(config_key(ns), "storage", json.dumps(spec))
+    return client
+
+
+def _fcall_usec(admin) -> tuple[int, float]:
+    stats = admin.info("commandstats").get("cmdstat_fcall", {})
+    return int(stats.get("calls", 0)), float(stats.get("usec", 0))
+
+
+def _percentiles(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "p50_ms": statistics.median(ordered) * 1000,
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000,
+    }
+
+
+def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
+    import redis
+    import torch
+    from tensordict import TensorDict
+
+    admin = redis.Redis.from_url(url)
+    data = TensorDict({"tokens": torch.arange(group * 16).reshape(group, 16), "reward": torch.ones(group)},
+                      batch_size=[group])
+    results: dict[str, Any] = {}
+
+    def run(name: str, inline: int, prepare, timed) -> None:
+        client = _client(url, f"p10{uuid.uuid4().hex[:8]}", inline)
+        client.set_staleness_bound("rollouts", 1_000_000, group)
+        states = [prepare(client) for _ in range(ops)]
+        admin.config_resetstat()
+        times = []
+        for state in states:
+            t0 = time.perf_counter()
+            timed(client, state)
+            times.append(time.perf_counter() - t0)
+        calls, usec = _fcall_usec(admin)
+        results[name] = {**_percentiles(times), "redis_usec_per_op": usec / ops, "fcalls_per_op": calls / ops}
+        row = results[name]
+        print(f"  {name:<16} p50 {row['p50_ms']:6.3f} ms  p99 {row['p99_ms']:6.3f} ms  "
+              f"Redis CPU {row['redis_usec_per_op']:6.1f} us/op ({row['fcalls_per_op']:.0f} fcall)", flush=True)
+        client.clear_partition("rollouts")
+        client.close()
+
+    run("reserve", 4096, lambda c: None, lambda c, _: c.reserve_group("rollouts", group, lease_s=600))
+    run("commit (inline)", 4096, lambda c: c.reserve_group("rollouts", group, lease_s=600),
+        lambda c, r: c.commit_group(r, data, end_policy_version=1))
+    run("commit (store)", 0, lambda c: c.reserve_group("rollouts", group, lease_s=600),
+        lambda c, r: c.commit_group(r, data, end_policy_version=1))
+    run("abort", 4096, lambda c: c.reserve_group("rollouts", group, lease_s=600), lambda c, r: c.abort_group(r))
+    admin.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=None, help="operations per case (default 2000, quick 300)")
+    parser.add_argument("--group", type=int, default=8, help="samples per group (default %(default)s)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    ops = args.ops or (300 if args.quick else 2000)
+    from tq_redis.server.embedded import EmbeddedServer, valkey_binary
+
+    results: dict[str, Any] = {}
+    for flavour, binary in {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}.items():
+        if binary is None:
+            print(f"{flavour}: not installed, skipped")
+            continue
+        print(f"{flavour}:", flush=True)
+        server = EmbeddedServer(binary=binary).start()
+        try:
+            results[flavour] = measure_server(server.url, ops, args.group)
+        finally:
+            server.stop()
+    write_result(MEASURE, args, {"ops": ops, "group": args.group}, results, args.out)
+
+
+if __name__ == "__main__":
+    main()
