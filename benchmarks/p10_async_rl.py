@@ -9,7 +9,9 @@ Redis with the bits: one round trip) and, for ``commit (store)``, values in the 
 latency is timed per call (p50, p99); the server's CPU per operation is ``INFO commandstats``'
 ``cmdstat_fcall`` time (reset before each operation's run) divided by the operations run, with
 the fcalls per operation beside it. A staleness bound is configured for the partition (``max_lag``
-large enough never to refuse), so admission's bookkeeping is in the figures.
+large enough never to refuse), so admission's bookkeeping is in the figures. For scale, ``baseline:
+ids`` is the plain id allocation a put starts with (``lua/reserve.lua``): one function call doing
+almost nothing.
 
 Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--quick]`` (tq-redis only).
 """
@@ -81,6 +83,11 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
         client.clear_partition("rollouts")
         client.close()
 
+    from tq_redis.ops import transitions
+
+    # the baseline: the plain id allocation of a put (lua/reserve.lua), the least one function call costs here
+    run("baseline: ids", 4096, lambda c: c.context.keys("rollouts"),
+        lambda c, pk: c.run(transitions.reserve(pk, group).call()))
     run("reserve", 4096, lambda c: None, lambda c, _: c.reserve_group("rollouts", group, lease_s=600))
     run("commit (inline)", 4096, lambda c: c.reserve_group("rollouts", group, lease_s=600),
         lambda c, r: c.commit_group(r, data, end_policy_version=1))
