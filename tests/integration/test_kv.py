@@ -42,6 +42,29 @@ def test_put_get_cumulative_fields_and_tags(server, namespace):
     client.close()
 
 
+def test_kv_list_filters_by_tag_values_in_the_listing_script(server, namespace):
+    """verl's replay buffer lists every key to find finished trajectories; ``where`` keeps only the
+    keys whose tags match, filtered by the script, over pages of a listing bigger than one page."""
+    client = make_client(server.url, namespace)
+    n = 1300  # more than one listing page (512 keys)
+    tags = [{"status": "finished" if i % 3 == 0 else "running", "step": i % 2} for i in range(n)]
+    client.kv_batch_put([f"k{i}" for i in range(n)], "p", tags=tags)
+    client.kv_put("nostatus", "p", tag={"step": 0})
+    finished = client.kv_list("p", where={"status": "finished"})["p"]
+    assert list(finished) == [f"k{i}" for i in range(0, n, 3)]
+    assert finished["k3"] == {"status": "finished", "step": 1}
+    both = client.kv_list("p", where={"status": "finished", "step": 0})["p"]
+    assert list(both) == [f"k{i}" for i in range(0, n, 6)]
+    assert client.kv_list(where={"status": "done"}) == {"p": {}}
+    assert client.kv_list("p", where={"step": 1.0})["p"] == {}  # JSON text: 1.0 is not 1
+    assert len(client.kv_list("p", where={})["p"]) == n + 1
+    with pytest.raises(InvalidArgument):
+        client.kv_list("p", where={"status": ["finished"]})
+    with pytest.raises(InvalidArgument):
+        client.kv_list("p", where=["status"])
+    client.close()
+
+
 def test_tag_only_updates_and_list(server, namespace):
     client = make_client(server.url, namespace)
     client.kv_batch_put(["k1", "k2"], "p", TensorDict({"v": torch.tensor([10, 20])}, [2]), tags=[{"t": 1}, {}])

@@ -84,9 +84,12 @@ def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | Non
     return _client().kv_batch_get_by_meta(meta, select_fields)
 
 
-def kv_list(partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{partition_id: {key: tags}}`` for one partition or every partition of the namespace."""
-    return _client().kv_list(partition_id)
+def kv_list(
+    partition_id: str | None = None, *, where: dict[str, Any] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{partition_id: {key: tags}}`` for one partition or every partition of the namespace;
+    ``where={tag: value}`` keeps the keys whose tags have those values (filtered on the server)."""
+    return _client().kv_list(partition_id, where=where)
 
 
 def kv_clear(keys: list[str] | str, partition_id: str) -> None:

@@ -216,9 +216,11 @@ class AsyncTransferQueueClient:
         """See :meth:`tq_redis.TransferQueueClient.kv_batch_get_by_meta`."""
         return await self.arun(kv.batch_get_by_meta(self._ctx, meta, select_fields))
 
-    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    async def async_kv_list(
+        self, partition_id: str | None = None, *, where: dict[str, Any] | None = None
+    ) -> dict[str, dict[str, dict[str, Any]]]:
         """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
-        return await self.arun(kv.list_keys(self._ctx, partition_id))
+        return await self.arun(kv.list_keys(self._ctx, partition_id, where))
 
     async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""

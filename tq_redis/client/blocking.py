@@ -207,9 +207,13 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """:meth:`kv_batch_get` of a :class:`KVBatchMeta`."""
         return self.run(kv.batch_get_by_meta(self._ctx, meta, select_fields))
 
-    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-        """``{partition_id: {key: tags}}`` of one partition or all of them."""
-        return self.run(kv.list_keys(self._ctx, partition_id))
+    def kv_list(
+        self, partition_id: str | None = None, *, where: dict[str, Any] | None = None
+    ) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition_id: {key: tags}}`` of one partition or all of them; ``where={tag: value}``
+        lists only the keys whose tags have those values (filtered on the server; values compare
+        as their JSON text, so ``1`` matches ``1`` but not ``1.0``)."""
+        return self.run(kv.list_keys(self._ctx, partition_id, where))
 
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """Remove keys, their samples and bytes. Idempotent."""

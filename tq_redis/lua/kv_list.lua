@@ -8,6 +8,8 @@
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  cursor              '0' for the first page
     ARGV[2]  count               keys to scan for this page (a hint, as HSCAN's COUNT)
+    ARGV[3..]                    optional filter: pairs of tag name, JSON text; only keys whose
+                                 tag of each name has exactly that JSON text are listed
   Output:
     {next_cursor, keys, ids, tags}
                                  next_cursor '0' when this was the last page; tags = flat {tag name,
@@ -19,6 +21,7 @@
     <p>:kv
 ]]
 -- @include bits
+-- @include chunks
 -- @include prefix
 -- @include tags
 
@@ -33,6 +36,12 @@ local function kv_list(KEYS, ARGV)
     ids[#ids + 1] = tonumber(flat[i + 1])
   end
   local alive = get_bits(prefix .. 'alive', ids)
+  for i = 3, #ARGV - 1, 2 do
+    local values = hmget_many(prefix .. 'tag:' .. ARGV[i], ids)
+    for k = 1, #ids do
+      if values[k] ~= ARGV[i + 1] then alive[k] = 0 end
+    end
+  end
   local live_keys, live_ids = {}, {}
   for i = 1, #ids do
     if alive[i] == 1 then

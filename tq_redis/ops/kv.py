@@ -45,7 +45,7 @@ from tq_redis.errors import (
     UnsupportedValue,
 )
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.meta.keys import PartitionKeys, partitions_key
+from tq_redis.meta.keys import PartitionKeys, check_name, partitions_key
 from tq_redis.meta.schemas import to_batchmeta_schema
 from tq_redis.ops import arguments, encoding, script_budget, transitions
 from tq_redis.ops.clear import CLEAR_COST, delete_bytes
@@ -53,7 +53,7 @@ from tq_redis.ops.context import Context, Op, storage
 from tq_redis.ops.data import check_one_batch_dim, encode_batch, get_data, set_custom_meta, write_fields
 from tq_redis.ops.data_parser import DataParser, apply_data_parser
 from tq_redis.ops.effects import Cmd, Pipe
-from tq_redis.ops.encoding import text
+from tq_redis.ops.encoding import encode_tag, text
 
 # ------------------------------------------------------------------ helpers
 
@@ -409,8 +409,11 @@ def batch_get_by_meta(ctx: Context, meta: KVBatchMeta, select_fields: Any = None
     return (yield from batch_get(ctx, meta.keys, meta.partition_id, wanted))
 
 
-def list_keys(ctx: Context, partition_id: str | None = None) -> Op:
-    """``{partition: {key: tags}}`` of one partition (``{}`` if unknown) or of all of them."""
+def list_keys(ctx: Context, partition_id: str | None = None, where: dict[str, Any] | None = None) -> Op:
+    """``{partition: {key: tags}}`` of one partition (``{}`` if unknown) or of all of them;
+    with ``where`` ({tag name: value}), only the keys whose tags have those values, filtered in
+    the listing script (values compare as their JSON text: scalars exactly, ``1`` is not ``1.0``)."""
+    conditions = _conditions(where)
     if partition_id is None:
         names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
         partitions = [text(n) for n in names]
@@ -421,7 +424,9 @@ def list_keys(ctx: Context, partition_id: str | None = None) -> Op:
     # The first page of every partition in one round trip, the further pages of a big one after
     # (script_budget: no call lists more than a piece of keys).
     page = script_budget.piece_size(RESOLVE_COST)
-    firsts = yield from transitions.pipeline(*(transitions.kv_list(ctx.keys(p), "0", page) for p in partitions))
+    firsts = yield from transitions.pipeline(
+        *(transitions.kv_list(ctx.keys(p), "0", page, conditions) for p in partitions)
+    )
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for pid, listing in zip(partitions, firsts):
         found: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -430,7 +435,7 @@ def list_keys(ctx: Context, partition_id: str | None = None) -> Op:
                 found[key] = (sid, row)  # a key HSCAN returned twice is the same key
             if listing.cursor == "0":
                 break
-            listing = yield from transitions.kv_list(ctx.keys(pid), listing.cursor, page).call()
+            listing = yield from transitions.kv_list(ctx.keys(pid), listing.cursor, page, conditions).call()
         if not found and partition_id is not None:
             continue
         out[pid] = {key: row for key, (_, row) in sorted(found.items(), key=lambda kv: kv[1][0])}  # creation order
@@ -439,6 +444,26 @@ def list_keys(ctx: Context, partition_id: str | None = None) -> Op:
         if exists:
             out[partition_id] = {}
     return out
+
+
+def _conditions(where: Any) -> list[tuple[str, str]]:
+    """``kv_list``'s ``where`` as (tag name, JSON text) pairs, checked."""
+    if where is None:
+        return []
+    if not isinstance(where, dict):
+        raise InvalidArgument(f"kv_list(where=) takes a dict of tag name -> value, got {type(where).__name__}")
+    pairs = []
+    for name, value in where.items():
+        if not isinstance(name, str):
+            raise InvalidArgument(f"kv_list(where=) tag names are strings, got {name!r:.80}")
+        check_name("tag name", name)
+        if value is not None and not isinstance(value, str | int | float | bool):
+            raise InvalidArgument(
+                f"kv_list(where=) compares tags with a str, int, float, bool or None; {name!r} got "
+                f"{type(value).__name__} (filter on a scalar tag)"
+            )
+        pairs.append((name, encode_tag(value)))
+    return pairs
 
 
 def clear(ctx: Context, keys: Any, partition_id: str) -> Op:

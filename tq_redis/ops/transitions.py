@@ -636,10 +636,14 @@ def _read_kv_list(reply: Sequence[Any]) -> KeyListing:
     return KeyListing(text(cursor), [text(k) for k in keys], [int(i) for i in ids], tag_rows(tags, len(ids)))
 
 
-def kv_list(pk: PartitionKeys, cursor: str = "0", count: int = 256) -> Transition[KeyListing]:
+def kv_list(
+    pk: PartitionKeys, cursor: str = "0", count: int = 256, where: Sequence[tuple[str, str]] = ()
+) -> Transition[KeyListing]:
     """``lua/kv_list.lua``: a page of about ``count`` live user keys of the partition from
-    ``cursor`` (none if it does not exist)."""
-    return Transition(FCall("kv_list", (pk.meta,), (cursor, count)), _read_kv_list)
+    ``cursor`` (none if it does not exist); with ``where`` (tag name, JSON text pairs), only the
+    keys whose tags have exactly those values."""
+    args = (cursor, count, *(x for pair in where for x in pair))
+    return Transition(FCall("kv_list", (pk.meta,), args), _read_kv_list)
 
 
 # ------------------------------------------------------------------ storage nodes
