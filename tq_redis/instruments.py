@@ -2,7 +2,9 @@
 
 The drivers time every Lua function call (``tq_redis_redis_call_seconds{fn=...}``) and every wait on
 an event stream (``tq_redis_wait_seconds``); the storage manager counts bytes and values per
-direction and store (``tq_redis_bytes_total``, ``tq_redis_values_total``) and times store calls.
+direction and store (``tq_redis_bytes_total``, ``tq_redis_values_total``; store ``inline``: values
+kept in the metadata plane) and times store calls; every typed error an operation raises is counted
+by type (``tq_redis_errors_total``). All of them are per process.
 :mod:`tq_redis.monitor.exporter` serves them. They live in :data:`REGISTRY`, not the default
 registry, so importing tq_redis never touches a program's own metrics.
 """
@@ -31,3 +33,5 @@ BYTES = Counter("tq_redis_bytes", "Payload bytes moved through the data plane", 
                 registry=REGISTRY)
 VALUES = Counter("tq_redis_values", "Values (sample x field) moved through the data plane", ["direction", "store"],
                  registry=REGISTRY)
+ERRORS = Counter("tq_redis_errors", "Typed errors (tq_redis.errors) operations of this process raised, by type",
+                 ["type"], registry=REGISTRY)

@@ -26,7 +26,7 @@ def test_status_json_reflects_known_state(real_server, namespace):
     client.get_meta(["a"], 6, "p", task_name="actor")
     client.get_meta(["a"], 2, "p", task_name="critic", lease_s=60)
     out = subprocess.run(CLI + ["status", "--json", "--redis", real_server.url, "--namespace", namespace],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     snap = json.loads(out.stdout)
     (p,) = snap["partitions"]
@@ -38,7 +38,7 @@ def test_status_json_reflects_known_state(real_server, namespace):
         {"consumed": 6, "in_flight": 0, "poison": 0, "pct": 60.0}
     assert p["tasks"]["critic"]["in_flight"] == 2 and p["tasks"]["critic"]["consumed"] == 0
     text = subprocess.run(CLI + ["status", "--redis", real_server.url, "--namespace", namespace],
-                          capture_output=True, text=True, timeout=60).stdout
+                          capture_output=True, text=True, timeout=180).stdout
     assert "partition 'p': 10 samples" in text and "leases 2 (0 lapsed" in text
     client.close()
 

@@ -65,3 +65,109 @@ def test_grafana_dashboard_queries_metrics_we_export():
                  "tq_redis_in_flight", "tq_redis_wait_seconds_bucket", "tq_redis_store_call_seconds_bucket"):
         assert name in exprs
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def _start_exporter(url: str, namespace: str):
+    """``tq-redis exporter`` as its own process on a free port; returns (process, endpoint)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "tq_redis.cli.main", "exporter", "--redis", url,
+                             "--namespace", namespace, "--port", "0"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # it prints its endpoint once it serves
+    m = re.search(r"at (http://\S+/metrics)", line)
+    assert m, f"tq-redis exporter printed {line!r}"
+    return proc, m.group(1)
+
+
+def _inline_bytes(url: str, namespace: str, partition: str, ids, field: str) -> int:
+    from tq_redis.meta.keys import PartitionKeys
+    from tq_redis.server import connections
+
+    r = connections.sync_client(url)
+    try:
+        return sum(r.hstrlen(PartitionKeys(namespace, partition).inline, f"{i}:{field}") for i in ids)
+    finally:
+        r.close()
+
+
+def test_standalone_exporter_and_counters_say_exactly_what_a_known_workload_did(real_server, namespace):
+    """Put k=12 samples of b=64 bytes (8 int64, inline), produce a second field for 5, claim j=5 with
+    a lease (actor), 3 plainly (critic), read the 3, nack 2 of the leases, poison one, fail once: the
+    standalone exporter's gauges and this process's counters say exactly so."""
+    from tests.conftest import make_client
+    from tq_redis import errors
+    from tq_redis.instruments import REGISTRY
+
+    def counter(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    k, b, j = 12, 64, 5
+    client = make_client(real_server.url, namespace, inline_max_bytes=4096)
+    other = make_client(real_server.url, namespace + "o", inline_max_bytes=4096)
+    other.put(TensorDict({"x": torch.zeros(7, 8, dtype=torch.int64)}, batch_size=[7]), partition_id="p")
+    put_before = counter("tq_redis_bytes_total", direction="put", store="inline")
+    get_before = counter("tq_redis_bytes_total", direction="get", store="inline")
+    values_before = counter("tq_redis_values_total", direction="put", store="inline")
+    errors_before = counter("tq_redis_errors_total", type="InvalidArgument")
+    meta = client.put(TensorDict({"x": torch.arange(k * 8, dtype=torch.int64).reshape(k, 8)}, batch_size=[k]),
+                      partition_id="p")
+    client.put(TensorDict({"y": torch.ones(5, dtype=torch.int64)}, batch_size=[5]), metadata=meta[0:5])
+    leased = client.get_meta(["x"], j, "p", task_name="actor", lease_s=600)
+    read = client.get_meta(["x"], 3, "p", task_name="critic")
+    client.get_data(read)
+    client.nack(leased.select_samples([0, 1]))
+    client.get_meta(["x"], 2, "p", task_name="actor", lease_s=600)  # the nacked two again: redelivered
+    probe = client.get_meta(["x"], 1, "p", task_name="probe", lease_s=600, max_deliveries=1)
+    client.nack(probe)
+    client.get_meta(["x"], 1, "p", task_name="probe", lease_s=600, max_deliveries=1)  # sample 0: poison
+    try:
+        client.get_meta(["x"], 0, "p", task_name="actor")
+    except errors.InvalidArgument:
+        pass
+    else:
+        raise AssertionError("batch_size=0 was accepted")
+
+    stored_x = _inline_bytes(real_server.url, namespace, "p", range(k), "x")
+    stored_y = _inline_bytes(real_server.url, namespace, "p", range(5), "y")
+    assert stored_x >= k * b  # each value: 64 bytes of int64 and the codec's header
+    assert counter("tq_redis_bytes_total", direction="put", store="inline") - put_before == stored_x + stored_y
+    assert counter("tq_redis_values_total", direction="put", store="inline") - values_before == k + 5
+    assert counter("tq_redis_bytes_total", direction="get", store="inline") - get_before == \
+        _inline_bytes(real_server.url, namespace, "p", read.global_indexes, "x")
+    assert counter("tq_redis_errors_total", type="InvalidArgument") - errors_before == 1
+
+    proc, endpoint = _start_exporter(real_server.url, namespace)
+    try:
+        text = _scrape(endpoint)
+        ns, p = namespace, "p"
+        assert _value(text, "tq_redis_namespace_up", namespace=ns) == 1
+        assert _value(text, "tq_redis_partition_samples", namespace=ns, partition=p) == k
+        assert _value(text, "tq_redis_field_produced", namespace=ns, partition=p, field="x") == k
+        assert _value(text, "tq_redis_field_produced", namespace=ns, partition=p, field="y") == 5
+        assert _value(text, "tq_redis_field_produced_ratio", namespace=ns, partition=p, field="y") == 5 / k
+        actor = {"namespace": ns, "partition": p, "task": "actor"}
+        # the actor holds 5 leases (2 of them redelivered); of the 7 left, none has y
+        assert _value(text, "tq_redis_in_flight", **actor) == j
+        assert _value(text, "tq_redis_redelivered_samples", **actor) == 2
+        assert _value(text, "tq_redis_unclaimed", **actor) == k - j
+        assert _value(text, "tq_redis_queue_depth", **actor) == 0  # no waiter said which fields: x and y
+        critic = {**actor, "task": "critic"}
+        assert _value(text, "tq_redis_consumed", **critic) == 3
+        assert _value(text, "tq_redis_consumed_ratio", **critic) == 0.25
+        assert _value(text, "tq_redis_in_flight", **critic) == 0
+        probe = {**actor, "task": "probe"}
+        assert _value(text, "tq_redis_poison", **probe) == 1 and _value(text, "tq_redis_in_flight", **probe) == 1
+        assert _value(text, "tq_redis_leases_lapsed", **actor) == 0
+        assert _value(text, "tq_redis_waiters", **actor) == 0
+        assert _value(text, "tq_redis_inline_values", namespace=ns, partition=p) == k + 5
+        assert _value(text, "tq_redis_server_used_memory_bytes", namespace=ns) > 0
+        assert namespace + "o" not in text  # one namespace only
+        # read once per scrape: a change shows at the next scrape
+        client.put(TensorDict({"x": torch.zeros(3, 8, dtype=torch.int64)}, batch_size=[3]), partition_id="p")
+        assert _value(_scrape(endpoint), "tq_redis_partition_samples", namespace=ns, partition=p) == k + 3
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    client.close()
+    other.close()

@@ -28,7 +28,7 @@ import redis
 from redis.exceptions import AskError, RedisClusterException
 
 from tq_redis import instruments
-from tq_redis.errors import ConnectionFailed
+from tq_redis.errors import ConnectionFailed, TQError
 from tq_redis.ops.effects import Cmd, FCall, Offload, Operation, Pause, Pipe, Unconfirmed, Wait, WaitThenCall, WaitToken
 from tq_redis.server import connections, durability
 from tq_redis.server import library as scripts
@@ -247,6 +247,9 @@ class _Steps:
         except StopIteration as stop:
             self.result = stop.value
             raise StopIteration from None
+        except TQError as exc:  # what leaves the public API, counted by type
+            instruments.ERRORS.labels(type(exc).__name__).inc()
+            raise
 
     def done(self, value: Any) -> None:
         self._value, self._error = value, None

@@ -28,18 +28,19 @@ _PARTITION = ["namespace", "partition"]
 # from Redis at scrape time, so every process (and the standalone exporter) reports the same numbers
 TASK_GAUGES: dict[str, tuple[str, Any]] = {
     "tq_redis_queue_depth": ("Samples the task can claim now (produced, not claimed, not leased)",
-                             lambda s: s["claimable"]),
-    "tq_redis_unclaimed": ("Alive samples the task has not claimed, produced or not", lambda s: s["unclaimed"]),
+                             lambda s, p: s["claimable"]),
+    "tq_redis_unclaimed": ("Alive samples the task has not claimed, produced or not", lambda s, p: s["unclaimed"]),
     "tq_redis_consumed": ("Samples the task consumed for good (claimed, not in flight, not poison)",
-                          lambda s: s["consumed"]),
-    "tq_redis_consumed_ratio": ("Consumed samples over the partition's samples (0..1)", lambda s: s["pct"] / 100.0),
-    "tq_redis_in_flight": ("Leased samples not yet acked", lambda s: s["in_flight"]),
+                          lambda s, p: s["consumed"]),
+    "tq_redis_consumed_ratio": ("Consumed samples over the partition's samples (0..1)",
+                                lambda s, p: s["consumed"] / p["samples"] if p["samples"] else 0.0),
+    "tq_redis_in_flight": ("Leased samples not yet acked", lambda s, p: s["in_flight"]),
     "tq_redis_leases_lapsed": ("Leases past their deadline, handed back by the task's next claim",
-                               lambda s: s["lapsed"]),
+                               lambda s, p: s["lapsed"]),
     "tq_redis_redelivered_samples": ("Samples delivered more than once (a lapsed or nacked lease)",
-                                     lambda s: s["redelivered"]),
-    "tq_redis_poison": ("Samples put aside after max_deliveries", lambda s: s["poison"]),
-    "tq_redis_waiters": ("Consumers blocked in get_meta on the task", lambda s: s["waiters"]),
+                                     lambda s, p: s["redelivered"]),
+    "tq_redis_poison": ("Samples put aside after max_deliveries", lambda s, p: s["poison"]),
+    "tq_redis_waiters": ("Consumers blocked in get_meta on the task", lambda s, p: s["waiters"]),
 }
 PARTITION_GAUGES: dict[str, tuple[str, Any]] = {
     "tq_redis_partition_samples": ("Live samples per partition", lambda p: p["samples"]),
@@ -95,10 +96,10 @@ class NamespaceCollector:
                     part_families[name].add_metric([ns, p["id"]], float(v))
             for f, s in p["fields"].items():
                 produced.add_metric([ns, p["id"], f], s["produced"])
-                produced_ratio.add_metric([ns, p["id"], f], s["pct"] / 100.0)
+                produced_ratio.add_metric([ns, p["id"], f], s["produced"] / p["samples"] if p["samples"] else 0.0)
             for task, s in p["tasks"].items():
                 for name, (_, value) in TASK_GAUGES.items():
-                    task_families[name].add_metric([ns, p["id"], task], float(value(s)))
+                    task_families[name].add_metric([ns, p["id"], task], float(value(s, p)))
         yield from part_families.values()
         yield produced
         yield produced_ratio

@@ -227,7 +227,7 @@ def where_bytes_live(snap: dict[str, Any]) -> dict[str, Any]:
     """Bytes inline in Redis (all partitions), on each storage node, and spilled by the nodes."""
     inline = [p["inline"]["bytes"] for p in snap["partitions"]]
     return {
-        "inline": sum(b for b in inline if b is not None),
+        "inline": None if None in inline else sum(inline),  # None: MEMORY USAGE not allowed
         "inline_values": sum(p["inline"]["values"] for p in snap["partitions"]),
         "nodes": {n["id"]: int(n.get("used", 0)) for n in snap["storage_nodes"]},
         "spilled": sum(int(n.get("spilled_bytes") or 0) for n in snap["storage_nodes"]),
@@ -287,6 +287,11 @@ def age_text(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _size_or_unknown(nbytes: int | None) -> str:
+    """A size, or ``?`` where Redis did not answer ``MEMORY USAGE`` (a user not allowed it)."""
+    return "?" if nbytes is None else format_size(nbytes)
+
+
 def _rate(per_s: float | None) -> str:
     return f" {per_s:+.1f}/s" if per_s is not None else ""
 
@@ -330,7 +335,7 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
         lines.append(
             f"  partition {p['id']!r}: {p['samples']} samples{_rate(r.get('samples'))}{sealed}, "
             f"age {age_text(p['age_s'])}"
-            f", inline {inline['values']} values ({format_size(inline['bytes'] or 0)})"
+            f", inline {inline['values']} values ({_size_or_unknown(inline['bytes'])})"
         )
         for f, s in p["fields"].items():
             lines.append(f"    field {f:<20} produced {s['produced']:>8} ({s['pct']:5.1f}%)"
@@ -343,9 +348,10 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
             )
     nodes = snap["storage_nodes"]
     b = snap["bytes"]
-    lines.append(f"bytes: {format_size(b['inline'])} inline in Redis ({b['inline_values']} values), "
+    lines.append(f"bytes: {_size_or_unknown(b['inline'])} inline in Redis ({b['inline_values']} values), "
                  f"{format_size(sum(b['nodes'].values()))} on {len(nodes)} storage node(s), "
                  f"{format_size(b['spilled'])} spilled")
+    lines.append(f"storage nodes: {len(nodes)}")
     for n in nodes:
         used, cap = n.get("used", 0), n.get("capacity", 0)
         age = n.get("heartbeat_age_s")

@@ -41,7 +41,7 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
         sealed = ", sealed" if p["sealed"] else ""
         title = (f"partition {p['id']!r}: {p['samples']} samples {_rate(r.get('samples'))}{sealed}, "
                  f"age {age_text(p['age_s'])}, inline {p['inline']['values']} values "
-                 f"({format_size(p['inline']['bytes'] or 0)})")
+                 f"({'?' if p['inline']['bytes'] is None else format_size(p['inline']['bytes'])})")
         fields = Table(title=title, title_justify="left")
         for col in ("field", "produced", "%", "rate"):
             fields.add_column(col, justify="left" if col == "field" else "right")
@@ -58,7 +58,8 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
         if p["tasks"]:
             out.append(tasks)
     b = snap["bytes"]
-    nodes = Table(title=f"bytes: {format_size(b['inline'])} inline in Redis ({b['inline_values']} values), "
+    inline_size = "?" if b["inline"] is None else format_size(b["inline"])
+    nodes = Table(title=f"bytes: {inline_size} inline in Redis ({b['inline_values']} values), "
                         f"{format_size(sum(b['nodes'].values()))} on {len(snap['storage_nodes'])} storage node(s), "
                         f"{format_size(b['spilled'])} spilled", title_justify="left")
     for col in ("node", "address", "used", "capacity", "spilled", "heartbeat"):
