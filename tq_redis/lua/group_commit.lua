@@ -32,7 +32,7 @@
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
--- @include bits
+-- @include arrival
 -- @include clock
 -- @include events
 -- @include inline
@@ -81,16 +81,7 @@ local function group_commit(KEYS, ARGV)
   register_schemas(prefix, pairs_)
   if rec.version ~= '' then tag_range(prefix, 'policy_version', first, count, rec.version) end
   if ARGV[3] ~= '' then tag_range(prefix, 'policy_version_end', first, count, ARGV[3]) end
-  set_bit_range(prefix .. 'alive', first, count)
-  for i = 1, #names do set_bit_range(prefix .. 'prod:' .. names[i], first, count) end
-  local created = redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[4]) == 1
-  if not inline then
-    redis.call('HDEL', KEYS[1], 'inlineonly')
-  elseif created then
-    redis.call('HSET', KEYS[1], 'inlineonly', 1)
-  end
-  redis.call('HINCRBY', KEYS[1], 'samples', count)
-  redis.call('HSET', prefix .. 'groups', first, count)
+  arrive(KEYS[1], prefix, first, count, names, inline, ARGV[4])
   redis.call('HDEL', prefix .. 'resv', token)
   redis.call('ZREM', prefix .. 'resvdl', token)
   emit(prefix, 'insert', 'first', first, 'count', count, 'fields', table.concat(names, ','))

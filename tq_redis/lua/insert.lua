@@ -30,7 +30,7 @@
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
--- @include bits
+-- @include arrival
 -- @include events
 -- @include inline
 -- @include placement
@@ -60,16 +60,7 @@ local function insert(KEYS, ARGV)
     place_range(prefix, ARGV[4], names, first, count)
   end
   register_schemas(prefix, pairs_)
-  set_bit_range(prefix .. 'alive', first, count)
-  for i = 1, #names do set_bit_range(prefix .. 'prod:' .. names[i], first, count) end
-  local created = redis.call('HSETNX', KEYS[1], 'created_ms', ARGV[3]) == 1
-  if not inline then
-    redis.call('HDEL', KEYS[1], 'inlineonly')
-  elseif created then
-    redis.call('HSET', KEYS[1], 'inlineonly', 1)
-  end
-  redis.call('HINCRBY', KEYS[1], 'samples', count)
-  redis.call('HSET', prefix .. 'groups', first, count)
+  arrive(KEYS[1], prefix, first, count, names, inline, ARGV[3])
   emit(prefix, 'insert', 'first', first, 'count', count, 'fields', table.concat(names, ','))
   return {1, first}
 end
