@@ -224,6 +224,31 @@ def _cmd_exporter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve one namespace's live page at ``/`` until SIGINT/SIGTERM."""
+    from tq_redis.monitor.dashboard import serve
+
+    url = args.redis or settings.redis_url
+    r = _open_monitor("dashboard", url)
+    if isinstance(r, int):
+        return r
+    try:
+        r.ping()  # say at once when the server is unreachable, not in the browser
+    except redis.RedisError as exc:
+        return _one_line("dashboard", _redis_failure(url, exc))
+    finally:
+        r.close()
+    server, page, dashboard = serve(url, args.namespace, args.port, args.host, refresh_s=args.refresh)
+    print(f"tq-redis dashboard: namespace {args.namespace!r} at {page}", flush=True)
+    try:
+        _serve_until_stopped(threading.Event())
+    finally:
+        server.shutdown()
+        server.server_close()
+        dashboard.close()
+    return 0
+
+
 def _admin_url(args: argparse.Namespace, command: str) -> str | None:
     url = args.redis or settings.redis_url
     if not url:
@@ -362,6 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--port", type=int, default=9464, help="HTTP port (0: a free one)")
     exporter.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     exporter.set_defaults(func=_cmd_exporter)
+
+    dash = sub.add_parser("dashboard", help="a live, read-only web page of one namespace at /")
+    dash.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
+    dash.add_argument("--namespace", default=settings.namespace or "tq")
+    dash.add_argument("--port", type=int, default=8265, help="HTTP port (0: a free one)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    dash.add_argument("--refresh", type=float, default=2.0, help="seconds between the page's refreshes")
+    dash.set_defaults(func=_cmd_dashboard)
 
     load = sub.add_parser("load-library", help="admin: load the Lua function library on every primary")
     load.add_argument("--redis", default=None, help="Redis URL of a user allowed to FUNCTION LOAD "
