@@ -87,7 +87,8 @@ def test_compose_is_secure_by_default():
 def test_compose_services_run_natively(tmp_path):
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"valkey", "setup", "storage-0", "storage-1", "rank"}
+    assert set(services) == {"valkey", "setup", "storage-0", "storage-1", "rank", "exporter", "dashboard",
+                             "prometheus", "grafana"}
     assert "valkey-data" in compose["volumes"]
     assert "--appendonly" in services["valkey"]["command"]
 
@@ -179,3 +180,27 @@ def test_dockerfile_copies_what_the_package_needs():
         assert needed in copied, f"Dockerfile does not copy {needed}"
         assert (ROOT / needed).exists()
     assert any("torch==2.13.0" in line for line in lines)
+
+
+def test_compose_provisions_the_operators_view():
+    """The exporter and the live page log in as the namespace's user (URL in the environment), and
+    Grafana gets the dashboard and the Prometheus data source from files in deploy/."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, sub in (("exporter", "exporter"), ("dashboard", "dashboard")):
+        cmd = services[name]["command"]
+        assert cmd[:2] == ["tq-redis", sub] and "--redis" not in cmd
+        assert services[name]["environment"]["TQ_REDIS_URL"].startswith("redis://tq-tq:")
+    assert services["dashboard"]["ports"] == ["127.0.0.1:8265:8265"]
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in services["grafana"]["volumes"]}
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert mounts["./deploy/grafana"] == "/var/lib/grafana/dashboards"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/tq-redis.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert (ROOT / "deploy/grafana/tq-redis-dashboard.json").exists()
+    source = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["exporter:9464"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]

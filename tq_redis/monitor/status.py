@@ -146,7 +146,7 @@ def partition_status(r: redis.Redis, ns: str, partition: str, now_ms: int | None
         "inline": {
             "values": inline_values if isinstance(inline_values, int) else 0,
             # MEMORY USAGE: what the inline hash costs Redis, overhead included (None: not answered)
-            "bytes": inline_bytes if isinstance(inline_bytes, int) else None,
+            "bytes": inline_bytes if isinstance(inline_bytes, int) else (0 if inline_values == 0 else None),
         },
     }
     for f in fields:
