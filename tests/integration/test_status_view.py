@@ -178,7 +178,7 @@ def test_unreachable_server_is_one_typed_line():
     assert out.returncode == 1 and "secret" not in out.stderr and "Traceback" not in out.stderr
 
 
-def test_status_on_a_cluster(cluster, namespace):  # noqa: F811
+def test_status_exporter_and_dashboard_on_a_cluster(cluster, namespace):  # noqa: F811
     client = _workload(cluster.url, namespace)
     snap = _status_json(cluster.url, namespace)
     (p,) = snap["partitions"]
@@ -186,4 +186,29 @@ def test_status_on_a_cluster(cluster, namespace):  # noqa: F811
     assert p["tasks"]["probe"]["poison"] == 1 and p["inline"]["values"] == 14
     assert snap["server"]["primaries"] == 3 and snap["server"]["used_memory"] > 0
     assert "partition 'p'" in render(snap)
+    # the exporter and the live page read the same snapshot on a cluster
+    import urllib.request
+
+    from tq_redis.monitor.dashboard import serve
+    from tq_redis.monitor.exporter import serve_namespace
+
+    server, endpoint, collector = serve_namespace(cluster.url, namespace)
+    try:
+        with urllib.request.urlopen(endpoint, timeout=30) as resp:
+            text = resp.read().decode()
+        assert f'tq_redis_namespace_up{{namespace="{namespace}"}} 1.0' in text
+        assert f'tq_redis_in_flight{{namespace="{namespace}",partition="p",task="critic"}} 2.0' in text
+    finally:
+        server.shutdown()
+        server.server_close()
+        collector.close()
+    server, page, dashboard = serve(cluster.url, namespace)
+    try:
+        with urllib.request.urlopen(page + "api/snapshot", timeout=30) as resp:
+            body = json.loads(resp.read())
+        assert body["errors"] == [] and body["snapshot"]["partitions"][0]["tasks"]["probe"]["poison"] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        dashboard.close()
     client.close()
