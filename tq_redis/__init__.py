@@ -8,8 +8,9 @@ storage node — start without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tq_redis.lazy import lazy_names
 
 __version__ = "0.1.11.1"
 """``<reference API level>.<release>``: the first three parts are the ``transferqueue`` release whose
@@ -94,19 +95,6 @@ __all__ = [
 ]
 
 
-if not TYPE_CHECKING:  # type checkers see the imports below instead, so a misspelt name is flagged
-
-    def __getattr__(name: str) -> Any:
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module 'tq_redis' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
@@ -143,3 +131,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         SeqlenBalancedSampler,
         SequentialSampler,
     )
+
+if not TYPE_CHECKING:  # type checkers see the imports above instead, so a misspelt name is flagged
+    __getattr__, __dir__ = lazy_names(globals(), _EXPORTS)

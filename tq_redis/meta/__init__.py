@@ -31,8 +31,9 @@ The package also holds what the metadata plane is made of below the batch classe
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tq_redis.lazy import lazy_names
 
 # public name -> the module that defines it, imported on first use: importing the key layout
 # (``tq_redis.meta.keys``) in a storage node or ``tq-redis status`` must not import torch
@@ -69,16 +70,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tq_redis.meta.schema_entries import extract_field_schema, field_kind
     from tq_redis.meta.schemas import KIND_JAGGED, KIND_NDARRAY, KIND_OBJECT, KIND_STRIDED, KIND_TENSOR
 
-else:
-
-    def __getattr__(name: str) -> Any:
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+if not TYPE_CHECKING:  # type checkers see the imports above instead, so a misspelt name is flagged
+    __getattr__, __dir__ = lazy_names(globals(), _EXPORTS)

@@ -32,8 +32,9 @@ Modules of this package import each other directly, never this ``__init__``; the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tq_redis.lazy import lazy_names
 
 # public name -> the module that defines it, imported on first use: importing one module of the
 # package (``tq_redis.ops.effects``, say) must not import every operation, and torch with them
@@ -112,16 +113,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tq_redis.ops.data import get_data, put, set_custom_meta
     from tq_redis.ops.status import consumption_status, get_partition_list, production_status
 
-else:
-
-    def __getattr__(name: str) -> Any:
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+if not TYPE_CHECKING:  # type checkers see the imports above instead, so a misspelt name is flagged
+    __getattr__, __dir__ = lazy_names(globals(), _EXPORTS)
