@@ -168,7 +168,7 @@ def test_watch_shows_rates_between_refreshes(valkey, namespace):
 
 def test_unreachable_server_is_one_typed_line():
     url = f"redis://127.0.0.1:{free_port()}/0"
-    for command in (["status"], ["status", "--json"]):
+    for command in (["status"], ["status", "--json"], ["exporter", "--port", "0"], ["dashboard", "--port", "0"]):
         out = subprocess.run(CLI + command + ["--redis", url, "--namespace", "x"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 1 and "Traceback" not in out.stderr

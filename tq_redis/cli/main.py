@@ -193,60 +193,47 @@ def _cmd_status(args: argparse.Namespace) -> int:
         r.close()
 
 
-def _serve_until_stopped(stop: threading.Event) -> None:
+def _serve_view(command: str, args: argparse.Namespace, start) -> int:
+    """Check that Redis answers (one typed line and exit 1 if not: said at once, not at the first
+    request), then ``start(url)`` -- ``(http server, address, reader with close())`` -- and serve
+    until SIGINT/SIGTERM."""
+    url = args.redis or settings.redis_url
+    r = _open_monitor(command, url)
+    if isinstance(r, int):
+        return r
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        return _one_line(command, _redis_failure(url, exc))
+    finally:
+        r.close()
+    server, address, reader = start(url)
+    print(f"tq-redis {command}: namespace {args.namespace!r} at {address}", flush=True)
+    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    try:
+        stop.wait()
+    finally:
+        server.shutdown()
+        server.server_close()
+        reader.close()
+    return 0
 
 
 def _cmd_exporter(args: argparse.Namespace) -> int:
-    """Serve one namespace's gauges at ``/metrics`` until SIGINT/SIGTERM."""
+    """Serve one namespace's gauges at ``/metrics``."""
     from tq_redis.monitor.exporter import serve_namespace
 
-    url = args.redis or settings.redis_url
-    r = _open_monitor("exporter", url)
-    if isinstance(r, int):
-        return r
-    try:
-        r.ping()  # say at once when the server is unreachable, not at the first scrape
-    except redis.RedisError as exc:
-        return _one_line("exporter", _redis_failure(url, exc))
-    finally:
-        r.close()
-    server, endpoint, collector = serve_namespace(url, args.namespace, args.port, args.host)
-    print(f"tq-redis exporter: namespace {args.namespace!r} at {endpoint}", flush=True)
-    try:
-        _serve_until_stopped(threading.Event())
-    finally:
-        server.shutdown()
-        server.server_close()
-        collector.close()
-    return 0
+    return _serve_view("exporter", args, lambda url: serve_namespace(url, args.namespace, args.port, args.host))
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
-    """Serve one namespace's live page at ``/`` until SIGINT/SIGTERM."""
+    """Serve one namespace's live page at ``/``."""
     from tq_redis.monitor.dashboard import serve
 
-    url = args.redis or settings.redis_url
-    r = _open_monitor("dashboard", url)
-    if isinstance(r, int):
-        return r
-    try:
-        r.ping()  # say at once when the server is unreachable, not in the browser
-    except redis.RedisError as exc:
-        return _one_line("dashboard", _redis_failure(url, exc))
-    finally:
-        r.close()
-    server, page, dashboard = serve(url, args.namespace, args.port, args.host, refresh_s=args.refresh)
-    print(f"tq-redis dashboard: namespace {args.namespace!r} at {page}", flush=True)
-    try:
-        _serve_until_stopped(threading.Event())
-    finally:
-        server.shutdown()
-        server.server_close()
-        dashboard.close()
-    return 0
+    return _serve_view("dashboard", args,
+                       lambda url: serve(url, args.namespace, args.port, args.host, refresh_s=args.refresh))
 
 
 def _admin_url(args: argparse.Namespace, command: str) -> str | None:
