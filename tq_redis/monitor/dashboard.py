@@ -58,8 +58,9 @@ function waiting(s) { if (!s.waiters) return "0"; const w = s.waiting_for;
 function leases(s) { if (!s.in_flight) return "0"; return s.in_flight + " (" + s.lapsed + " lapsed)"; }
 function draw(snap) {
   const sv = snap.server;
-  document.getElementById("server").textContent = sv.product + " " + sv.version + ": memory " + size(sv.used_memory)
-    + " used of " + (sv.maxmemory ? size(sv.maxmemory) : "no limit") + ", eviction policy " + sv.maxmemory_policy
+  document.getElementById("server").textContent = (sv.refused ? "server: INFO refused (" + sv.refused + ")"
+    : sv.product + " " + sv.version + ": memory " + size(sv.used_memory)
+      + " used of " + (sv.maxmemory ? size(sv.maxmemory) : "no limit") + ", eviction policy " + sv.maxmemory_policy)
     + "; bytes " + size(snap.bytes.inline) + " inline in Redis, "
     + size(Object.values(snap.bytes.nodes).reduce((a, b) => a + b, 0))
     + " on storage nodes, " + size(snap.bytes.spilled) + " spilled";

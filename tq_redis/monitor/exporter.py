@@ -118,6 +118,8 @@ class NamespaceCollector:
                 age.add_metric([ns, n["id"]], n["heartbeat_age_s"])
         yield from (used, capacity, spilled, age)
         server = snap["server"]
+        if server.get("refused"):  # INFO not allowed: no server gauges rather than made-up ones
+            return
         memory = GaugeMetricFamily("tq_redis_server_used_memory_bytes", "Memory the Redis server uses "
                                    "(summed over a cluster's primaries)", labels=["namespace"])
         memory.add_metric([ns], float(server["used_memory"]))
@@ -125,9 +127,6 @@ class NamespaceCollector:
                                   labels=["namespace"])
         limit.add_metric([ns], float(server["maxmemory"]))
         yield from (memory, limit)
-
-
-QueueDepthCollector = NamespaceCollector  # the name it had before the standalone exporter
 
 
 _exporter_lock = threading.Lock()
@@ -141,7 +140,7 @@ def start_exporter(port: int = 0, addr: str = "127.0.0.1", redis_url: str | None
         if "endpoint" in _exporter:
             return _exporter["endpoint"]
         if redis_url and namespace:
-            collector = QueueDepthCollector(redis_url, namespace)
+            collector = NamespaceCollector(redis_url, namespace)
             REGISTRY.register(collector)
             _exporter["collector"] = collector
         server, thread = start_http_server(port, addr=addr, registry=REGISTRY)

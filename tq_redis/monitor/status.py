@@ -204,9 +204,17 @@ def _info_of(r: Any, section: str) -> list[dict[str, Any]]:
 
 
 def server_status(r: Any) -> dict[str, Any]:
-    """Version, memory used and its limit, and eviction policy of the server (every primary of a cluster)."""
-    servers = _info_of(r, "server")
-    memories = _info_of(r, "memory")
+    """Version, memory used and its limit, and eviction policy of the server (every primary of a cluster).
+
+    A server that refuses ``INFO`` (a namespace's ACL user may not run it; fakeredis lacks it) gives
+    ``None`` for each figure and the refusal in ``"refused"``: the rest of the snapshot still comes.
+    """
+    try:
+        servers = _info_of(r, "server")
+        memories = _info_of(r, "memory")
+    except redis.ResponseError as exc:
+        return {"product": None, "version": None, "primaries": None, "used_memory": None, "maxmemory": None,
+                "maxmemory_policy": None, "refused": str(exc)}
     first = servers[0] if servers else {}
     version = first.get("valkey_version") or first.get("redis_version")
     product = "valkey" if "valkey_version" in first or first.get("server_name") == "valkey" else "redis"
@@ -298,6 +306,8 @@ def _rate(per_s: float | None) -> str:
 
 def server_line(snap: dict[str, Any]) -> str:
     s = snap["server"]
+    if s.get("refused"):
+        return f"server: INFO refused ({s['refused']}); version, memory and eviction policy unknown"
     limit = format_size(s["maxmemory"]) if s["maxmemory"] else "no limit"
     where = f", {s['primaries']} primaries" if s["primaries"] > 1 else ""
     return (f"server {s['product']} {s['version']}{where}: memory {format_size(s['used_memory'])} used of "
