@@ -27,6 +27,8 @@ are scanned past by every later claim, so drop them when they will never be want
 lacking the tag a key needs (``total_lengths``, ``policy_version``) is not handed out under it.
 With a lease, ``max_deliveries`` (in ``sampling_config`` or as a ``get_meta`` argument) puts a
 sample delivered that often aside in the same poison set instead of handing it out again.
+``max_times_sampled`` (replay; fetch mode, sequential and GRPO samplers) hands a sample to the
+task up to that many times instead of once; it then stays consumed.
 
 Any other :class:`BaseSampler` -- a user's subclass or an instance of one -- runs **in the
 client**: it gets the full ready list, chooses, and the client claims the choice with a script
@@ -560,6 +562,14 @@ def builtin_plan(sampler: BaseSampler, config: dict[str, Any], batch_size: int) 
         if version is None:
             raise SamplerError("drop_stale=True needs min_policy_version (which samples are stale)")
         opts["drop_stale"] = "1"
+    times = _opt_int(config, "max_times_sampled", 1, 1)
+    if times is not None and times > 1:
+        if kind in ("rank", "balance"):
+            raise SamplerError(
+                f"max_times_sampled does not combine with {type(sampler).__name__}: the ranks of a data-parallel "
+                f"group share one stored batch, which a replayed sample would join again"
+            )
+        opts["times"] = str(times)
     if kind in ("rank", "balance"):
         if kind == "rank":
             missing = [k for k in ("dp_rank", "batch_index") if config.get(k) is None]

@@ -461,7 +461,7 @@ _PLAIN = {
     "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics", "rings", "closed",
 }  # fmt: skip
 _FAMILIES = (
-    "prod:", "cons:", "lease:", "dlv:", "poison:", "tag:", "loc:",
+    "prod:", "cons:", "lease:", "dlv:", "poison:", "sampled:", "tag:", "loc:",
     "waiters:", "waitneed:", "wake:", "wakebudget:", "rank:", "bal:",
 )  # fmt: skip
 _PARTITION_KEY = re.compile(r"\{([^{}]+)\}:(.*)", re.S)

@@ -333,6 +333,7 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.get_meta(["x"], 100, "all", task_name="t", timeout=0.05)  # waits, then gives up
     client.get_consumption_status("t", "all")
     client.reset_consumption("all", "t")
+    client.get_meta(["x"], 1, "all", task_name="t", sampling_config={"max_times_sampled": 2})  # replay counts
     client.kv_put("k", "kv", {"v": torch.tensor([1])})
     client.kv_list("kv")
     client.kv_clear(["k"], "kv")

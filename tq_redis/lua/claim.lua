@@ -35,6 +35,9 @@
                drop_stale   1 = put samples below min_version aside       default 0
                dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
                _values      1 = also return the batch's inline values (get_meta_and_data)
+               times        max_times_sampled: a sample is handed to the task up to this
+                            many times (replay; fetch mode only) before it stays consumed
+                            default 1
     then     nfields, then nfields required field names
     then     optional: waiter id, wait_ms  the caller's waiter id; when nothing is handed out and
                                  wait_ms > 0 it is registered as waiting that long (see `wait`),
@@ -64,7 +67,7 @@
                                  the partition keeps nothing inline
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
@@ -72,6 +75,7 @@
 -- @include leases
 -- @include prefix
 -- @include ready
+-- @include replay
 -- @include samplers
 
 local function claim(KEYS, ARGV)
@@ -92,7 +96,7 @@ local function claim(KEYS, ARGV)
 
   -- The default sampler without options (a plain fetch, no delivery limit): the first ready
   -- ids, straight from the bitmaps.
-  if sampler == 'sequential' and not opts.min_version and (tonumber(opts.max_tokens) or 0) <= 0
+  if sampler == 'sequential' and not opts.min_version and not opts.times and (tonumber(opts.max_tokens) or 0) <= 0
       and (c.lease_ms <= 0 or c.max_deliveries <= 0) then
     local ids = {}
     if take_ready(prefix, task, c.fields, c.want, ids) < c.want then return claim_none_ready(prefix, c) end
@@ -128,6 +132,7 @@ local function claim(KEYS, ARGV)
   local ids, tags = select_units(prefix, task, c.fields, total, select_opts)
   if #ids == 0 then return claim_none_ready(prefix, c) end
   local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
+  if opts.times then count_sampled(prefix, task, ids, tonumber(opts.times)) end
   local ttl = tonumber(opts.ttl_ms) or 3600000
 
   if sampler == 'rank' then

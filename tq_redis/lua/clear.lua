@@ -14,7 +14,7 @@
                                  of the rings its store values were put under (their holders)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
     <p>:tagnames  <p>:tag:<name>
     <p>:trash  <p>:trashfields  <p>:inline  <p>:rings
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
@@ -54,6 +54,7 @@ local function clear(KEYS, ARGV)
       local part = {unpack(alive, from, math.min(#alive, from + CHUNK - 1))}
       redis.call('ZREM', prefix .. 'lease:' .. tasks[i], unpack(part))
       redis.call('HDEL', prefix .. 'dlv:' .. tasks[i], unpack(part))
+      redis.call('HDEL', prefix .. 'sampled:' .. tasks[i], unpack(part))
       redis.call('SREM', prefix .. 'poison:' .. tasks[i], unpack(part))
     end
   end

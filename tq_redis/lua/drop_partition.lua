@@ -21,7 +21,7 @@
                                  and the ids of the rings its store values were put under
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:groupidx
     <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
@@ -66,6 +66,7 @@ local function drop_partition(KEYS, ARGV)
     doomed[#doomed + 1] = prefix .. 'lease:' .. tasks[i]
     doomed[#doomed + 1] = prefix .. 'dlv:' .. tasks[i]
     doomed[#doomed + 1] = prefix .. 'poison:' .. tasks[i]
+    doomed[#doomed + 1] = prefix .. 'sampled:' .. tasks[i]
   end
   local waiting = redis.call('SMEMBERS', prefix .. 'waittasks')
   for i = 1, #waiting do

@@ -8,7 +8,7 @@
     1 if the partition exists (reset done), 0 if it does not
   Touches:
     <p>:meta  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:alive  <p>:prod:<field> (reading, to check a waiter's need)
 ]]
@@ -26,7 +26,7 @@ local function reset_consumption(KEYS, ARGV)
   end
   for i = 1, #tasks do
     redis.call('UNLINK', prefix .. 'cons:' .. tasks[i], prefix .. 'lease:' .. tasks[i],
-               prefix .. 'dlv:' .. tasks[i], prefix .. 'poison:' .. tasks[i])
+               prefix .. 'dlv:' .. tasks[i], prefix .. 'poison:' .. tasks[i], prefix .. 'sampled:' .. tasks[i])
   end
   emit(prefix, 'reset', 'tasks', table.concat(tasks, ','))
   return 1

@@ -34,6 +34,8 @@ key                                type    holds
 ``ns:{p}:lease:<task>``            ZSET    sample id -> lease deadline (ms) of in-flight samples
 ``ns:{p}:dlv:<task>``              HASH    sample id -> delivery count (lease mode)
 ``ns:{p}:poison:<task>``           SET     sample ids moved aside after max deliveries
+``ns:{p}:sampled:<task>``          HASH    sample id -> times handed to the task so far (replay:
+                                           ``max_times_sampled`` > 1; dropped once it is reached)
 ``ns:{p}:tagnames``                SET     names of per-sample tags in use
 ``ns:{p}:tag:<name>``              HASH    sample id -> JSON value of tag ``name``
 ``ns:{p}:groups``                  HASH    first id of an insert -> group size (GRPO groups)
@@ -247,6 +249,7 @@ class PartitionKeys(_Tagged):
     lease = _KeyOf("lease:")
     deliveries = _KeyOf("dlv:")
     poison = _KeyOf("poison:")
+    sampled = _KeyOf("sampled:")
     tag = _KeyOf("tag:")
 
     def data(self, sample_id: int, field: str) -> str:

@@ -129,6 +129,8 @@ def fetch(
         raise InvalidArgument(f"max_deliveries must be an integer >= 0 (0 = unlimited), got {max_deliveries!r}")
     spec = config.get("sampler")
     sampler = samplers.resolve_sampler(spec) if spec is not None else (yield from _default_sampler(ctx))
+    if config.get("max_times_sampled", 1) != 1:
+        _check_replay(sampler, lease_ms)
     shared = False  # a batch the ranks of a data-parallel group share (stored by the first rank's claim)
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
@@ -179,6 +181,20 @@ def fetch(
             # the next claim rides behind the wait; its lease runs from the server's time when it
             # runs, so a leasing claim may wait and claim in one round trip too
             wake = WaitToken(pk.wake(task_name), remaining)
+
+
+def _check_replay(sampler: samplers.BaseSampler, lease_ms: int) -> None:
+    """``max_times_sampled`` (replay) runs in the claim script, in fetch mode: refuse the rest."""
+    if lease_ms:
+        raise InvalidArgument(
+            "sampling_config['max_times_sampled'] replays samples in fetch mode and does not combine with lease_s: "
+            "a leased sample is acknowledged exactly once. Drop lease_s, or max_times_sampled"
+        )
+    if not samplers.is_builtin(sampler):
+        raise samplers.SamplerError(
+            f"sampling_config['max_times_sampled'] needs a built-in sampler (it runs in the claim script); "
+            f"{type(sampler).__name__} runs in the client"
+        )
 
 
 def not_durable_claim(
