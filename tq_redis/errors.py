@@ -184,6 +184,17 @@ class LeaseLost(LeaseError):
         self.by_partition = dict(by_partition or {})
 
 
+class SampleComplete(InvalidArgument):
+    """An append (``append_parts``) named a field that is already marked complete for some of its
+    samples: a completed field never changes (its consumers may have read it). ``.field`` and
+    ``.ids`` say which; append to samples still in progress, or put a new sample."""
+
+    def __init__(self, message: str, field: str = "", ids: list[int] | None = None):
+        super().__init__(message)
+        self.field = field
+        self.ids = list(ids or [])
+
+
 class ReservationLost(TQError):
     """A commit (or lease extension) named a group reservation that is no longer held: it was
     committed already, aborted, or its lease lapsed on the server's clock and it was freed.

@@ -306,6 +306,8 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.put(TensorDict({"z": torch.ones(2)}, batch_size=[2]), metadata=meta[0:2])
     _tag(client, meta, [{"uid": i // 2} for i in range(8)])
     client.get_data(meta[0:2])
+    parts = client.append_parts(meta[2:4], {"r": torch.ones(2, 3, dtype=torch.int64)}, 0)  # store: alloc, append
+    client.get_data(client.complete_parts(parts, ["r"]).select_fields(["r"]))  # read the parts
     small = make_client(cluster.url, namespace, inline_max_bytes=4096)  # values kept in the metadata plane
     try:
         small.get_data(small.put(TensorDict({"s": torch.ones(2, 1)}, batch_size=[2]), partition_id="small"))

@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, reservations, streaming
+from tq_redis.ops import arguments, kv, partial, reservations, streaming
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -258,6 +258,11 @@ class AsyncTransferQueueClient:
     )
     async_set_staleness_bound = awaiting(
         reservations.set_staleness_bound, doc="See :meth:`tq_redis.TransferQueueClient.set_staleness_bound`."
+    )
+
+    async_append_parts = awaiting(partial.append_parts, doc="See :meth:`tq_redis.TransferQueueClient.append_parts`.")
+    async_complete_parts = awaiting(
+        partial.complete_parts, doc="See :meth:`tq_redis.TransferQueueClient.complete_parts`."
     )
 
     async def async_close(self) -> None:

@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, reservations, streaming
+from tq_redis.ops import checkpoint, kv, partial, reservations, streaming
 
 R = TypeVar("R")
 
@@ -268,6 +268,19 @@ class TransferQueueClient(AsyncTransferQueueClient):
     set_staleness_bound = blocking(reservations.set_staleness_bound, doc="""
         Admit reservations of ``partition_id`` only while the samples reserved and not freed stay
         within ``(version + max_lag + 1) * batch_size`` (``max_lag=None`` removes the bound).""")
+
+    # -- partial rollout (tq_redis.ops.partial) ---------------------------------------------------
+
+    append_parts = blocking(partial.append_parts, doc="""
+        Append one part to each field of ``data`` (one row per sample of ``metadata``: its new
+        tokens, first dimension), recorded with the ``policy_version`` that generated it.
+        ``complete=True`` marks those fields complete: only then can a task needing them claim the
+        samples. ``get_data`` returns the parts joined, in order, and a ``"<field>~version"``
+        column with each row's policy version. Raises ``SampleComplete`` for a completed field.""")
+
+    complete_parts = blocking(partial.complete_parts, doc="""
+        Mark appended ``fields`` complete for the samples of ``metadata`` (no new part): tasks
+        needing them can claim the samples from now on.""")
 
     def close(self) -> None:
         """Close the Redis pools and store connections."""

@@ -14,7 +14,9 @@ ops; ops.get_meta(...)``); each lives in a module of its own:
 * :mod:`~tq_redis.ops.context` -- :data:`Op`, :class:`Context`, the namespace's :func:`storage`
   manager and recorded settings (:func:`write_config`), :func:`canonical` schema JSON;
 * :mod:`~tq_redis.ops.data` -- :func:`put` (insert or rewrite), :func:`set_custom_meta`,
-  :func:`get_data`: the operations that move bytes;
+  :func:`get_data`: the operations that move bytes; :mod:`~tq_redis.ops.partial` --
+  :func:`append_parts`, :func:`complete_parts` (partial rollout) and the :func:`get_data` that
+  reads fields written in parts too;
 * :mod:`~tq_redis.ops.claim` -- :func:`get_meta` (claims with built-in or user samplers, and
   waiting), :func:`claim_choice`, :func:`settle`, :func:`reset_consumption`;
 * :mod:`~tq_redis.ops.batch` -- :func:`get_meta_and_data`: a claim that returns its inline values;
@@ -54,7 +56,9 @@ _EXPORTS = {
     "delete_bytes": "tq_redis.ops.clear",
     "discard_bytes": "tq_redis.ops.clear",
     "empty_trash": "tq_redis.ops.clear",
-    "get_data": "tq_redis.ops.data",
+    "append_parts": "tq_redis.ops.partial",
+    "complete_parts": "tq_redis.ops.partial",
+    "get_data": "tq_redis.ops.partial",
     "get_meta": "tq_redis.ops.claim",
     "get_meta_and_data": "tq_redis.ops.batch",
     "get_partition_list": "tq_redis.ops.status",
@@ -75,10 +79,12 @@ __all__ = [
     "MODES",
     "Op",
     "USER_SAMPLER_ATTEMPTS",
+    "append_parts",
     "canonical",
     "claim_choice",
     "clear_partition",
     "clear_samples",
+    "complete_parts",
     "consumption_status",
     "delete_bytes",
     "discard_bytes",
@@ -110,7 +116,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from tq_redis.ops.clear import CLEAR_COST, clear_partition, clear_samples, delete_bytes, discard_bytes, empty_trash
     from tq_redis.ops.context import Context, Op, canonical, storage, write_config
-    from tq_redis.ops.data import get_data, put, set_custom_meta
+    from tq_redis.ops.data import put, set_custom_meta
+    from tq_redis.ops.partial import append_parts, complete_parts, get_data
     from tq_redis.ops.status import consumption_status, get_partition_list, production_status
 
 if not TYPE_CHECKING:  # type checkers see the imports above instead, so a misspelt name is flagged

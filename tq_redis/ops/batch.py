@@ -23,7 +23,8 @@ from tq_redis.meta import BatchMeta
 from tq_redis.ops import arguments
 from tq_redis.ops.claim import fetch
 from tq_redis.ops.context import Context, Op, check_fields, storage
-from tq_redis.ops.data import decode_batch, fill_from_store, get_data
+from tq_redis.ops.data import decode_batch, fill_from_store
+from tq_redis.ops.partial import get_data, parts_fields
 
 
 def get_meta_and_data(
@@ -58,7 +59,7 @@ def read_claimed(ctx: Context, meta: BatchMeta, values: dict[str, list[bytes | N
     sampler's claim) the whole batch is read with ``get_data``."""
     if meta.size == 0:
         return TensorDict({}, batch_size=[0])
-    if not values:
+    if not values or parts_fields(meta):
         return (yield from get_data(ctx, meta))
     ids = list(meta.global_indexes)
     store = yield from storage(ctx)

@@ -477,7 +477,7 @@ def read_store(
     if maybe_inline and len(first.missing) and not store.places_keys:
         return None
     visible = yield from check_visible(pk, ids, fields, placement=store.places_keys)
-    _raise_invisible(pk, visible)
+    raise_invisible(pk, visible)
     if store.settled(first, visible.placement):
         return by_field(first.values, fields, len(ids))
     if maybe_inline and len(first.missing) and not (visible.placement and visible.placement.rings):
@@ -502,7 +502,7 @@ def _read_inline_first(
     inline = False
     for piece in script_budget.pieces(ids, len(fields)):
         read = yield from transitions.read_inline(pk, piece, fields).call()
-        _raise_invisible(pk, read.visibility)
+        raise_invisible(pk, read.visibility)
         inline = inline or bool(read.values)
         for f in fields:
             column = read.values.get(f, {})
@@ -535,7 +535,7 @@ def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], 
 
 
 def _verify_visible(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
-    _raise_invisible(pk, (yield from check_visible(pk, ids, fields)))
+    raise_invisible(pk, (yield from check_visible(pk, ids, fields)))
 
 
 def check_visible(pk: PartitionKeys, ids: list[int], fields: Sequence[str] = (), *, placement: bool = False) -> Op:
@@ -570,7 +570,7 @@ def check_visible(pk: PartitionKeys, ids: list[int], fields: Sequence[str] = (),
     return transitions.Visibility([], None, [], Placement(rings, index))
 
 
-def _raise_invisible(pk: PartitionKeys, visible: transitions.Visibility) -> None:
+def raise_invisible(pk: PartitionKeys, visible: transitions.Visibility) -> None:
     if visible.not_alive:
         raise SampleNotFound(f"samples {visible.not_alive[:10]} of partition {pk.partition!r} were cleared")
     if visible.field is not None:

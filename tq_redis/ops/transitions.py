@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(A little over 800 lines: 31 wrappers and their reply types, kept together so the shared reply
+(About 950 lines: 34 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
@@ -41,6 +41,7 @@ from tq_redis.errors import (
     LibraryNotLoaded,
     PartitionClosed,
     PartitionSealed,
+    SampleComplete,
     SampleNotFound,
     UnknownPartition,
 )
@@ -414,6 +415,99 @@ def read_inline(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) ->
     the values of theirs kept inline (one round trip for small values)."""
     args = (id_ranges(ids), *fields)
     return Transition(FCall("read_inline", (pk.meta,), args), partial(_read_inline, list(ids), list(fields)))
+
+
+# ------------------------------------------------------------------ parts (partial rollout)
+
+
+class PartSpec(NamedTuple):
+    """One field of an append: its name, the schema JSON of its parts and of the field itself."""
+
+    name: str
+    part_schema: str
+    field_schema: str
+
+
+class PartsRead(NamedTuple):
+    """``lua/part_read.lua``: the visibility check and, when it passed, per id (in the order asked)
+    its parts ``[(policy_version, length, k), ...]`` and their inline values (None: in the store)."""
+
+    visibility: Visibility
+    parts: list[list[tuple[int, int, int]]]
+    values: list[list[bytes | None]]
+
+
+def _flat_parts(fields: Sequence[PartSpec]) -> list[Any]:
+    return [len(fields), *(x for f in fields for x in f)]
+
+
+def _read_parts_write(partition: str, reply: Sequence[Any]) -> list[int]:
+    """``{1, k...}`` ok, ``{-1}`` no partition, ``{-2, id...}`` gone, ``{-3, field, id...}`` complete,
+    ``{-4, field}`` not an appended field."""
+    code = int(reply[0])
+    if code == -1:
+        raise _missing_partition(partition)
+    if code == -2:
+        raise SampleNotFound(f"samples {[int(x) for x in reply[1:11]]} of partition {partition!r} were cleared")
+    if code == -3:
+        field, ids = text(reply[1]), [int(x) for x in reply[2:]]
+        raise SampleComplete(
+            f"field {field!r} is already complete for samples {ids[:10]} of partition {partition!r}; "
+            f"append only to samples in progress",
+            field, ids,
+        )  # fmt: skip
+    if code == -4:
+        raise InvalidArgument(
+            f"field {text(reply[1])!r} of partition {partition!r} was never appended to: only a field written "
+            f"with append_parts is marked complete (put writes a whole field)"
+        )
+    return [int(x) for x in reply[1:]]
+
+
+def part_alloc(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[PartSpec]) -> Transition[list[int]]:
+    """``lua/part_alloc.lua``: the next part index of each id for each field (field-major),
+    registered before the bytes are stored. Raises ``UnknownPartition``, ``SampleNotFound``,
+    ``SampleComplete``."""
+    args = (*_flat_parts(fields), len(ids), *ids)
+    return Transition(FCall("part_alloc", (pk.meta,), args), partial(_read_parts_write, pk.partition))
+
+
+def part_append(
+    pk: PartitionKeys, ids: Sequence[int], fields: Sequence[PartSpec], lengths: Sequence[int], version: int,
+    *, inline_values: Sequence[bytes] = (), indexes: Sequence[int] = (), ring: str | None = None,
+    complete: Sequence[str] = (),
+) -> Transition[list[int]]:  # fmt: skip
+    """``lua/part_append.lua``: record one part per id and field of ``fields`` (``lengths``,
+    field-major) at policy ``version``, its values ``inline_values`` or stored under the
+    ``indexes`` :func:`part_alloc` gave; then mark the ``complete`` fields complete. Raises
+    ``UnknownPartition``, ``SampleNotFound``, ``SampleComplete``."""
+    args: list[Any] = [ring or "", version, len(complete), *complete, *_flat_parts(fields), len(ids), *ids, *lengths]
+    if fields:
+        args += ["v", *inline_values] if not indexes else ["k", *indexes]
+    return Transition(FCall("part_append", (pk.meta,), tuple(args)), partial(_read_parts_write, pk.partition))
+
+
+def _read_parts(ids: Sequence[int], reply: Sequence[Any]) -> PartsRead:
+    if int(reply[0]) != 0:
+        return PartsRead(_read_visible(reply), [], [])
+    order = sorted(set(ids))
+    flat_values = list(reply[2])
+    at = 0
+    by_id: dict[int, tuple[list[tuple[int, int, int]], list[bytes | None]]] = {}
+    for i, raw in zip(order, reply[1]):
+        parts = [(int(v), int(n), int(k)) for v, n, k in json.loads(text(raw))] if raw else []
+        values = [flat_values[at + j] if at + j < len(flat_values) and flat_values[at + j] else None
+                  for j in range(len(parts))]  # fmt: skip
+        at += len(parts)
+        by_id[i] = (parts, values)
+    return PartsRead(Visibility([], None, []), [by_id[i][0] for i in ids], [by_id[i][1] for i in ids])
+
+
+def part_read(pk: PartitionKeys, ids: Sequence[int], field: str) -> Transition[PartsRead]:
+    """``lua/part_read.lua``: check that ``ids`` are alive with ``field`` complete, and return
+    their parts and the parts' inline values."""
+    args = (id_ranges(ids), field)
+    return Transition(FCall("part_read", (pk.meta,), args), partial(_read_parts, list(ids)))
 
 
 # ------------------------------------------------------------------ claims
