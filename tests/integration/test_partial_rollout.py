@@ -117,13 +117,15 @@ _APPENDER = textwrap.dedent("""
 """)
 
 
-def test_a_sigkilled_appender_leaves_no_visible_part_and_no_bytes_after_a_clear(real_server, namespace):
-    client = make_client(real_server.url, namespace)
+def test_a_sigkilled_appender_leaves_no_visible_part_and_no_bytes_after_a_clear(valkey, namespace):
+    # one real server: a process start (torch's import) is most of this test's time, and the
+    # scripts it runs are covered on every flavour by the tests above
+    client = make_client(valkey.url, namespace)
     try:
         pk = client.context.keys("p")
         meta = _prompts(client, 4)
         proc = subprocess.Popen(
-            [sys.executable, "-c", _APPENDER, real_server.url, namespace],
+            [sys.executable, "-c", _APPENDER, valkey.url, namespace],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
         )
         try:
