@@ -1,4 +1,5 @@
-"""P10: what a group reservation costs: reserve, commit and abort latency, and Redis CPU per call.
+"""P10: what a group reservation and an append cost: reserve, commit, abort, append (partial
+rollout) against put: latency and Redis CPU per call.
 
 A producer of asynchronous RL reserves a prompt group (``reserve_group``), generates, then commits
 it (``commit_group``) or aborts it (``abort_group``). Each operation runs ``--ops`` times (default
@@ -11,7 +12,9 @@ latency is timed per call (p50, p99); the server's CPU per operation is ``INFO c
 the fcalls per operation beside it. A staleness bound is configured for the partition (``max_lag``
 large enough never to refuse), so admission's bookkeeping is in the figures. For scale, ``baseline:
 ids`` is the plain id allocation a put starts with (``lua/reserve.lua``): one function call doing
-almost nothing.
+almost nothing. ``append`` (``append_parts``: one part of 16 tokens per sample of a group) is
+measured beside ``put`` writing the same field of such samples (``put(data, metadata=...)``),
+inline and in the store.
 
 Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--quick]`` (tq-redis only).
 """
@@ -94,6 +97,18 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
     run("commit (store)", 0, lambda c: c.reserve_group("rollouts", group, lease_s=600),
         lambda c, r: c.commit_group(r, data, end_policy_version=1))
     run("abort", 4096, lambda c: c.reserve_group("rollouts", group, lease_s=600), lambda c, r: c.abort_group(r))
+    # partial rollout: one part of 16 tokens per sample appended to existing samples, against a put
+    # writing the same field of such samples (each case on fresh samples: every append is a part 0)
+    tokens = TensorDict({"tokens": torch.arange(group * 16).reshape(group, 16)}, batch_size=[group])
+    prompts = TensorDict({"prompt": torch.ones(group, 4)}, batch_size=[group])
+
+    def fresh(c):
+        return c.put(prompts, partition_id="rollouts")
+
+    run("put (inline)", 4096, fresh, lambda c, meta: c.put(tokens, metadata=meta))
+    run("append (inline)", 4096, fresh, lambda c, meta: c.append_parts(meta, tokens, 0))
+    run("put (store)", 0, fresh, lambda c, meta: c.put(tokens, metadata=meta))
+    run("append (store)", 0, fresh, lambda c, meta: c.append_parts(meta, tokens, 0))
     admin.close()
     return results
 
