@@ -179,13 +179,21 @@ def test_status_cli_reads_a_cluster_through_any_node(cluster, cluster_client, na
     a, b = _spread_pair(cluster, namespace)
     _put(cluster_client, 5, a)
     _put(cluster_client, 3, b)
+    for p in (a, b):  # nacked, so the next claim redelivers it: counted in the partition's own slot
+        cluster_client.nack(cluster_client.get_meta(["x"], 1, p, task_name="actor", lease_s=60))
+    cluster_client.get_meta(["x"], 1, a, task_name="actor", lease_s=60)
     cluster_client.get_meta(["x"], 2, b, task_name="actor", lease_s=60)
+    cluster_client.clear_partition(a)  # its counters stay (like its seq)
     out = subprocess.run([sys.executable, "-m", "tq_redis.cli.main", "status", "--json", "--redis", cluster.urls[2],
                           "--namespace", namespace], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    parts = {p["id"]: p for p in json.loads(out.stdout)["partitions"]}
-    assert parts[a]["samples"] == 5 and parts[b]["samples"] == 3
-    assert parts[b]["tasks"]["actor"]["in_flight"] == 2
+    snap = json.loads(out.stdout)
+    parts = {p["id"]: p for p in snap["partitions"]}
+    assert a not in parts and parts[b]["samples"] == 3
+    assert parts[b]["tasks"]["actor"]["in_flight"] == 2 and parts[b]["tasks"]["actor"]["redeliveries"] == 1
+    once = {"actor": {"lease_expiries": 0, "redeliveries": 1, "poisoned": 0}}
+    assert snap["counters"]["partitions"] == {a: once, b: once}
+    assert snap["counters"]["total"]["redeliveries"] == 2
 
 
 def test_async_client_across_shards(cluster, namespace):

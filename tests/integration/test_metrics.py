@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
+from tq_redis.monitor import status
 
 
 def _scrape(url: str) -> str:
@@ -206,3 +207,58 @@ def test_standalone_exporter_and_counters_say_exactly_what_a_known_workload_did(
         assert proc.wait(30) == 0
     client.close()
     other.close()
+
+
+def test_event_counters_say_what_happened_and_survive_a_clear(server, namespace):
+    """k=3 lease expiries, j=5 redeliveries, p=1 poisoned sample, counted by the scripts as they happen:
+    the status snapshot and the exporter's ``..._total`` counters say exactly so, before and after
+    the partition is cleared (the gauges read from ``dlv:``/``poison:`` drop to nothing then)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.conftest import make_client
+    from tq_redis.monitor.exporter import NamespaceCollector
+    from tq_redis.monitor.status import snapshot
+
+    client = make_client(server.url, namespace, inline_max_bytes=4096)
+    client.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id="p")
+    # 3 leases lapse; the next claim of the task (blocked until they do, on the server's clock)
+    # takes them back and hands them out again: 3 expiries, 3 redeliveries
+    first = client.get_meta(["x"], 3, "p", task_name="actor", lease_s=0.2)
+    again = client.get_meta(["x"], 3, "p", task_name="actor", lease_s=600, timeout=60)
+    assert again.global_indexes == first.global_indexes
+    client.put(TensorDict({"x": torch.arange(7)}, batch_size=[7]), partition_id="p")
+    client.nack(again.select_samples([0, 1]))  # handed back now (no expiry): 2 more redeliveries
+    assert client.get_meta(["x"], 2, "p", task_name="actor", lease_s=600).size == 2
+    probe = client.get_meta(["x"], 1, "p", task_name="probe", lease_s=600, max_deliveries=1)
+    client.nack(probe)
+    client.get_meta(["x"], 1, "p", task_name="probe", lease_s=600, max_deliveries=1)  # sample 0 turns poison
+    client.get_meta(["x"], 4, "p", task_name="critic")  # fetch mode: no lease, nothing counted
+    expected = {
+        "actor": {"lease_expiries": 3, "redeliveries": 5, "poisoned": 0},
+        "probe": {"lease_expiries": 0, "redeliveries": 0, "poisoned": 1},
+    }
+    registry = CollectorRegistry(auto_describe=False)
+    collector = NamespaceCollector(server.url, namespace)
+    registry.register(collector)
+    try:
+        for moment in ("before the clear", "after the clear"):
+            snap = snapshot(client.redis, namespace)
+            assert snap["counters"] == {"total": {"lease_expiries": 3, "redeliveries": 5, "poisoned": 1},
+                                        "partitions": {"p": expected}}, moment
+            text = generate_latest(registry).decode()
+            for task, counts in expected.items():
+                labels = {"namespace": namespace, "partition": "p", "task": task}
+                assert _value(text, "tq_redis_lease_expiries_total", **labels) == counts["lease_expiries"], moment
+                assert _value(text, "tq_redis_redeliveries_total", **labels) == counts["redeliveries"], moment
+                assert _value(text, "tq_redis_poisoned_total", **labels) == counts["poisoned"], moment
+            if moment == "before the clear":
+                assert _value(text, "tq_redis_redeliveries_total", namespace=namespace, partition="p",
+                              task="critic") == 0  # a task that counted nothing yet: its series at 0
+                assert snap["partitions"][0]["tasks"]["actor"]["redeliveries"] == 5
+                assert "lease expiries 3, redeliveries 5, poisoned 1" in status.render(snap)
+                client.clear_partition("p")
+            else:
+                assert snap["partitions"] == []  # the gauges' records went with the partition
+    finally:
+        collector.close()
+        client.close()

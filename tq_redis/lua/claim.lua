@@ -67,7 +67,7 @@
                                  the partition keeps nothing inline
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>  <p>:counters
     <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]

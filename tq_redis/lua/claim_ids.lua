@@ -21,7 +21,7 @@
     {-1}                         the partition does not exist
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:counters
     <p>:tagnames  <p>:tag:<name>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
 ]]

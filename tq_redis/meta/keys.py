@@ -36,6 +36,10 @@ key                                type    holds
 ``ns:{p}:poison:<task>``           SET     sample ids moved aside after max deliveries
 ``ns:{p}:sampled:<task>``          HASH    sample id -> times handed to the task so far (replay:
                                            ``max_times_sampled`` > 1; dropped once it is reached)
+``ns:{p}:counters``                HASH    ``expired:<task>``, ``redelivered:<task>``, ``poison:<task>``:
+                                           lease expiries, redeliveries and samples turned poison,
+                                           counted by the scripts as they happen; never reset (clears,
+                                           drops and ``reset_consumption`` leave it, like ``seq``)
 ``ns:{p}:tagnames``                SET     names of per-sample tags in use
 ``ns:{p}:tag:<name>``              HASH    sample id -> JSON value of tag ``name``
 ``ns:{p}:groups``                  HASH    first id of an insert -> group size (GRPO groups)
@@ -250,6 +254,8 @@ class PartitionKeys(_Tagged):
     deliveries = _KeyOf("dlv:")
     poison = _KeyOf("poison:")
     sampled = _KeyOf("sampled:")
+    counters = _Key("counters", "Hash of always-growing event counts: ``expired:<task>``, ``redelivered:<task>``, "
+                                "``poison:<task>`` (kept across clears and drops).")
     tag = _KeyOf("tag:")
 
     def data(self, sample_id: int, field: str) -> str:

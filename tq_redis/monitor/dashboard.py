@@ -2,7 +2,7 @@
 
 ``/`` is one static HTML page (no build step, no framework): its script fetches ``/api/snapshot``
 every few seconds and redraws partitions (production per field, consumption per task, claimable,
-leases, redeliveries, poison, waiters), storage nodes and their bytes, the server's memory and
+leases, redeliveries, poison, waiters, and the event counters), storage nodes and their bytes, the server's memory and
 recent errors. ``/api/snapshot`` is :func:`tq_redis.monitor.status.snapshot` as JSON, read from
 Redis once per request. The server is read-only (GET and HEAD only) and never sends the Redis URL
 or its credentials: the page and the JSON name the namespace, never where Redis is.
@@ -33,6 +33,7 @@ td:first-child,th:first-child{text-align:left} th{background:#f3f3f3}
 <body>
 <h1>tq-redis namespace <span id="ns">__NS__</span></h1>
 <div id="server" class="muted">loading...</div>
+<div id="counters" class="muted"></div>
 <div id="updated" class="muted"></div>
 <div id="partitions"></div>
 <h2>Storage nodes</h2><div id="nodes"></div>
@@ -64,6 +65,10 @@ function draw(snap) {
     + "; bytes " + size(snap.bytes.inline) + " inline in Redis, "
     + size(Object.values(snap.bytes.nodes).reduce((a, b) => a + b, 0))
     + " on storage nodes, " + size(snap.bytes.spilled) + " spilled";
+  const c = (snap.counters || {}).total || {};
+  document.getElementById("counters").textContent = "events counted (they never go down; cleared partitions "
+    + "included): lease expiries " + (c.lease_expiries || 0) + ", redeliveries " + (c.redeliveries || 0)
+    + ", poisoned " + (c.poisoned || 0);
   const parts = document.getElementById("partitions"); parts.replaceChildren();
   if (!snap.partitions.length) parts.appendChild(el("p", "no partitions", "muted"));
   snap.partitions.forEach(p => {
@@ -73,9 +78,9 @@ function draw(snap) {
     box.appendChild(table(["field", "produced", "progress"],
       Object.entries(p.fields).map(([f, s]) => [f, s.produced, bar(s.pct)])));
     box.appendChild(table(["task", "claimable", "consumed", "progress", "leases in flight", "redelivered",
-      "poison", "waiters"],
+      "poison", "waiters", "lease expiries", "redeliveries", "poisoned"],
       Object.entries(p.tasks).map(([t, s]) => [t, s.claimable, s.consumed, bar(s.pct), leases(s), s.redelivered,
-        s.poison, waiting(s)])));
+        s.poison, waiting(s), s.lease_expiries || 0, s.redeliveries || 0, s.poisoned || 0])));
     parts.appendChild(box);
   });
   const nodes = document.getElementById("nodes"); nodes.replaceChildren();

@@ -5,7 +5,8 @@ and values moved) in every process. An exporter started by :func:`start_exporter
 (``init({"metrics": {"enabled": True}})``) serves them and adds
   a scrape-time collector for queue depth: ready-but-unconsumed samples per partition and task,
   read from Redis (``tq_redis_queue_depth``), in-flight leases, and every storage node's used bytes,
-  capacity and heartbeat age as the nodes registered them in Redis.
+  capacity and heartbeat age as the nodes registered them in Redis; and the counters of lease
+  expiries, redeliveries and poisoned samples the claim scripts keep in Redis (``..._total``).
 
 Metrics live in their own registry (:data:`REGISTRY`), so importing tq_redis never touches a
 program's default registry.
@@ -17,7 +18,7 @@ import threading
 from typing import Any
 
 from prometheus_client import start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tq_redis.instruments import REGISTRY
 
@@ -42,6 +43,14 @@ TASK_GAUGES: dict[str, tuple[str, Any]] = {
     "tq_redis_poison": ("Samples put aside after max_deliveries", lambda s, p: s["poison"]),
     "tq_redis_waiters": ("Consumers blocked in get_meta on the task", lambda s, p: s["waiters"]),
 }
+# counter name (exposed with ``_total``) -> (help, the status name of the count in ``<p>:counters``);
+# kept by the claim scripts as the events happen, never reset: a cleared or dropped partition keeps its series
+TASK_COUNTERS: dict[str, tuple[str, str]] = {
+    "tq_redis_lease_expiries": ("Leases that lapsed and were taken back by a claim", "lease_expiries"),
+    "tq_redis_redeliveries": ("Deliveries of a sample the task had been handed before (after a lapsed or "
+                              "nacked lease)", "redeliveries"),
+    "tq_redis_poisoned": ("Samples put aside for the task (max_deliveries reached, or too stale)", "poisoned"),
+}
 PARTITION_GAUGES: dict[str, tuple[str, Any]] = {
     "tq_redis_partition_samples": ("Live samples per partition", lambda p: p["samples"]),
     "tq_redis_partition_age_seconds": ("Seconds since the partition was created", lambda p: p["age_s"]),
@@ -50,10 +59,28 @@ PARTITION_GAUGES: dict[str, tuple[str, Any]] = {
 }
 
 
+def _event_counters(ns: str, snap: dict[str, Any]) -> list[CounterMetricFamily]:
+    """The ``..._total`` counters of every partition that counted an event (dropped ones too) and
+    of every task of a listed partition (0 until it counts one, so ``rate()`` sees it start)."""
+    counts = {(p, t): c for p, tasks in snap["counters"]["partitions"].items() for t, c in tasks.items()}
+    for p in snap["partitions"]:
+        for task, s in p["tasks"].items():
+            counts.setdefault((p["id"], task), s)
+    families = []
+    for name, (help_text, key) in TASK_COUNTERS.items():
+        family = CounterMetricFamily(name, help_text, labels=_TASK)
+        for (partition, task), c in sorted(counts.items()):
+            family.add_metric([ns, partition, task], float(c.get(key, 0)))
+        families.append(family)
+    return families
+
+
 class NamespaceCollector:
     """Scrape-time gauges of one namespace, from one :func:`~tq_redis.monitor.status.snapshot` per scrape:
     per task claimable (``tq_redis_queue_depth``), consumed, in flight, lapsed, redelivered, poison
-    and waiters; per field production; per partition samples, age and inline bytes; per storage
+    and waiters, and the counters of lease expiries, redeliveries and poisoned samples (every
+    partition that counted one, cleared ones included); per field production; per partition samples,
+    age and inline bytes; per storage
     node used bytes, capacity, spilled bytes and heartbeat age; the server's memory."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
@@ -100,6 +127,7 @@ class NamespaceCollector:
             for task, s in p["tasks"].items():
                 for name, (_, value) in TASK_GAUGES.items():
                     task_families[name].add_metric([ns, p["id"], task], float(value(s, p)))
+        yield from _event_counters(ns, snap)
         yield from part_families.values()
         yield produced
         yield produced_ratio

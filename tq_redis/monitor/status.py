@@ -18,7 +18,12 @@ What each task number means (the rules of the claim scripts, ``lua/includes/read
 * ``redelivered``: samples delivered more than once (a lapsed or nacked lease), ``poison``:
   samples put aside after ``max_deliveries``;
 * ``waiters``: consumers blocked in ``get_meta`` on the task, ``waiting_for``: their common need
-  (``{"batch": n, "fields": [...]}``) or ``"any"`` when they differ or did not say.
+  (``{"batch": n, "fields": [...]}``) or ``"any"`` when they differ or did not say;
+* ``lease_expiries``, ``redeliveries``, ``poisoned``: event counters the claim scripts keep in
+  ``<p>:counters`` as the events happen (a lapsed lease taken back, a sample delivered again, a
+  sample put aside). They only grow: clears, drops and resets leave them. The snapshot's
+  ``counters`` has them for every partition that ever counted one (dropped ones included, found
+  through ``partitions:kept``) and their sums per namespace.
 """
 
 from __future__ import annotations
@@ -105,6 +110,43 @@ def _task_status(replies: list[Any], alive: int, prods: dict[str, int], every_fi
         "waiters": waiters,
         "waiting_for": waiting_for,
     }
+
+
+#: the fields of ``<p>:counters`` (``<kind>:<task>``, kept by ``lua/includes/leases.lua``) -> status names
+COUNTER_KINDS = {"expired": "lease_expiries", "redelivered": "redeliveries", "poison": "poisoned"}
+
+
+def _no_events() -> dict[str, int]:
+    return dict.fromkeys(COUNTER_KINDS.values(), 0)
+
+
+def event_counts(r: Any, ns: str, partitions: list[str]) -> dict[str, dict[str, dict[str, int]]]:
+    """Partition -> task -> ``{"lease_expiries", "redeliveries", "poisoned"}`` from each partition's
+    ``counters`` hash, in one pipelined round trip; partitions and tasks that never counted one are left out."""
+    pipe = r.pipeline(transaction=False)
+    for partition in partitions:
+        pipe.hgetall(PartitionKeys.internal(ns, partition).counters)
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for partition, raw in zip(partitions, pipe.execute() if partitions else [], strict=True):
+        for field, value in raw.items():
+            kind, _, task = _text(field).partition(":")
+            if kind in COUNTER_KINDS:
+                tasks = out.setdefault(partition, {})
+                tasks.setdefault(task, _no_events())[COUNTER_KINDS[kind]] += int(value)
+    return out
+
+
+def counters(r: Any, ns: str, listed: list[str]) -> dict[str, Any]:
+    """The namespace's event counters: per partition and task (the ``listed`` partitions and those
+    kept after a clear) and their ``total``."""
+    kept = sorted(_text(p) for p in r.smembers(kept_partitions_key(ns)))
+    per = event_counts(r, ns, list(dict.fromkeys(listed + kept)))
+    total = _no_events()
+    for tasks in per.values():
+        for counts in tasks.values():
+            for name, n in counts.items():
+                total[name] += n
+    return {"total": total, "partitions": per}
 
 
 def partition_status(r: redis.Redis, ns: str, partition: str, now_ms: int | None = None) -> dict[str, Any]:
@@ -254,7 +296,12 @@ def snapshot(r: redis.Redis, ns: str) -> dict[str, Any]:
         "partitions": [partition_status(r, ns, p, now_ms) for p in partitions],
         "storage_nodes": storage_nodes(r, ns),
         "pending_deletes": pending_deletes(r, ns),
+        "counters": counters(r, ns, partitions),
     }
+    for p in snap["partitions"]:
+        counted = snap["counters"]["partitions"].get(p["id"], {})
+        for task, s in p["tasks"].items():
+            s.update(counted.get(task) or _no_events())
     snap["bytes"] = where_bytes_live(snap)
     return snap
 
@@ -334,10 +381,22 @@ def lease_text(s: dict[str, Any]) -> str:
     return f"leases {s['in_flight']} ({s['lapsed']} lapsed, {when})"
 
 
+def events_text(counts: dict[str, Any]) -> str:
+    """The event counters of a task (or their namespace totals) in words."""
+    return (f"lease expiries {counts.get('lease_expiries', 0)}, redeliveries {counts.get('redeliveries', 0)}, "
+            f"poisoned {counts.get('poisoned', 0)}")
+
+
+def counters_line(snap: dict[str, Any]) -> str:
+    return f"events counted (they never go down; cleared partitions included): {events_text(snap['counters']['total'])}"
+
+
 def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
     """Human-readable text of a snapshot (``rate``: :func:`rates` since the previous one, for ``--watch``)."""
     rate = rate or {}
     lines = [f"namespace {snap['namespace']!r}: {len(snap['partitions'])} partition(s)", server_line(snap)]
+    if "counters" in snap:
+        lines.append(counters_line(snap))
     for p in snap["partitions"]:
         r = rate.get(p["id"], {})
         sealed = ", sealed" if p["sealed"] else ""
@@ -354,7 +413,7 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
             lines.append(
                 f"    task  {t:<20} claimable {s['claimable']:>6}  consumed {s['consumed']:>8} ({s['pct']:5.1f}%)"
                 f"{_rate(r.get('tasks', {}).get(t))}  {lease_text(s)}  redelivered {s['redelivered']}  "
-                f"poison {s['poison']}  {waiting_text(s)}"
+                f"poison {s['poison']}  {waiting_text(s)}  counted: {events_text(s)}"
             )
     nodes = snap["storage_nodes"]
     b = snap["bytes"]

@@ -10,7 +10,15 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tq_redis.monitor.status import age_text, lease_text, render, server_line, waiting_text
+from tq_redis.monitor.status import (
+    COUNTER_KINDS,
+    age_text,
+    counters_line,
+    lease_text,
+    render,
+    server_line,
+    waiting_text,
+)
 from tq_redis.units import format_size
 
 
@@ -36,6 +44,8 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
         Text(f"namespace {snap['namespace']!r}: {len(snap['partitions'])} partition(s)", style="bold"),
         Text(server_line(snap)),
     ]
+    if "counters" in snap:
+        out.append(Text(counters_line(snap)))
     for p in snap["partitions"]:
         r = rate.get(p["id"], {})
         sealed = ", sealed" if p["sealed"] else ""
@@ -49,12 +59,13 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
             fields.add_row(f, str(s["produced"]), f"{s['pct']:.1f}", _rate(r.get("fields", {}).get(f)))
         out.append(fields)
         tasks = Table()
-        for col in ("task", "claimable", "consumed", "%", "rate", "leases", "redelivered", "poison", "waiters"):
+        for col in ("task", "claimable", "consumed", "%", "rate", "leases", "redelivered", "poison", "waiters",
+                    "expiries", "redeliveries", "poisoned"):
             tasks.add_column(col, justify="left" if col in ("task", "leases", "waiters") else "right")
         for t, s in p["tasks"].items():
             tasks.add_row(t, str(s["claimable"]), str(s["consumed"]), f"{s['pct']:.1f}",
                           _rate(r.get("tasks", {}).get(t)), lease_text(s), str(s["redelivered"]),
-                          str(s["poison"]), waiting_text(s))
+                          str(s["poison"]), waiting_text(s), *(str(s.get(k, 0)) for k in COUNTER_KINDS.values()))
         if p["tasks"]:
             out.append(tasks)
     b = snap["bytes"]

@@ -4,6 +4,9 @@
   deadline (<p>:lease:<task>) and counts one more delivery (<p>:dlv:<task>). Lapsed leases are
   handed back by the next claim (no reaper process); samples delivered too often are put aside
   in <p>:poison:<task>. Deadlines are the server's time (includes/clock.lua), never a client's.
+  Each lease expiry, redelivery and newly poisoned sample also adds one to the task's counter in
+  <p>:counters (fields expired:<task>, redelivered:<task>, poison:<task>): clears, drops and
+  resets leave that hash alone, so the counts only ever grow (the exporter's ..._total counters).
 
   Offers:
     mark_claimed(prefix, task, ids, lease_ms)   consumed (and leased until the server's time +
@@ -14,8 +17,9 @@
     known_deliveries(prefix, task, ids, lease_ms)  delivery counts of ids with a lease, else {}
     release_lapsed(prefix, task, max_deliveries)   hand leases lapsed on the server's clock back
                                                    (or poison them)
+    count_events(prefix, kind, task, n)         add n to the task's <p>:counters field kind:task
   Touches:
-    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>
+    <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:counters
     and through emit (a `released` event): <p>:events  <p>:waittasks  <p>:waiters:<task>
     <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>  <p>:alive  <p>:prod:<field>
 ]]
@@ -23,6 +27,12 @@
 -- @include chunks
 -- @include clock
 -- @include events
+
+-- Add n (> 0) events of `kind` ('expired', 'redelivered', 'poison') to the task's counter: one
+-- HINCRBY in the script that already runs, never a round trip of its own.
+local function count_events(prefix, kind, task, n)
+  if n > 0 then redis.call('HINCRBY', prefix .. 'counters', kind .. ':' .. task, n) end
+end
 
 -- Mark `ids` consumed by the task; with a lease (lease_ms > 0) also put them in flight until
 -- the server's time + lease_ms and count one more delivery each. Returns the delivery counts (or {}).
@@ -34,8 +44,10 @@ local function mark_claimed(prefix, task, ids, lease_ms)
   local before = hmget_many(dlv_key, ids)
   local deliveries, zargs, hargs = {}, {}, {}
   local deadline = server_ms() + lease_ms
+  local again = 0
   for i = 1, #ids do
     deliveries[i] = (tonumber(before[i]) or 0) + 1
+    if deliveries[i] > 1 then again = again + 1 end
     zargs[#zargs + 1] = deadline
     zargs[#zargs + 1] = ids[i]
     hargs[#hargs + 1] = ids[i]
@@ -50,6 +62,7 @@ local function mark_claimed(prefix, task, ids, lease_ms)
     redis.call('ZADD', prefix .. 'lease:' .. task, unpack(zargs))
     redis.call('HSET', dlv_key, unpack(hargs))
   end
+  count_events(prefix, 'redelivered', task, again)
   return deliveries
 end
 
@@ -58,9 +71,11 @@ end
 local function poison_ids(prefix, task, ids)
   if #ids == 0 then return end
   set_id_bits(prefix .. 'cons:' .. task, ids)
+  local added = 0
   for from = 1, #ids, CHUNK do
-    redis.call('SADD', prefix .. 'poison:' .. task, unpack(ids, from, math.min(#ids, from + CHUNK - 1)))
+    added = added + redis.call('SADD', prefix .. 'poison:' .. task, unpack(ids, from, math.min(#ids, from + CHUNK - 1)))
   end
+  count_events(prefix, 'poison', task, added)
 end
 
 -- Milliseconds until the task's earliest lease lapses on the server's clock (0 when it has
@@ -97,6 +112,7 @@ local function release_lapsed(prefix, task, max_deliveries)
   for from = 1, #lapsed, CHUNK do
     redis.call('ZREM', lease, unpack(lapsed, from, math.min(#lapsed, from + CHUNK - 1)))
   end
+  count_events(prefix, 'expired', task, #lapsed)
   local release, poison = {}, {}
   if max_deliveries > 0 then
     local counts = hmget_many(prefix .. 'dlv:' .. task, lapsed)

@@ -28,7 +28,7 @@
     <p>:alive  <p>:prod:<field>  <p>:cons:<task>              (the ready stream, parse_alive_ids)
     <p>:tagnames  <p>:tag:<name>  <p>:dlv:<task>              (what examine reads)
     <p>:groups  <p>:groupidx                                  (GRPO units by insert)
-    <p>:poison:<task>                                         (samples put aside)
+    <p>:poison:<task>  <p>:counters                           (samples put aside, counted)
 ]]
 -- @include alive
 -- @include chunks
