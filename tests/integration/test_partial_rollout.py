@@ -171,3 +171,91 @@ def test_an_unfinished_sample_carried_into_the_next_step_is_not_copied(real_serv
         assert _rows(data["responses~version"]) == [[0] * 8 + [1] * 4] * 2
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "dram"])
+def test_appended_parts_survive_a_checkpoint(tmp_path, namespace, backend):
+    import tq_redis as tq
+
+    storage = {"backend": backend, "units": 1, "unit_capacity": "64MiB", "inline_max_bytes": 0}
+    tq.init({"namespace": namespace, "storage": storage})
+    try:
+        client = tq.get_client()
+        meta = client.put({"prompt": torch.ones(2, 2)}, partition_id="p")
+        client.append_parts(meta, {"responses": _jagged([[1, 2], [3]])}, 0)
+        client.append_parts(meta[0:1], {"responses": _jagged([[4]])}, 1, complete=True)
+        tq.save_checkpoint(tmp_path / "ckpt")
+        client.clear_partition("p")
+        tq.load_checkpoint(tmp_path / "ckpt")
+        data = client.get_data(client.get_meta(["responses"], 1, "p", task_name="t"))
+        assert _rows(data["responses"]) == [[1, 2, 4]] and _rows(data["responses~version"]) == [[0, 0, 1]]
+        client.append_parts(meta[1:2], {"responses": _jagged([[5, 6]])}, 2, complete=True)  # still in progress
+        data = client.get_data(client.get_meta(["responses"], 1, "p", task_name="t"))
+        assert _rows(data["responses"]) == [[3, 5, 6]] and _rows(data["responses~version"]) == [[0, 2, 2]]
+    finally:
+        tq.close()
+
+
+_CONCURRENT_APPENDER = textwrap.dedent("""
+    import sys
+    import torch
+    from tests.conftest import make_client
+
+    client = make_client(sys.argv[1], sys.argv[2])
+    worker = int(sys.argv[3])
+    meta = client.get_meta(["prompt"], 4, "p", mode="force_fetch")
+    for j in range(int(sys.argv[4])):  # every worker appends to the same samples: parts interleave
+        value = worker * 1000 + j
+        client.append_parts(meta, {"responses": torch.full((4, 600), value, dtype=torch.int64)}, worker)
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.soak  # two process starts: ~10 s on a quiet machine, a minute on a loaded one
+def test_concurrent_appenders_of_the_same_samples_lose_and_duplicate_no_part(real_server, namespace):
+    client = make_client(real_server.url, namespace)  # parts of 4.8 KB: the store path (alloc, store, record)
+    try:
+        meta = _prompts(client, 4)
+        workers, parts = 2, 6
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _CONCURRENT_APPENDER, real_server.url, namespace, str(w), str(parts)],
+                stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+            )
+            for w in range(workers)
+        ]
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "done"
+            assert proc.wait(DEADLINE_S) == 0
+        client.complete_parts(meta, ["responses"])
+        data = client.get_data(client.get_meta(["responses"], 4, "p", task_name="t"))
+        for row, versions in zip(data["responses"].unbind(), data["responses~version"].unbind()):
+            values = row.view(-1, 600)[:, 0].tolist()
+            assert sorted(values) == sorted(w * 1000 + j for w in range(workers) for j in range(parts))
+            for w in range(workers):  # each worker's parts in its own order, with its version
+                mine = [v for v in values if v // 1000 == w]
+                assert mine == sorted(mine)
+            assert versions.tolist() == [v // 1000 for v in values for _ in range(600)]
+            assert all(torch.equal(part, torch.full((600,), part[0])) for part in row.view(-1, 600))
+    finally:
+        client.close()
+
+
+def test_the_async_client_appends_completes_and_reads(valkey, namespace):
+    import asyncio
+
+    from tq_redis import AsyncTransferQueueClient
+
+    make_client(valkey.url, namespace, inline_max_bytes=4096).close()  # records the namespace's store
+    aclient = AsyncTransferQueueClient(valkey.url, namespace, nested_output=False)
+
+    async def main():
+        meta = await aclient.async_put(TensorDict({"prompt": torch.ones(2, 1)}, [2]), partition_id="p")
+        await aclient.async_append_parts(meta, {"responses": torch.ones(2, 2, dtype=torch.int64)}, 0)
+        await aclient.async_complete_parts(meta, ["responses"])
+        got = await aclient.async_get_meta(["responses"], 2, "p", task_name="t")
+        data = await aclient.async_get_data(got)
+        assert data["responses"].tolist() == [[1, 1], [1, 1]] and data["responses~version"].tolist() == [[0, 0]] * 2
+        await aclient.async_close()
+
+    asyncio.run(main())

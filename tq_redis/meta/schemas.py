@@ -55,6 +55,9 @@ KIND_OBJECT = "object"
 """A field of arbitrary Python objects (strings, dicts, ...)."""
 KIND_MIXED = "mixed"
 """A field whose puts offered different kinds (the metadata plane widens it, see lua/includes/schemas.lua)."""
+KIND_PARTS = "parts"
+"""A field written in parts (``append_parts``, partial rollout): its bytes are those of its hidden
+fields ``<field>~<k>``, one per part (see :mod:`tq_redis.ops.partial`)."""
 DTYPE_MIXED = "mixed"
 """The dtype of a widened field whose puts offered different dtypes."""
 KINDS = (KIND_TENSOR, KIND_JAGGED, KIND_STRIDED, KIND_NDARRAY, KIND_OBJECT)

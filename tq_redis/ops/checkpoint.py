@@ -37,6 +37,7 @@ from tq_redis.codec import objects
 from tq_redis.errors import ConfigError, InvalidArgument
 from tq_redis.meta import bitmaps
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, by_slot, channels_key, kept_partitions_key, partitions_key
+from tq_redis.meta.schemas import KIND_PARTS
 from tq_redis.ops import channel as channel_ops
 from tq_redis.ops import data as ops_data
 from tq_redis.ops.context import storage
@@ -262,7 +263,9 @@ def _save_data(client: Any, store: Any, target: Path) -> int:
         alive = set(bitmaps.set_ids(r.get(pk.alive)))
         inline = {_text(name) for name in r.hkeys(pk.inline)}  # saved with the metadata
         columns: dict[str, dict[str, list]] = {}
-        for field in (_text(f) for f in r.hkeys(pk.fields)):
+        for field, schema in ((_text(f), _text(s)) for f, s in r.hgetall(pk.fields).items()):
+            if json.loads(schema).get("kind") == KIND_PARTS:
+                continue  # a field written in parts has no bytes of its own: they are its <field>~<k> fields
             ids = [i for i in bitmaps.set_ids(r.get(pk.prod(field))) if i in alive and f"{i}:{field}" not in inline]
             if ids:
                 where = client.run(ops_data.check_visible(pk, ids, [field], placement=True)).placement

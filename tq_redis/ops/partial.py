@@ -40,6 +40,7 @@ from tq_redis.codec import tensors as codec
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument, UnsupportedValue
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys
+from tq_redis.meta.schemas import KIND_PARTS
 from tq_redis.ops import arguments, script_budget, transitions
 from tq_redis.ops import data as data_ops
 from tq_redis.ops.clear import discard_bytes
@@ -47,9 +48,6 @@ from tq_redis.ops.context import Context, Op, batchmeta_schema, canonical, group
 from tq_redis.ops.effects import Offload
 from tq_redis.ops.transitions import PartSpec
 from tq_redis.storage.manager import KVStorageManager
-
-KIND_PARTS = "parts"
-"""The schema kind of a field written in parts (``BatchMeta.field_schema[f]["kind"]``)."""
 
 PART_MARK = "~"
 """Separates an appended field's name from its hidden parts and tags (``responses~0``,
