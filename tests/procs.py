@@ -79,3 +79,22 @@ def up_attach(proc) -> tuple[str, str]:
     with open(m.group(1)) as f:
         url = re.search(r"^export TQ_REDIS_URL=(.+)$", f.read(), re.MULTILINE).group(1)
     return banner, shlex.split(url)[0]
+
+
+def hang_after_store_put(client) -> None:
+    """Make ``client``'s store print ``stored`` after each put and then wait on stdin: a test
+    SIGKILLs the process there, with the bytes stored and the script that records them never run."""
+    import sys
+
+    from tq_redis import ops
+
+    store = client.run(ops.storage(client.context))
+    put = store.put
+
+    def put_then_hang(*args):
+        ring = put(*args)
+        print("stored", flush=True)
+        sys.stdin.readline()
+        return ring
+
+    store.put = put_then_hang

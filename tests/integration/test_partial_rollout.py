@@ -97,22 +97,12 @@ _APPENDER = textwrap.dedent("""
     import sys
     import torch
     from tests.conftest import make_client
-    from tq_redis import ops
-    from tq_redis.meta import BatchMeta
+    from tests.procs import hang_after_store_put
 
     client = make_client(sys.argv[1], sys.argv[2])
     meta = client.get_meta(["prompt"], 4, "p", mode="force_fetch")
     client.append_parts(meta, {"responses": torch.ones(4, 8, dtype=torch.int64)}, 0)  # part 0, recorded
-    store = client.run(ops.storage(client.context))
-    put = store.put
-
-    def put_then_hang(*args):
-        ring = put(*args)
-        print("stored", flush=True)
-        sys.stdin.readline()  # the test SIGKILLs this process here: bytes stored, part never recorded
-        return ring
-
-    store.put = put_then_hang
+    hang_after_store_put(client)  # the test SIGKILLs this process there: bytes stored, part never recorded
     client.append_parts(meta, {"responses": torch.full((4, 8), 2, dtype=torch.int64)}, 1, complete=True)
 """)
 

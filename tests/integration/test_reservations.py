@@ -248,20 +248,11 @@ _PRODUCER = textwrap.dedent("""
     import sys, torch
     from tensordict import TensorDict
     from tests.conftest import make_client
-    from tq_redis import ops
+    from tests.procs import hang_after_store_put
 
     url, ns, lease = sys.argv[1], sys.argv[2], float(sys.argv[3])
     client = make_client(url, ns)
-    store = client.run(ops.storage(client.context))
-    put = store.put
-
-    def put_then_hang(*args):
-        ring = put(*args)
-        print("stored", flush=True)
-        sys.stdin.readline()  # the test SIGKILLs this process here: bytes stored, bits never flipped
-        return ring
-
-    store.put = put_then_hang
+    hang_after_store_put(client)  # the test SIGKILLs this process there: bytes stored, bits never flipped
     r = client.reserve_group("p", 4, lease_s=lease)
     print(f"reserved {r.first_id} {r.deadline_ms}", flush=True)
     client.commit_group(r, TensorDict({"x": torch.ones(4, 3), "y": torch.ones(4, 2)}, batch_size=[4]))
