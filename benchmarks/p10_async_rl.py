@@ -16,6 +16,11 @@ almost nothing. ``append`` (``append_parts``: one part of 16 tokens per sample o
 measured beside ``put`` writing the same field of such samples (``put(data, metadata=...)``),
 inline and in the store.
 
+Replay (``max_times_sampled``, ``PrioritizedSampler``, ``update_priority``): claims of ``--group``
+samples from a partition of 1,000 claimable samples, replayed so that none runs out, by id order
+(the default sampler) and by priority (``alpha=0.6``, random priorities), and ``update_priority``
+of ``--group`` samples.
+
 Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--quick]`` (tq-redis only).
 """
 
@@ -33,6 +38,7 @@ from typing import Any
 from benchmarks._common import RESULTS_DIR, write_result
 
 MEASURE = "p10_async_rl"
+REPLAY_ROWS = 1000  # claimable samples in the partition the replay cases claim from
 
 
 def _client(url: str, ns: str, inline_max_bytes: int):
@@ -68,9 +74,11 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
                       batch_size=[group])
     results: dict[str, Any] = {}
 
-    def run(name: str, inline: int, prepare, timed) -> None:
+    def run(name: str, inline: int, prepare, timed, setup=None) -> None:
         client = _client(url, f"p10{uuid.uuid4().hex[:8]}", inline)
         client.set_staleness_bound("rollouts", 1_000_000, group)
+        if setup is not None:
+            setup(client)
         states = [prepare(client) for _ in range(ops)]
         admin.config_resetstat()
         times = []
@@ -81,7 +89,7 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
         calls, usec = _fcall_usec(admin)
         results[name] = {**_percentiles(times), "redis_usec_per_op": usec / ops, "fcalls_per_op": calls / ops}
         row = results[name]
-        print(f"  {name:<16} p50 {row['p50_ms']:6.3f} ms  p99 {row['p99_ms']:6.3f} ms  "
+        print(f"  {name:<30} p50 {row['p50_ms']:6.3f} ms  p99 {row['p99_ms']:6.3f} ms  "
               f"Redis CPU {row['redis_usec_per_op']:6.1f} us/op ({row['fcalls_per_op']:.0f} fcall)", flush=True)
         client.clear_partition("rollouts")
         client.close()
@@ -109,6 +117,22 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
     run("append (inline)", 4096, fresh, lambda c, meta: c.append_parts(meta, tokens, 0))
     run("put (store)", 0, fresh, lambda c, meta: c.put(tokens, metadata=meta))
     run("append (store)", 0, fresh, lambda c, meta: c.append_parts(meta, tokens, 0))
+
+    # replay: claims of `group` samples from REPLAY_ROWS claimable ones (replayed, so none runs out),
+    # by id order (the default sampler, for scale) and in proportion to priority ** alpha
+    def fill(c) -> None:
+        rows = TensorDict({"x": torch.arange(REPLAY_ROWS)}, batch_size=[REPLAY_ROWS])
+        ids = c.put(rows, partition_id="rollouts").global_indexes
+        c.update_priority("rollouts", ids, (torch.rand(REPLAY_ROWS) + 0.01).tolist())
+
+    def claim(config: dict):
+        replayed = {"max_times_sampled": 10**9, **config}
+        return lambda c, _: c.get_meta(["x"], group, "rollouts", task_name="learner", sampling_config=replayed)
+
+    run("get_meta (replay, sequential)", 4096, lambda c: None, claim({}), fill)
+    run("get_meta (prioritized)", 4096, lambda c: None, claim({"sampler": "PrioritizedSampler", "alpha": 0.6}), fill)
+    run("update_priority", 4096, lambda c: torch.randint(0, REPLAY_ROWS, (group,)).unique().tolist(),
+        lambda c, ids: c.update_priority("rollouts", ids, [1.5] * len(ids)), fill)
     admin.close()
     return results
 

@@ -44,13 +44,14 @@ _EXPORTS = {
     "init": "tq_redis.api.system",
     **{
         name: "tq_redis.api.functions"
-        for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear")
+        for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear",
+                     "update_priority")
         for name in (base, f"async_{base}")
     },
     **{
         name: "tq_redis.samplers"
         for name in ("BaseSampler", "SequentialSampler", "GRPOGroupNSampler", "RankAwareSampler",
-                     "SeqlenBalancedSampler")
+                     "SeqlenBalancedSampler", "PrioritizedSampler")
     },
 }
 
@@ -63,6 +64,7 @@ __all__ = [
     "GRPOGroupNSampler",
     "GRPOTransferDock",
     "KVBatchMeta",
+    "PrioritizedSampler",
     "REFERENCE_API_LEVEL",
     "RankAwareSampler",
     "SeqlenBalancedSampler",
@@ -78,6 +80,7 @@ __all__ = [
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "async_update_priority",
     "close",
     "get_client",
     "get_metrics_endpoint",
@@ -92,6 +95,7 @@ __all__ = [
     "load_checkpoint",
     "register_item_class",
     "save_checkpoint",
+    "update_priority",
 ]
 
 
@@ -105,6 +109,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         async_kv_clear,
         async_kv_list,
         async_kv_put,
+        async_update_priority,
         kv_batch_get,
         kv_batch_get_by_meta,
         kv_batch_put,
@@ -113,6 +118,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         kv_put,
         load_checkpoint,
         save_checkpoint,
+        update_priority,
     )
     from tq_redis.api.system import close, get_client, get_metrics_endpoint, init
     from tq_redis.channel.channel import Channel
@@ -127,6 +133,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.samplers import (
         BaseSampler,
         GRPOGroupNSampler,
+        PrioritizedSampler,
         RankAwareSampler,
         SeqlenBalancedSampler,
         SequentialSampler,

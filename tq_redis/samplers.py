@@ -1,7 +1,7 @@
 """Samplers: which ready samples a ``get_meta(mode="fetch")`` call hands out.
 
 The interface is the reference system's: ``BaseSampler.sample(ready_indexes, batch_size, **kw) ->
-(sampled, consumed)``. The four built-ins run **inside Redis**, in the claim script
+(sampled, consumed)``. The five built-ins run **inside Redis**, in the claim script
 (``lua/claim.lua``, rules in ``lua/includes/samplers.lua``), so a claim is one atomic round trip
 whatever the partition size:
 
@@ -13,6 +13,8 @@ whatever the partition size:
   return one).
 - :class:`RankAwareSampler` -- every rank of one data-parallel group that asks with the same
   ``dp_rank`` (the group's id) and ``batch_index`` gets the same batch, in any arrival order.
+- :class:`PrioritizedSampler` -- ``batch_size`` ready samples drawn without replacement in
+  proportion to ``priority ** alpha`` (the ``priority`` tag; ``update_priority`` writes it).
 - :class:`SeqlenBalancedSampler` -- the first rank to ask for a ``batch_index`` takes
   ``batch_size * dp_size`` samples in whole groups and splits them into ``dp_size`` parts with
   equal group counts, balanced by the ``total_lengths`` tag (Karmarkar-Karp); rank ``dp_rank``
@@ -44,6 +46,8 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
+import random
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ from tq_redis.errors import PartitioningError, SamplerError
 __all__ = [
     "BaseSampler",
     "GRPOGroupNSampler",
+    "PrioritizedSampler",
     "RankAwareSampler",
     "SamplerPlan",
     "SeqlenBalancedSampler",
@@ -136,6 +141,50 @@ class SequentialSampler(BaseSampler):
     ) -> tuple[list[int], list[int]]:
         """The first ``batch_size`` of ``ready_indexes`` (all of them if fewer)."""
         chosen = list(ready_indexes[:batch_size])
+        return chosen, list(chosen)
+
+
+def _alpha(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise SamplerError(f"alpha (the priority exponent) must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+class PrioritizedSampler(BaseSampler):
+    """``batch_size`` ready samples drawn without replacement, each draw in proportion to
+    ``priority ** alpha`` among the samples left (``alpha=0``: uniform).
+
+    In Redis (``get_meta``) a sample's priority is its ``priority`` tag, which
+    :meth:`~tq_redis.TransferQueueClient.update_priority` (or ``set_custom_meta``) writes; a sample
+    without one has priority 1, and one whose priority is not a positive number is never drawn.
+    ``sampling_config["alpha"]`` overrides the constructor's. The draw examines every ready
+    sample of the task (its cost grows with them, unlike the other built-ins). :meth:`sample`, on
+    a bare list, takes the priorities as ``priorities={id: priority}``.
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.alpha = _alpha(alpha)
+
+    def params(self) -> dict[str, Any]:
+        return {"alpha": self.alpha}
+
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """``batch_size`` of ``ready_indexes`` drawn by ``kwargs["priorities"]`` (default 1 each);
+        nothing when fewer than ``batch_size`` have a positive priority."""
+        priorities = kwargs.get("priorities") or {}
+        alpha = _alpha(kwargs.get("alpha", self.alpha))
+        keyed = []
+        for i in ready_indexes:
+            p = float(priorities.get(i, 1.0))
+            if p > 0:
+                u = 1.0 - random.random()  # in (0, 1]
+                keyed.append((math.log(u) / p**alpha, i))
+        if len(keyed) < batch_size:
+            return [], []
+        chosen = sorted(i for _, i in heapq.nlargest(batch_size, keyed))
         return chosen, list(chosen)
 
 
@@ -408,12 +457,14 @@ _BUILTINS: dict[str, type[BaseSampler]] = {
     "GRPOGroupNSampler": GRPOGroupNSampler,
     "RankAwareSampler": RankAwareSampler,
     "SeqlenBalancedSampler": SeqlenBalancedSampler,
+    "PrioritizedSampler": PrioritizedSampler,
 }
 _LUA_NAMES = {
     SequentialSampler: "sequential",
     GRPOGroupNSampler: "grpo",
     RankAwareSampler: "rank",
     SeqlenBalancedSampler: "balance",
+    PrioritizedSampler: "priority",
 }
 
 
@@ -562,6 +613,12 @@ def builtin_plan(sampler: BaseSampler, config: dict[str, Any], batch_size: int) 
         if version is None:
             raise SamplerError("drop_stale=True needs min_policy_version (which samples are stale)")
         opts["drop_stale"] = "1"
+    if kind == "priority":
+        for key in ("n_samples_per_prompt", "max_tokens", "min_policy_version"):
+            if config.get(key) is not None:
+                raise SamplerError(f"sampling_config[{key!r}] does not combine with PrioritizedSampler")
+        opts["alpha"] = repr(_alpha(config.get("alpha", sampler.alpha)))  # type: ignore[attr-defined]
+        opts["seed"] = str(random.randrange(1, 2**31))  # a fresh random sequence per claim
     times = _opt_int(config, "max_times_sampled", 1, 1)
     if times is not None and times > 1:
         if kind in ("rank", "balance"):

@@ -344,6 +344,8 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.get_consumption_status("t", "all")
     client.reset_consumption("all", "t")
     client.get_meta(["x"], 1, "all", task_name="t", sampling_config={"max_times_sampled": 2})  # replay counts
+    client.update_priority("all", [3, 4], [2.0, 0.5])  # the prioritized sampler's priorities
+    client.get_meta(["x"], 2, "all", task_name="per", sampling_config={"sampler": "PrioritizedSampler"})
     client.kv_put("k", "kv", {"v": torch.tensor([1])})
     client.kv_list("kv")
     client.kv_clear(["k"], "kv")

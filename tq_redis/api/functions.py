@@ -97,6 +97,12 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     _client().kv_clear(keys, partition_id)
 
 
+def update_priority(partition_id: str, global_indexes: Any, priorities: Any) -> None:
+    """Set the priorities of samples of a partition, which ``PrioritizedSampler`` draws by
+    (see :meth:`tq_redis.TransferQueueClient.update_priority`)."""
+    _client().update_priority(partition_id, global_indexes, priorities)
+
+
 def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """``async_<name>``: the coroutine of the default client's ``async_<name>``, with ``function``'s
     parameters (``inspect.signature`` shows them)."""
@@ -117,9 +123,10 @@ async_kv_batch_get = _coroutine_of(kv_batch_get)
 async_kv_batch_get_by_meta = _coroutine_of(kv_batch_get_by_meta)
 async_kv_list = _coroutine_of(kv_list)
 async_kv_clear = _coroutine_of(kv_clear)
+async_update_priority = _coroutine_of(update_priority)
 
 __all__ = [
     name
-    for function in (kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear)
+    for function in (kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear, update_priority)
     for name in (function.__name__, f"async_{function.__name__}")
 ]

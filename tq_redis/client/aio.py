@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, partial, reservations, streaming
+from tq_redis.ops import arguments, kv, partial, replay, reservations, streaming
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -258,6 +258,9 @@ class AsyncTransferQueueClient:
     )
     async_set_staleness_bound = awaiting(
         reservations.set_staleness_bound, doc="See :meth:`tq_redis.TransferQueueClient.set_staleness_bound`."
+    )
+    async_update_priority = awaiting(
+        replay.update_priority, doc="See :meth:`tq_redis.TransferQueueClient.update_priority`."
     )
 
     async_append_parts = awaiting(partial.append_parts, doc="See :meth:`tq_redis.TransferQueueClient.append_parts`.")

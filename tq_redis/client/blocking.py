@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, partial, reservations, streaming
+from tq_redis.ops import checkpoint, kv, partial, replay, reservations, streaming
 
 R = TypeVar("R")
 
@@ -281,6 +281,13 @@ class TransferQueueClient(AsyncTransferQueueClient):
     complete_parts = blocking(partial.complete_parts, doc="""
         Mark appended ``fields`` complete for the samples of ``metadata`` (no new part): tasks
         needing them can claim the samples from now on.""")
+
+    # -- replay (tq_redis.ops.replay) ------------------------------------------------------------
+
+    update_priority = blocking(replay.update_priority, doc="""
+        Set the priorities (finite numbers > 0, one per id) of samples ``global_indexes`` of
+        ``partition_id``: ``PrioritizedSampler`` draws them in proportion to ``priority ** alpha``.
+        Raises ``SampleNotFound`` for ids that do not exist.""")
 
     def close(self) -> None:
         """Close the Redis pools and store connections."""

@@ -19,6 +19,9 @@
                  stores the parts under <prefix>bal:<task>:<batch_index>; each rank gets part
                  dp_rank
 
+    priority     PrioritizedSampler: drawn without replacement in proportion to the
+                 `priority` tag ^ alpha (includes/priority.lua; options alpha, seed)
+
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  task name
@@ -27,13 +30,14 @@
                                  from the server's time (TIME; no client clock takes part)
     ARGV[4]  max_deliveries      0 = unlimited; a sample delivered this often is put aside
                                  (poison set) instead of being handed out again
-    ARGV[5]  sampler             sequential | grpo | rank | balance
+    ARGV[5]  sampler             sequential | grpo | rank | balance | priority
     ARGV[6]  nopts, then nopts pairs of option name, value:
                n            group size (grpo, balance; rank optional)      default 1
                max_tokens   token budget by the total_lengths tag          default none
                min_version  only samples with policy_version >= it        default none
                drop_stale   1 = put samples below min_version aside       default 0
                dp_rank, batch_index, dp_size, ttl_ms                     (rank, balance)
+               alpha, seed  (priority) the exponent, and the client's random seed
                _values      1 = also return the batch's inline values (get_meta_and_data)
                times        max_times_sampled: a sample is handed to the task up to this
                             many times (replay; fetch mode only) before it stays consumed
@@ -68,12 +72,13 @@
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>  <p>:counters
-    <p>:tagnames  <p>:tag:<name>  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
+    <p>:tagnames  <p>:tag:<name>  <p>:tag:priority  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include claiming
 -- @include leases
 -- @include prefix
+-- @include priority
 -- @include ready
 -- @include replay
 -- @include samplers
@@ -101,6 +106,14 @@ local function claim(KEYS, ARGV)
     local ids = {}
     if take_ready(prefix, task, c.fields, c.want, ids) < c.want then return claim_none_ready(prefix, c) end
     return claim_reply(prefix, c, ids, mark_claimed(prefix, task, ids, c.lease_ms))
+  end
+
+  if sampler == 'priority' then
+    local ids = select_prioritized(prefix, task, c.fields, c.want, tonumber(opts.alpha), tonumber(opts.seed))
+    if #ids == 0 then return claim_none_ready(prefix, c) end
+    local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
+    if opts.times then count_sampled(prefix, task, ids, tonumber(opts.times)) end
+    return claim_reply(prefix, c, ids, deliveries)
   end
 
   -- rank / balance: a choice stored by an earlier rank is handed back as it is.

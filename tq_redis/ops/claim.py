@@ -135,6 +135,8 @@ def fetch(
     if samplers.is_builtin(sampler):
         plan = samplers.builtin_plan(sampler, config, batch_size)
         shared = plan.kind in SHARED_BATCH_SAMPLERS
+        if plan.kind == "priority" and lease_ms and max_deliveries:
+            raise samplers.SamplerError("max_deliveries does not combine with PrioritizedSampler; drop one of them")
         if lease_ms:  # the balanced sampler's first rank claims every rank's part
             script_budget.check_leased_claim(batch_size * int(dict(plan.options).get("dp_size", 1)))
         attempt = _builtin_claim(pk, plan, task_name, lease_ms, max_deliveries, fields, ctx.inline_partitions, values)

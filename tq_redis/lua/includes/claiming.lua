@@ -49,7 +49,7 @@ local function claim_nothing(prefix, c, schemas, next_lapse)
     -- budget, or a rank's or a balanced choice an earlier rank stored. (Lapsed leases handed
     -- back are need_met's business: leases may be taken after this waiter registered.)
     local need = nil
-    if (c.sampler == 'sequential' or c.sampler == 'grpo') and tonumber(c.opts.max_tokens or '0') <= 0 then
+    if (c.sampler == 'sequential' or c.sampler == 'grpo' or c.sampler == 'priority') and tonumber(c.opts.max_tokens or '0') <= 0 then
       need = need_of(c.want, c.fields)
     end
     register_waiter(prefix, c.task, c.waiter, c.wait_ms, need)
