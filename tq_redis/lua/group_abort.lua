@@ -21,8 +21,7 @@
 local function group_abort(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local now = server_ms()
-  local trashed = release_expired(prefix, now)
-  local rec = resv_get(prefix, ARGV[1])
+  local trashed, rec = resv_live(prefix, ARGV[1], now)
   if not rec then return {0, trashed} end
   trashed = trashed + resv_free(prefix, ARGV[1], rec)
   admit_wake(prefix, now)

@@ -46,8 +46,7 @@ local function group_commit(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local token = ARGV[1]
   local now = server_ms()
-  local trashed = release_expired(prefix, now)
-  local rec = resv_get(prefix, token)
+  local trashed, rec = resv_live(prefix, token, now)
   if not rec then return {-6, trashed} end
   if rec.owner ~= '' and rec.owner ~= ARGV[2] then return {-7, trashed} end
   local refused = nil

@@ -26,8 +26,7 @@
 local function group_extend(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local now = server_ms()
-  local trashed = release_expired(prefix, now)
-  local rec = resv_get(prefix, ARGV[1])
+  local trashed, rec = resv_live(prefix, ARGV[1], now)
   if not rec then return {-6, trashed} end
   local committer = ARGV[3]
   if committer ~= '' then

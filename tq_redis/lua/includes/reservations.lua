@@ -23,6 +23,7 @@
     resv_put(prefix, token, rec, deadline)
     resv_free(prefix, token, rec)           forget it, free its slots; 1 if its ids went to the trash
     release_expired(prefix, now)            free lapsed reservations; how many went to the trash
+    resv_live(prefix, token, now)           release_expired, then resv_get: (trashed, rec or nil)
     resv_next_lapse(prefix, now)            ms until the earliest reservation lapses, -1 if none
     admit_capacity(prefix)                  samples the bound admits now (nil: no bound)
     admit_wake(prefix, now)                 wake every blocked reserver (the bound may have moved)
@@ -86,6 +87,14 @@ local function release_expired(prefix, now)
   end
   if #due > 0 then admit_wake(prefix, now) end
   return trashed
+end
+
+-- What a script acting on one reservation does first: free the partition's lapsed reservations
+-- (the client deletes the bytes of those trashed), then look the token up. Returns how many
+-- reservations went to the trash and the record (nil: committed, aborted, or lapsed and freed).
+local function resv_live(prefix, token, now)
+  local trashed = release_expired(prefix, now)
+  return trashed, resv_get(prefix, token)
 end
 
 local function resv_next_lapse(prefix, now)
