@@ -10,6 +10,7 @@ balancing are checked against the same model.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from tq_redis.samplers import (
     BaseSampler,
     GRPOGroupNSampler,
     PartitioningError,
+    PrioritizedSampler,
     RankAwareSampler,
     SeqlenBalancedSampler,
     SequentialSampler,
@@ -642,3 +644,20 @@ def test_dispatch_and_validation():
         builtin_plan(SequentialSampler(), {"drop_stale": True}, 2)
     with pytest.raises(errors.SamplerError):
         GRPOGroupNSampler(0)
+
+
+def test_prioritized_sampler_stand_alone_and_as_a_namespace_default():
+    sampler = PrioritizedSampler(alpha=2)
+    ready = list(range(10))
+    heavy = {i: (1e6 if i in (3, 7) else 1e-6) for i in ready}  # weights 1e12 against 1e-12
+    assert sampler.sample(ready, 2, priorities=heavy) == ([3, 7], [3, 7])
+    assert sampler.sample(ready, 11) == ([], [])  # never a partial batch
+    assert len(set(sampler.sample(ready, 10)[0])) == 10
+    again = sampler_from_spec(json.dumps(sampler_spec(sampler)))
+    assert isinstance(again, PrioritizedSampler) and again.alpha == 2.0 and is_builtin(again)
+    plan = builtin_plan(again, {"alpha": 0.5}, 4)
+    assert plan.kind == "priority" and dict(plan.options)["alpha"] == "0.5"
+    with pytest.raises(errors.SamplerError, match="alpha"):
+        PrioritizedSampler(alpha=float("inf"))
+    with pytest.raises(errors.SamplerError, match="max_tokens"):
+        builtin_plan(again, {"max_tokens": 10}, 4)
