@@ -45,7 +45,8 @@ _EXPORTS = {
     **{
         name: "tq_redis.api.functions"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear",
-                     "update_priority")
+                     "kv_watch", "reserve_group", "commit_group", "abort_group", "extend_reservation",
+                     "set_policy_version", "set_staleness_bound", "update_priority")
         for name in (base, f"async_{base}")
     },
     **{
@@ -74,14 +75,24 @@ __all__ = [
     "StreamingDataset",
     "TransferDock",
     "TransferQueueClient",
+    "abort_group",
+    "async_abort_group",
+    "async_commit_group",
+    "async_extend_reservation",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
     "async_kv_batch_put",
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "async_kv_watch",
+    "async_reserve_group",
+    "async_set_policy_version",
+    "async_set_staleness_bound",
     "async_update_priority",
     "close",
+    "commit_group",
+    "extend_reservation",
     "get_client",
     "get_metrics_endpoint",
     "init",
@@ -92,9 +103,13 @@ __all__ = [
     "kv_clear",
     "kv_list",
     "kv_put",
+    "kv_watch",
     "load_checkpoint",
     "register_item_class",
+    "reserve_group",
     "save_checkpoint",
+    "set_policy_version",
+    "set_staleness_bound",
     "update_priority",
 ]
 
@@ -103,21 +118,35 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.api.functions import (
+        abort_group,
+        async_abort_group,
+        async_commit_group,
+        async_extend_reservation,
         async_kv_batch_get,
         async_kv_batch_get_by_meta,
         async_kv_batch_put,
         async_kv_clear,
         async_kv_list,
         async_kv_put,
+        async_kv_watch,
+        async_reserve_group,
+        async_set_policy_version,
+        async_set_staleness_bound,
         async_update_priority,
+        commit_group,
+        extend_reservation,
         kv_batch_get,
         kv_batch_get_by_meta,
         kv_batch_put,
         kv_clear,
         kv_list,
         kv_put,
+        kv_watch,
         load_checkpoint,
+        reserve_group,
         save_checkpoint,
+        set_policy_version,
+        set_staleness_bound,
         update_priority,
     )
     from tq_redis.api.system import close, get_client, get_metrics_endpoint, init

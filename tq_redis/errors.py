@@ -214,6 +214,18 @@ class StalenessExceeded(TQError, TimeoutError):
         self.capacity = capacity
 
 
+class WatchCursorExpired(TQError, LookupError):
+    """A ``kv_watch`` cursor can no longer be followed: the tag changes after it were trimmed
+    from the partition's capped change stream (the watcher fell too far behind), the partition
+    was cleared since, or it is no cursor of this partition. List the keys again
+    (``kv_list(partition_id, where=...)``) and watch on from ``cursor``, the newest change now
+    (taken before that listing, so no change is missed)."""
+
+    def __init__(self, message: str, cursor: str = "0-0"):
+        super().__init__(message)
+        self.cursor = cursor
+
+
 class PermissionDenied(TQError, PermissionError):
     """Redis refused a command or key to this client's user (an ACL rule: ``NOPERM``), or its
     credentials. The message names the rule to grant; ``tq-redis acl NAMESPACE`` prints the rules

@@ -349,6 +349,12 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.kv_put("k", "kv", {"v": torch.tensor([1])})
     client.kv_list("kv")
     client.kv_clear(["k"], "kv")
+    cursor = client.kv_watch("kv").cursor  # the tag-change stream (lua/tag_changes.lua)
+    client.kv_put("w", "kv", tag={"n": 1})
+    watched = client.kv_watch("kv", cursor)
+    assert watched.keys == ["w"]
+    assert len(client.kv_watch("kv", watched.cursor, timeout=0.05)) == 0  # blocks on the stream, gives up
+    client.clear_partition("kv")  # leaves the stream's `dropped` entry
     client.set_staleness_bound("rl", 1, 4)  # group reservations (docs/async-rl.rst)
     client.set_policy_version("rl", 1)
     client.commit_group(client.reserve_group("rl", 2), TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))

@@ -385,3 +385,31 @@ def test_nothing_is_admitted_past_the_bound_across_processes(real_server, namesp
             if p.poll() is None:
                 p.kill()
         trainer.close()
+
+
+def test_the_module_level_calls_run_on_the_default_client(real_server, namespace):
+    import asyncio
+
+    import tq_redis as tq
+
+    tq.init({"redis": {"url": real_server.url}, "namespace": namespace, "storage": {"backend": "redis"}})
+    try:
+        tq.set_staleness_bound("rl", 0, 2)
+        assert tq.set_policy_version("rl", 0) is None
+        r = tq.reserve_group("rl", 2, 30)
+        with pytest.raises(StalenessExceeded):
+            tq.reserve_group("rl", 1)  # the bound: (0 + 0 + 1) * 2 samples
+        r = tq.extend_reservation(r, 60)
+        meta = tq.commit_group(r, _group(2), end_policy_version=0)
+        assert list(meta.global_indexes) == r.global_indexes
+
+        async def main():
+            assert await tq.async_set_policy_version("rl", 1) == 0
+            held = await tq.async_reserve_group("rl", 2)
+            assert await tq.async_abort_group(held) is True
+            return (await tq.async_set_staleness_bound("rl", None)).admitted
+
+        assert asyncio.run(main()) == 2  # the committed group counts, the aborted one not
+        assert tq.abort_group(r) is False
+    finally:
+        tq.close()

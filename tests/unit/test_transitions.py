@@ -44,6 +44,7 @@ from tq_redis.ops.transitions import (
     Progress,
     ReadySet,
     Settled,
+    TagChangesReply,
     Visibility,
 )
 from tq_redis.samplers import SamplerPlan
@@ -134,7 +135,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "read_inline": (transitions.read_inline(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
     "set_tags": (
         transitions.set_tags(PK, [3, 5], ["len", "uid"], [{"len": 7}, {"uid": "x"}]),
-        (2, 3, 5, "len", "7", "", "uid", "", '"x"'),
+        ("1", 2, 3, 5, "len", "7", "", "uid", "", '"x"'),
     ),
     "check_visible": (transitions.check_visible(PK, [5, 0, 1, 2], ["a"], placement=True), ("0-2,5", "1", "a")),
     "claim": (
@@ -168,6 +169,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     ),
     "kv_unmap": (transitions.kv_unmap(PK, [("k1", 3), ("k2", 4)]), ("k1", 3, "k2", 4)),
     "kv_list": (transitions.kv_list(PK, "17", 100), ("17", 100)),
+    "tag_changes": (transitions.tag_changes(PK, "5-0", 64, [("done", "true")]), ("5-0", 64, "done", "true")),
     "read_registry": (transitions.read_registry("ns"), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
     "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
@@ -458,6 +460,13 @@ def test_kv_list_reads_keys_ids_and_tags():
     got = read("kv_list", [b"96", [b"k2", b"k1"], [8, 7], [b"v", [b"1", b"2"]]])
     assert got == KeyListing("96", ["k2", "k1"], [8, 7], [{"v": 1}, {"v": 2}])
     assert read("kv_list", [b"0", [], [], []]) == KeyListing("0", [], [], [])
+
+
+def test_tag_changes_reads_changes_and_the_expired_answer():
+    got = read("tag_changes", [1, b"9-1", [b"k", None], [4, 6], [b"done", [b"true", b"true"]], 0])
+    assert got == TagChangesReply(False, "9-1", ["k", None], [4, 6], [{"done": True}] * 2, False)
+    assert read("tag_changes", [-1, b"12-0"]) == TagChangesReply(True, "12-0", [], [], [], False)
+    assert read("tag_changes", [1, b"5-0", [], [], [], 1]).more
 
 
 def test_channel_put_reads_appended_full_and_missing():

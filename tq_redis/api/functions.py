@@ -1,4 +1,5 @@
-"""The reference system's module-level KV API (``tq.kv_put`` ...) and checkpoints, on the default client.
+"""The module-level API on the default client: the reference system's KV calls (``tq.kv_put`` ...),
+``kv_watch``, checkpoints, and the group reservations and staleness admission of asynchronous RL.
 
 Each function runs the same operation as the client method of the same name on the client
 ``tq_redis.init()`` created (:func:`tq_redis.api.system.get_client`). Each ``async_<name>``
@@ -17,9 +18,12 @@ from tensordict import TensorDict
 
 from tq_redis.api.system import get_client
 from tq_redis.client.blocking import TransferQueueClient
-from tq_redis.meta import KVBatchMeta
+from tq_redis.meta import BatchMeta, KVBatchMeta
 from tq_redis.ops import checkpoint
 from tq_redis.ops.data_parser import DataParser
+from tq_redis.ops.reservations import Reservation
+from tq_redis.ops.transitions import Admission
+from tq_redis.ops.watch import TagChanges
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -103,6 +107,56 @@ def update_priority(partition_id: str, global_indexes: Any, priorities: Any) -> 
     _client().update_priority(partition_id, global_indexes, priorities)
 
 
+def kv_watch(
+    partition_id: str,
+    cursor: str | None = None,
+    *,
+    timeout: float = 0.0,
+    where: dict[str, Any] | None = None,
+) -> TagChanges:
+    """The keys whose tags changed after ``cursor`` (None: from now), waiting up to ``timeout``
+    seconds for one; ``where={tag: value}`` keeps those whose tags now have those values. Go on
+    from the returned ``cursor``: each change is seen once. ``WatchCursorExpired`` (carrying the
+    newest cursor): the changes were trimmed or the partition cleared; list again, watch on."""
+    return _client().kv_watch(partition_id, cursor, timeout=timeout, where=where)
+
+
+def reserve_group(
+    partition_id: str, n: int, lease_s: float = 600.0, *, policy_version: int | None = None, timeout: float = 0.0
+) -> Reservation:
+    """Reserve ``n`` sample ids (a prompt group) for ``lease_s`` seconds of the server's clock; under
+    the staleness bound wait up to ``timeout`` seconds for room (then ``StalenessExceeded``)."""
+    return _client().reserve_group(partition_id, n, lease_s, policy_version=policy_version, timeout=timeout)
+
+
+def commit_group(reservation: Reservation, data: Any, *, end_policy_version: int | None = None) -> BatchMeta:
+    """Store the reserved group's ``data`` and make it visible at once (``ReservationLost`` if the
+    reservation is not held any more); returns the group's ``BatchMeta``."""
+    return _client().commit_group(reservation, data, end_policy_version=end_policy_version)
+
+
+def abort_group(reservation: Reservation) -> bool:
+    """Free a reservation (nothing of it becomes visible); False if it was not held any more."""
+    return _client().abort_group(reservation)
+
+
+def extend_reservation(reservation: Reservation, lease_s: float) -> Reservation:
+    """Renew a reservation's lease for ``lease_s`` seconds from now (server time)."""
+    return _client().extend_reservation(reservation, lease_s)
+
+
+def set_policy_version(partition_id: str, version: int) -> int | None:
+    """Publish the trainer's policy version (wakes reservers the staleness bound blocks); returns
+    the version published before."""
+    return _client().set_policy_version(partition_id, version)
+
+
+def set_staleness_bound(partition_id: str, max_lag: int | None, batch_size: int = 1) -> Admission:
+    """Bound the partition's admission: reserved samples stay within ``(version + max_lag + 1) *
+    batch_size`` (``max_lag=None`` removes the bound)."""
+    return _client().set_staleness_bound(partition_id, max_lag, batch_size)
+
+
 def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """``async_<name>``: the coroutine of the default client's ``async_<name>``, with ``function``'s
     parameters (``inspect.signature`` shows them)."""
@@ -117,6 +171,11 @@ def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R
     return coroutine
 
 
+_FUNCTIONS = (
+    kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear, kv_watch, update_priority,
+    reserve_group, commit_group, abort_group, extend_reservation, set_policy_version, set_staleness_bound,
+)  # fmt: skip
+
 async_kv_put = _coroutine_of(kv_put)
 async_kv_batch_put = _coroutine_of(kv_batch_put)
 async_kv_batch_get = _coroutine_of(kv_batch_get)
@@ -124,9 +183,12 @@ async_kv_batch_get_by_meta = _coroutine_of(kv_batch_get_by_meta)
 async_kv_list = _coroutine_of(kv_list)
 async_kv_clear = _coroutine_of(kv_clear)
 async_update_priority = _coroutine_of(update_priority)
+async_kv_watch = _coroutine_of(kv_watch)
+async_reserve_group = _coroutine_of(reserve_group)
+async_commit_group = _coroutine_of(commit_group)
+async_abort_group = _coroutine_of(abort_group)
+async_extend_reservation = _coroutine_of(extend_reservation)
+async_set_policy_version = _coroutine_of(set_policy_version)
+async_set_staleness_bound = _coroutine_of(set_staleness_bound)
 
-__all__ = [
-    name
-    for function in (kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear, update_priority)
-    for name in (function.__name__, f"async_{function.__name__}")
-]
+__all__ = [name for function in _FUNCTIONS for name in (function.__name__, f"async_{function.__name__}")]

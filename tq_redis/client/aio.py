@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, partial, replay, reservations, streaming
+from tq_redis.ops import arguments, kv, partial, replay, reservations, streaming, watch
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -221,6 +221,8 @@ class AsyncTransferQueueClient:
     ) -> dict[str, dict[str, dict[str, Any]]]:
         """See :meth:`tq_redis.TransferQueueClient.kv_list`."""
         return await self.arun(kv.list_keys(self._ctx, partition_id, where))
+
+    async_kv_watch = awaiting(watch.kv_watch, doc="See :meth:`tq_redis.TransferQueueClient.kv_watch`.")
 
     async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """See :meth:`tq_redis.TransferQueueClient.kv_clear`."""

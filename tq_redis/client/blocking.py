@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, partial, replay, reservations, streaming
+from tq_redis.ops import checkpoint, kv, partial, replay, reservations, streaming, watch
 
 R = TypeVar("R")
 
@@ -214,6 +214,14 @@ class TransferQueueClient(AsyncTransferQueueClient):
         lists only the keys whose tags have those values (filtered on the server; values compare
         as their JSON text, so ``1`` matches ``1`` but not ``1.0``)."""
         return self.run(kv.list_keys(self._ctx, partition_id, where))
+
+    kv_watch = blocking(watch.kv_watch, doc="""
+        The keys of ``partition_id`` whose tags changed after ``cursor`` (None: from now), waiting
+        up to ``timeout`` seconds for one; with ``where={tag: value}`` only those whose tags now have
+        those values. Returns ``TagChanges`` (``keys``, ``tags``, ``global_indexes`` and the
+        ``cursor`` to go on from), empty after the timeout. Going on from each returned cursor, every
+        change is seen exactly once. Raises ``WatchCursorExpired`` (carrying the newest cursor) for
+        a cursor whose changes were trimmed or whose partition was cleared: list again, watch on.""")
 
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> None:
         """Remove keys, their samples and bytes. Idempotent."""

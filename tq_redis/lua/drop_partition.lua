@@ -26,7 +26,7 @@
     <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:tagchanges
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
@@ -35,6 +35,7 @@
 -- @include events
 -- @include prefix
 -- @include reservations
+-- @include tagwatch
 
 local function drop_partition(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
@@ -85,6 +86,7 @@ local function drop_partition(KEYS, ARGV)
   end
   -- Readers following the stream re-check and see it gone (its waiters went with the keys above).
   emit(prefix, 'dropped')
+  mark_tags_dropped(prefix) -- kv_watch followers learn that they must list the partition again
   redis.call('PEXPIRE', prefix .. 'events', 60000)
   return {alive or false, fields, older, in_store and 1 or 0, rings}
 end

@@ -27,7 +27,7 @@
     trashed: how many reservations had their ids put in the trash (the client deletes their bytes)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline  <p>:groups  <p>:closed
-    <p>:rings  <p>:loc:<field>  <p>:tagnames  <p>:tag:<name> (policy_version, policy_version_end)
+    <p>:rings  <p>:loc:<field>  <p>:tagnames  <p>:tag:<name> (policy_version, policy_version_end)  <p>:tagchanges
     <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
@@ -41,6 +41,7 @@
 -- @include reservations
 -- @include schemas
 -- @include tags
+-- @include tagwatch
 
 local function group_commit(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
@@ -80,6 +81,7 @@ local function group_commit(KEYS, ARGV)
   register_schemas(prefix, pairs_)
   if rec.version ~= '' then tag_range(prefix, 'policy_version', first, count, rec.version) end
   if ARGV[3] ~= '' then tag_range(prefix, 'policy_version_end', first, count, ARGV[3]) end
+  if rec.version ~= '' or ARGV[3] ~= '' then note_tag_changes(prefix, first .. '-' .. (first + count - 1)) end
   arrive(KEYS[1], prefix, first, count, names, inline, ARGV[4])
   redis.call('HDEL', prefix .. 'resv', token)
   redis.call('ZREM', prefix .. 'resvdl', token)

@@ -50,6 +50,9 @@ key                                type    holds
 ``ns:{p}:kv``                      HASH    user key -> sample id (KV API)
 ``ns:{p}:kvkeys``                  HASH    sample id -> user key (KV API, reverse of ``kv``)
 ``ns:{p}:events``                  STREAM  insert / produced / released / cleared events
+``ns:{p}:tagchanges``              STREAM  one entry per tag write: ``prev`` (the entry before) and
+                                           ``ids`` (ranges text); capped (~10,000); what ``kv_watch``
+                                           follows; a drop leaves one ``dropped`` entry, expiring
 ``ns:{p}:waittasks``               SET     tasks with consumers waiting in ``get_meta`` (expires)
 ``ns:{p}:waiters:<task>``          ZSET    waiting consumer id -> deadline (ms); expires
 ``ns:{p}:waitneed:<task>``         STRING  what the waiters need before new data wakes one: the
@@ -229,6 +232,7 @@ class PartitionKeys(_Tagged):
     kv = _Key("kv")
     kvkeys = _Key("kvkeys", "Reverse map of :attr:`kv`: sample id -> user key.")
     events = _Key("events")
+    tagchanges = _Key("tagchanges", "Stream of tag changes (capped): what ``kv_watch`` follows.")
     waittasks = _Key("waittasks")
     waiters = _KeyOf("waiters:")
     waitneed = _KeyOf("waitneed:")

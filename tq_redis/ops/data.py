@@ -303,9 +303,11 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
                 if part_inline is not None:
                     piece_inline = inline_payload({n: v[piece] for n, v in part.items()}, store.inline_max_bytes) or ()
                 calls: list[Any] = []
-                if tag_names:
-                    calls.append(transitions.set_tags(pk, ids[piece], tag_names, tag_rows[piece]))
+                if tag_names:  # the change is noted once the fields are produced (kv_watch)
+                    calls.append(transitions.set_tags(pk, ids[piece], tag_names, tag_rows[piece], notify=False))
                 calls.append(transitions.produce(pk, ids[piece], schemas, ctx.strict_schema, piece_inline, ring=ring))
+                if tag_names:
+                    calls.append(transitions.set_tags(pk, ids[piece], (), (), notify=True))
                 yield from transitions.pipeline(*calls)
                 store.count_inline("put", piece_inline)
         except (UnknownPartition, SampleNotFound) as exc:

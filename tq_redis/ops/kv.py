@@ -289,10 +289,12 @@ def batch_put(
         row.update(new)
     meta.clear_custom_meta()  # stored tags are not written again
     try:
-        if tags is not None:
-            # Tags before fields: whoever claims a key once its fields are produced sees its tags.
+        if td is None:
             yield from set_custom_meta(ctx, BatchMeta.from_columns(res.ids, partition_id, {}, custom_meta=tags))
-        if td is not None:
+        else:
+            # New tags go with the fields' bits (tags first: whoever claims a key once its fields
+            # are produced sees its tags), and kv_watch hears of them once the fields are there.
+            meta.update_custom_meta(tags)
             meta = yield from write_fields(ctx, schemas, values, meta)
     except Exception:
         if res.created:  # leave no half-created keys behind
@@ -413,7 +415,7 @@ def list_keys(ctx: Context, partition_id: str | None = None, where: dict[str, An
     """``{partition: {key: tags}}`` of one partition (``{}`` if unknown) or of all of them;
     with ``where`` ({tag name: value}), only the keys whose tags have those values, filtered in
     the listing script (values compare as their JSON text: scalars exactly, ``1`` is not ``1.0``)."""
-    conditions = _conditions(where)
+    filters = conditions(where)
     if partition_id is None:
         names = yield Cmd(("ZRANGE", partitions_key(ctx.namespace), 0, -1))
         partitions = [text(n) for n in names]
@@ -425,7 +427,7 @@ def list_keys(ctx: Context, partition_id: str | None = None, where: dict[str, An
     # (script_budget: no call lists more than a piece of keys).
     page = script_budget.piece_size(RESOLVE_COST)
     firsts = yield from transitions.pipeline(
-        *(transitions.kv_list(ctx.keys(p), "0", page, conditions) for p in partitions)
+        *(transitions.kv_list(ctx.keys(p), "0", page, filters) for p in partitions)
     )
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for pid, listing in zip(partitions, firsts):
@@ -435,7 +437,7 @@ def list_keys(ctx: Context, partition_id: str | None = None, where: dict[str, An
                 found[key] = (sid, row)  # a key HSCAN returned twice is the same key
             if listing.cursor == "0":
                 break
-            listing = yield from transitions.kv_list(ctx.keys(pid), listing.cursor, page, conditions).call()
+            listing = yield from transitions.kv_list(ctx.keys(pid), listing.cursor, page, filters).call()
         if not found and partition_id is not None:
             continue
         out[pid] = {key: row for key, (_, row) in sorted(found.items(), key=lambda kv: kv[1][0])}  # creation order
@@ -446,20 +448,20 @@ def list_keys(ctx: Context, partition_id: str | None = None, where: dict[str, An
     return out
 
 
-def _conditions(where: Any) -> list[tuple[str, str]]:
-    """``kv_list``'s ``where`` as (tag name, JSON text) pairs, checked."""
+def conditions(where: Any, who: str = "kv_list") -> list[tuple[str, str]]:
+    """``where`` of ``kv_list`` (or ``kv_watch``: ``who``) as (tag name, JSON text) pairs, checked."""
     if where is None:
         return []
     if not isinstance(where, dict):
-        raise InvalidArgument(f"kv_list(where=) takes a dict of tag name -> value, got {type(where).__name__}")
+        raise InvalidArgument(f"{who}(where=) takes a dict of tag name -> value, got {type(where).__name__}")
     pairs = []
     for name, value in where.items():
         if not isinstance(name, str):
-            raise InvalidArgument(f"kv_list(where=) tag names are strings, got {name!r:.80}")
+            raise InvalidArgument(f"{who}(where=) tag names are strings, got {name!r:.80}")
         check_name("tag name", name)
         if value is not None and not isinstance(value, str | int | float | bool):
             raise InvalidArgument(
-                f"kv_list(where=) compares tags with a str, int, float, bool or None; {name!r} got "
+                f"{who}(where=) compares tags with a str, int, float, bool or None; {name!r} got "
                 f"{type(value).__name__} (filter on a scalar tag)"
             )
         pairs.append((name, encode_tag(value)))

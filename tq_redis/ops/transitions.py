@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(About 950 lines: 34 wrappers and their reply types, kept together so the shared reply
+(About 1,000 lines: 35 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
@@ -356,12 +356,18 @@ def produce(
 
 
 def set_tags(
-    pk: PartitionKeys, ids: Sequence[int], names: Sequence[str], rows: Sequence[Mapping[str, Any]]
+    pk: PartitionKeys,
+    ids: Sequence[int],
+    names: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    notify: bool = True,
 ) -> Transition[None]:
     """``lua/set_tags.lua``: write tag ``names`` of samples ``ids`` from ``rows`` (one dict per id;
-    a name missing from a row leaves that sample's tag unchanged). Raises ``UnknownPartition`` or
+    a name missing from a row leaves that sample's tag unchanged) and, with ``notify``, note the
+    change for ``kv_watch`` (no names and ``notify``: only note it). Raises ``UnknownPartition`` or
     ``SampleNotFound``, ``InvalidArgument`` for a bad name, ``UnsupportedValue`` for a non-JSON value."""
-    args: list[Any] = [len(ids), *ids]
+    args: list[Any] = ["1" if notify else "0", len(ids), *ids]
     for name in names:
         check_name("custom meta key", name)
         args.append(name)
@@ -740,6 +746,41 @@ def kv_list(
     return Transition(FCall("kv_list", (pk.meta,), args), _read_kv_list)
 
 
+class TagChangesReply(NamedTuple):
+    """``lua/tag_changes.lua``: changed samples after a cursor of the tag-change stream."""
+
+    expired: bool  # the cursor's successors were trimmed, or the partition dropped: list again
+    cursor: str  # the last entry read (expired: the newest entry now)
+    keys: list[str | None]  # per id; None for a sample put without a user key
+    ids: list[int]
+    tags: list[dict[str, Any]]
+    more: bool  # entries may follow at once (the budget was reached)
+
+
+def _read_tag_changes(reply: Sequence[Any]) -> TagChangesReply:
+    if int(reply[0]) == -1:
+        return TagChangesReply(True, text(reply[1]), [], [], [], False)
+    _, cursor, keys, ids, tags, more = reply
+    return TagChangesReply(
+        False,
+        text(cursor),
+        [None if k is None else text(k) for k in keys],
+        [int(i) for i in ids],
+        tag_rows(tags, len(ids)),
+        bool(int(more)),
+    )
+
+
+def tag_changes(
+    pk: PartitionKeys, cursor: str, budget: int = 256, where: Sequence[tuple[str, str]] = ()
+) -> Transition[TagChangesReply]:
+    """``lua/tag_changes.lua``: the alive samples whose tags changed after ``cursor`` (``""``: only
+    the newest entry, to watch from now), about ``budget`` at most; with ``where`` (tag name, JSON
+    text pairs) only those whose tags now have exactly those values."""
+    args = (cursor, budget, *(x for pair in where for x in pair))
+    return Transition(FCall("tag_changes", (pk.meta,), args), _read_tag_changes)
+
+
 # ------------------------------------------------------------------ storage nodes
 
 
@@ -933,7 +974,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         claim, claim_ids, ready_ids, wait, settle, unclaim,
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,
-        kv_resolve, kv_unmap, kv_list,
+        kv_resolve, kv_unmap, kv_list, tag_changes,
         read_registry, channel_put, channel_pop,
         group_reserve, group_extend, group_commit, group_abort, policy_version, admission_config,
     )
