@@ -26,6 +26,7 @@ from tq_redis.errors import (
     InvalidArgument,
     PartitionClosed,
     PartitionSealed,
+    SampleComplete,
     SampleNotFound,
     UnknownPartition,
     UnsupportedValue,
@@ -57,6 +58,7 @@ REGISTRY = storage_nodes_key("ns")
 F32 = '{"dtype":"float32","kind":"tensor","shape":[3]}'
 I64 = '{"dtype":"int64","kind":"tensor","shape":[3]}'
 NOW = 1_000
+PART = transitions.PartSpec("resp", I64, '{"kind":"parts"}')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +184,12 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "group_abort": (transitions.group_abort(PK, "tok"), ("tok",)),
     "policy_version": (transitions.policy_version(PK, 7), (7,)),
     "admission_config": (transitions.admission_config(PK, 1, 8), (1, 8)),
+    "part_alloc": (transitions.part_alloc(PK, [3, 4], [PART]), (1, *PART, 2, 3, 4)),
+    "part_append": (
+        transitions.part_append(PK, [3], [PART], [16], 7, inline_values=[b"v"], complete=["resp"]),
+        ("", 7, 1, "resp", 1, *PART, 1, 3, 16, "v", b"v"),
+    ),
+    "part_read": (transitions.part_read(PK, [3, 4, 5], "resp"), ("3-5", "resp")),
 }
 
 
@@ -222,6 +230,24 @@ def test_optional_arguments_take_their_documented_defaults():
     assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", 0)  # no ring: not placed
     now = transitions.seal_partition(PK).effect.args[0]
     assert abs(now - encoding.clock_ms()) < 60_000
+
+
+def test_part_replies_are_read():
+    assert read("part_alloc", [1, 0, 2]) == [0, 2]
+    assert read("part_append", [1]) == []
+    with pytest.raises(UnknownPartition):
+        read("part_alloc", [-1])
+    with pytest.raises(SampleNotFound, match=r"\[3, 4\]"):
+        read("part_append", [-2, 3, 4])
+    with pytest.raises(SampleComplete, match="'resp'") as complete:
+        read("part_append", [-3, b"resp", 3])
+    assert complete.value.ids == [3]
+    with pytest.raises(InvalidArgument, match="never appended"):
+        read("part_append", [-4, b"resp"])
+    parts = transitions.part_read(PK, [4, 3], "resp").read([0, [b"[[1, 2, 0]]", b"[[5, 1, 0], [6, 1, 1]]"],
+                                                            [b"a", b"b", False]])
+    assert parts.parts == [[(5, 1, 0), (6, 1, 1)], [(1, 2, 0)]]
+    assert parts.values == [[b"b", None], [b"a"]]
 
 
 def test_reservation_replies_are_read():

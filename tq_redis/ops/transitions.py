@@ -977,6 +977,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         kv_resolve, kv_unmap, kv_list, tag_changes,
         read_registry, channel_put, channel_pop,
         group_reserve, group_extend, group_commit, group_abort, policy_version, admission_config,
+        part_alloc, part_append, part_read,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""
