@@ -413,3 +413,34 @@ def test_the_module_level_calls_run_on_the_default_client(real_server, namespace
         assert tq.abort_group(r) is False
     finally:
         tq.close()
+
+
+def test_init_sets_the_namespace_staleness_bound_every_partition_adopts(real_server, namespace):
+    import tq_redis as tq
+    from tq_redis.errors import ConfigError
+
+    for bad in ({"max_lag": -1}, {"max_lag": 1, "batch_size": 0}, {"max_lag": "1"}, {"max_lag": 1, "batch": 2}):
+        with pytest.raises(ConfigError, match="staleness"):
+            tq.init({"redis": {"url": real_server.url}, "namespace": namespace, "staleness": bad})
+    tq.init({"redis": {"url": real_server.url}, "namespace": namespace, "storage": {"backend": "redis"},
+             "staleness": {"max_lag": 0, "batch_size": 2}})
+    worker = make_client(real_server.url, namespace)  # another process attaching: it reads the bound
+    try:
+        for pid in ("a", "b"):
+            worker.reserve_group(pid, 2)
+            with pytest.raises(StalenessExceeded):
+                worker.reserve_group(pid, 1)  # (0 + 0 + 1) * 2 samples admitted
+        tq.set_policy_version("a", 1)
+        tq.reserve_group("a", 2)  # the bump admits 2 more
+        tq.set_staleness_bound("b", None)  # the partition's own choice wins over the namespace's
+        worker.reserve_group("b", 50)
+        tq.set_staleness_bound("a", 5, 1)
+        assert worker.reserve_group("a", 3).size == 3  # (1 + 5 + 1) * 1 - 4 admitted
+    finally:
+        worker.close()
+        tq.close()
+    tq.init({"redis": {"url": real_server.url}, "namespace": namespace, "staleness": {"max_lag": None}})
+    try:
+        tq.reserve_group("c", 100)  # the namespace's bound removed
+    finally:
+        tq.close()

@@ -175,7 +175,9 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "read_registry": (transitions.read_registry("ns"), ()),
     "channel_put": (transitions.channel_put(CK, "default", b"1|x"), ("default", b"1|x")),
     "channel_pop": (transitions.channel_pop(CK, "default", 2.5), ("default", "reach", "2.5")),
-    "group_reserve": (transitions.group_reserve(PK, "tok", 4, 500, 3, "w", 250), ("tok", 4, 500, 3, "w", 250)),
+    "group_reserve": (
+        transitions.group_reserve(PK, "tok", 4, 500, 3, "w", 250, (1, 8)), ("tok", 4, 500, 3, "w", 250, 1, 8)
+    ),
     "group_extend": (transitions.group_extend(PK, "tok", 0, "c", ["a", "b"]), ("tok", 0, "c", "a", "b")),
     "group_commit": (
         transitions.group_commit(PK, "tok", "c", {"a": F32}, end_version=5, ring="r1", now_ms=NOW),

@@ -119,6 +119,12 @@ def _record_settings(client: TransferQueueClient, cfg: dict[str, Any], conf: Any
             client.redis.hset(key, "sampler", sampler)
         else:  # an argument-less init (a worker attaching) keeps the job's sampler
             client.redis.hsetnx(key, "sampler", sampler)
+        if "staleness" in config_mod.to_plain(conf):  # the namespace's bound (tq_redis.ops.reservations)
+            bound = cfg["staleness"]
+            if bound["max_lag"] is None:
+                client.redis.hdel(key, "staleness")
+            else:
+                client.redis.hset(key, "staleness", json.dumps(bound))
         if cfg.get("namespace_ttl") is not None:  # read by `tq-redis namespace gc` (tq_redis.monitor.namespaces)
             client.redis.hset(key, "ttl_s", repr(float(cfg["namespace_ttl"])))
     except redis.RedisError as exc:

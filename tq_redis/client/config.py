@@ -23,6 +23,9 @@ Our own shape (every key optional)::
                                          # inline_max_bytes: a put whose every value is at most this
                                          #   keeps them in Redis with the bits (one round trip); 0: never
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
+    staleness: {max_lag: null,           # the namespace's staleness bound for group reservations: every
+                batch_size: 1}           #   partition without its own (set_staleness_bound) admits within
+                                         #   (version + max_lag + 1) * batch_size; null: no bound
     compat:    {nested_output: true,     # the reference's layout: tensor fields come back nested;
                 strict_schema: false}    #   false: a field whose samples share a shape comes back dense
                                          # strict_schema: a put whose shape/dtype differs from the
@@ -59,6 +62,7 @@ DEFAULTS: dict[str, Any] = {
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {},
                 "inline_max_bytes": "4KiB"},
     "sampler": "SequentialSampler",
+    "staleness": {"max_lag": None, "batch_size": 1},
     "compat": {"nested_output": True, "strict_schema": False},
     "codec": {"allow_pickle": False},
     "metrics": {"enabled": False, "port": 0},
@@ -185,12 +189,28 @@ def load(conf: Any = None) -> dict[str, Any]:
     out["storage"]["inline_max_bytes"] = parse_size(out["storage"]["inline_max_bytes"], allow_zero=True)
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
+    _check_staleness(out["staleness"])
     ttl = out["namespace_ttl"]
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf")):
         raise ConfigError(
             f"namespace_ttl must be a positive number of seconds (or null: never dropped), got {ttl!r}"
         )
     return out
+
+
+def _check_staleness(section: dict[str, Any]) -> None:
+    """``staleness.max_lag``: null or an integer >= 0; ``staleness.batch_size``: an integer >= 1."""
+    unknown = sorted(set(section) - {"max_lag", "batch_size"})
+    if unknown:
+        raise ConfigError(f"staleness takes max_lag and batch_size, not {unknown}")
+    lag, batch = section["max_lag"], section["batch_size"]
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+        raise ConfigError(
+            f"staleness.max_lag must be an integer >= 0 (policy versions a sample may lag) or null (no bound), "
+            f"got {lag!r}"
+        )
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"staleness.batch_size must be an integer >= 1 (samples trained per version), got {batch!r}")
 
 
 def _high_availability(section: dict[str, Any], given: Any) -> None:

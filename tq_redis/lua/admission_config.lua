@@ -7,7 +7,8 @@
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
-    ARGV[1]  max_lag             an integer >= 0, or '' to remove the bound
+    ARGV[1]  max_lag             an integer >= 0, or '' to remove the bound (kept as max_lag '':
+                                 the namespace's default bound, see group_reserve, does not apply)
     ARGV[2]  batch               samples the trainer takes per version (>= 1; ignored with '')
   Output:
     {version, admitted, reserved}
@@ -24,7 +25,8 @@ local function admission_config(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local key = prefix .. 'admission'
   if ARGV[1] == '' then
-    redis.call('HDEL', key, 'max_lag', 'batch')
+    redis.call('HSET', key, 'max_lag', '')
+    redis.call('HDEL', key, 'batch')
   else
     redis.call('HSET', key, 'max_lag', ARGV[1], 'batch', ARGV[2])
   end

@@ -19,6 +19,8 @@
                                  ('' again when none is published)
     ARGV[5]  waiter              '' or the caller's waiter id (registered when refused)
     ARGV[6]  wait_ms             how long that waiter waits at most
+    ARGV[7]  default_max_lag     the namespace's bound (init's staleness config), '' if none: a
+    ARGV[8]  default_batch       partition that never had a bound of its own adopts it
   Output:
     {1, trashed, first_id, version, deadline_ms}
                                  reserved ids first_id .. first_id + count - 1
@@ -44,6 +46,9 @@ local function group_reserve(KEYS, ARGV)
   local trashed = release_expired(prefix, now)
   if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then return {-3, trashed} end
   if redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4, trashed} end
+  if (ARGV[7] or '') ~= '' and redis.call('HEXISTS', prefix .. 'admission', 'max_lag') == 0 then
+    redis.call('HSET', prefix .. 'admission', 'max_lag', ARGV[7], 'batch', ARGV[8])
+  end
   local published = redis.call('HGET', prefix .. 'admission', 'version') or ''
   local capacity = admit_capacity(prefix)
   if capacity and count > capacity then

@@ -44,6 +44,9 @@ class Context:
     default_sampler: Any = None
     resolved_sampler: samplers.BaseSampler | None = None
     storage: KVStorageManager | None = None
+    # the namespace's staleness bound (max_lag, batch_size) from init's config, once read (None: none)
+    namespace_bound: tuple[int, int] | None = None
+    namespace_bound_read: bool = False
     # partition -> whether its last claim said it keeps values inline (get_data reads those with
     # read_inline first; a partition said not to goes to the store first)
     inline_partitions: dict[str, bool] = field(default_factory=dict)

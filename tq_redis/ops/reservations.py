@@ -18,6 +18,7 @@ the one they started on.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import numpy as np
 
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument, ReservationLost, StalenessExceeded
 from tq_redis.meta import BatchMeta
-from tq_redis.meta.keys import PartitionKeys, partitions_key
+from tq_redis.meta.keys import PartitionKeys, config_key, partitions_key
 from tq_redis.ops import arguments, script_budget, transitions
 from tq_redis.ops.clear import discard_bytes, empty_trash
 from tq_redis.ops.context import Context, Op, batchmeta_schema, storage
@@ -78,6 +79,19 @@ def _free_trashed(ctx: Context, pk: PartitionKeys, trashed: int) -> Op:
         yield from empty_trash(store, pk)
 
 
+def namespace_bound(ctx: Context) -> Op[tuple[int, int] | None]:
+    """The namespace's staleness bound ``(max_lag, batch_size)`` that ``init``'s ``staleness``
+    config recorded (None: none), read once per client; a partition without a bound of its own
+    adopts it at its first reservation."""
+    if not ctx.namespace_bound_read:
+        raw = yield Cmd(("HGET", config_key(ctx.namespace), "staleness"))
+        if raw:
+            spec = json.loads(raw)
+            ctx.namespace_bound = (int(spec["max_lag"]), int(spec["batch_size"]))
+        ctx.namespace_bound_read = True
+    return ctx.namespace_bound
+
+
 def reserve_group(
     ctx: Context,
     partition_id: str,
@@ -106,7 +120,9 @@ def reserve_group(
     deadline = time.monotonic() + timeout
     while True:
         wait_ms = max(1, int((deadline - time.monotonic()) * 1000)) if waiter else 0
-        got = yield from transitions.group_reserve(pk, token, count, lease_ms, version, waiter, wait_ms).call()
+        got = yield from transitions.group_reserve(
+            pk, token, count, lease_ms, version, waiter, wait_ms, (yield from namespace_bound(ctx))
+        ).call()
         yield from _free_trashed(ctx, pk, got.trashed)
         if got.ok:
             start = int(got.version) if got.version else None

@@ -883,12 +883,14 @@ def _read_group_reserve(partition: str, reply: Sequence[Any]) -> Reserved:
 
 def group_reserve(
     pk: PartitionKeys, token: str, count: int, lease_ms: int, version: int | None = None,
-    waiter: str | None = None, wait_ms: int = 0,
+    waiter: str | None = None, wait_ms: int = 0, default_bound: tuple[int, int] | None = None,
 ) -> Transition[Reserved]:  # fmt: skip
     """``lua/group_reserve.lua``: reserve ``count`` ids under ``token`` for ``lease_ms`` (server
     time), starting on ``version`` (None: the published one); refused by the staleness bound, it
-    registers ``waiter`` for ``wait_ms``. Raises ``PartitionSealed`` or ``PartitionClosed``."""
-    args = (token, count, lease_ms, "" if version is None else version, waiter or "", wait_ms)
+    registers ``waiter`` for ``wait_ms``. ``default_bound`` (max_lag, batch): the namespace's bound,
+    adopted by a partition that has none of its own. Raises ``PartitionSealed`` or ``PartitionClosed``."""
+    lag, batch = default_bound if default_bound is not None else ("", "")
+    args = (token, count, lease_ms, "" if version is None else version, waiter or "", wait_ms, lag, batch)
     return Transition(FCall("group_reserve", (pk.meta,), args), partial(_read_group_reserve, pk.partition))
 
 
