@@ -21,7 +21,15 @@ samples from a partition of 1,000 claimable samples, replayed so that none runs 
 (the default sampler) and by priority (``alpha=0.6``, random priorities), and ``update_priority``
 of ``--group`` samples.
 
-Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--quick]`` (tq-redis only).
+Group-shared fields (``put_shared``): ``--share-ops`` groups (default 200; quick 50) of ``--group``
+samples, each with a small ``tokens`` field and one ``--image-kib`` KiB image (default 64: in the
+``redis`` store), put either per sample (the image repeated in each row, one ``put``) or shared
+(``put`` of the tokens, then ``put_shared`` of the image once); then ``get_data`` of each group.
+Reported: put and get_data p50 / p99 per group, and the image bytes the store holds (``STRLEN``
+of its keys), with sharing against without.
+
+Run: ``python -m benchmarks.p10_async_rl [--ops 2000] [--group 8] [--share-ops 200] [--quick]``
+(tq-redis only).
 """
 
 from __future__ import annotations
@@ -136,16 +144,63 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
     return results
 
 
+def measure_sharing(url: str, ops: int, group: int, image_kib: int) -> dict[str, Any]:
+    """put / get_data of ``ops`` groups whose image is put per sample, then shared (``put_shared``)."""
+    import torch
+
+    tokens = torch.arange(group * 16).reshape(group, 16)
+    image = torch.ones(1, image_kib * 256, dtype=torch.float32)  # image_kib KiB
+    results: dict[str, Any] = {}
+    for mode in ("per sample", "shared"):
+        client = _client(url, f"p10s{uuid.uuid4().hex[:8]}", 4096)  # the tokens inline, the image in the store
+        puts, gets, metas = [], [], []
+        for _ in range(ops):
+            t0 = time.perf_counter()
+            if mode == "shared":
+                meta = client.put_shared({"image": image}, client.put({"tokens": tokens}, partition_id="p"))
+            else:
+                meta = client.put({"tokens": tokens, "image": image.expand(group, -1)}, partition_id="p")
+            puts.append(time.perf_counter() - t0)
+            metas.append(meta)
+        for meta in metas:
+            t0 = time.perf_counter()
+            data = client.get_data(meta)
+            gets.append(time.perf_counter() - t0)
+        assert data["image"].shape == (group, image.shape[1])
+        pk = client.context.keys("p")
+        stored = sum(client.redis.strlen(k) for k in client.redis.scan_iter(match=f"{pk.prefix}d:*:image", count=1000))
+        put, get = _percentiles(puts), _percentiles(gets)
+        results[mode] = {"put": put, "get_data": get, "image_bytes_stored": stored}
+        print(f"  image {mode:<10} put p50 {put['p50_ms']:6.3f} ms  p99 {put['p99_ms']:6.3f} ms   get_data p50 "
+              f"{get['p50_ms']:6.3f} ms  p99 {get['p99_ms']:6.3f} ms   image bytes stored {stored:,}", flush=True)
+        client.clear_partition("p")
+        client.close()
+    saved = results["per sample"]["image_bytes_stored"] - results["shared"]["image_bytes_stored"]
+    results["bytes_saved"] = saved
+    print(f"  sharing saved {saved:,} bytes ({saved / max(1, results['per sample']['image_bytes_stored']):.0%})")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=None, help="operations per case (default 2000, quick 300)")
     parser.add_argument("--group", type=int, default=8, help="samples per group (default %(default)s)")
+    parser.add_argument("--share-ops", type=int, default=None, help="groups for put_shared (default 200, quick 50)")
+    parser.add_argument("--image-kib", type=int, default=64, help="shared image size (default %(default)s KiB)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     ops = args.ops or (300 if args.quick else 2000)
-    results = per_server_flavour(lambda url: measure_server(url, ops, args.group))
-    write_result(MEASURE, args, {"ops": ops, "group": args.group}, results, args.out)
+    share_ops = args.share_ops or (50 if args.quick else 200)
+
+    def measure(url: str) -> dict[str, Any]:
+        results = measure_server(url, ops, args.group)
+        results["sharing"] = measure_sharing(url, share_ops, args.group, args.image_kib)
+        return results
+
+    results = per_server_flavour(measure)
+    params = {"ops": ops, "group": args.group, "share_ops": share_ops, "image_kib": args.image_kib}
+    write_result(MEASURE, args, params, results, args.out)
 
 
 if __name__ == "__main__":

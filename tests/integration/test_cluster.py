@@ -359,6 +359,9 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.set_policy_version("rl", 1)
     client.commit_group(client.reserve_group("rl", 2), TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
     client.abort_group(client.reserve_group("rl", 2))
+    shared = client.put_shared({"img": torch.ones(1, 3)}, _put(client, 2, "all"))  # a group-shared field
+    assert torch.equal(client.get_data(shared)["img"], torch.ones(2, 3))
+    client.put({"img": torch.zeros(1, 3)}, metadata=shared[0:1])  # a rewrite drops a member's share
     client.seal_partition("all")
     client.clear_samples(meta[0:2])
     client.clear_partition("all")

@@ -135,6 +135,10 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "insert": (transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW, ring="r1"), (10, 4, NOW, "r1", 1, "a", F32)),
     "produce": (transitions.produce(PK, [3, 5], {"a": F32}), ("", 1, "a", F32, 2, 3, 5)),
     "read_inline": (transitions.read_inline(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
+    "share_begin": (transitions.share_begin(PK, {"a": F32}), ("a", F32)),
+    "share_put": (
+        transitions.share_put(PK, [3, 4, 5], {"a": F32}, inline_values=[b"v"]), ("", "", "3-5", 1, "a", F32, b"v")
+    ),
     "set_tags": (
         transitions.set_tags(PK, [3, 5], ["len", "uid"], [{"len": 7}, {"uid": "x"}]),
         ("1", 2, 3, 5, "len", "7", "", "uid", "", '"x"'),
@@ -318,6 +322,13 @@ def read(name: str, reply: Any) -> Any:
     return call.read(reply)
 
 
+def test_produce_reads_the_carriers_a_rewrite_freed_and_share_put_a_member_that_has_the_field():
+    assert read("produce", [1, 7, 9]) == [7, 9]
+    assert read("share_put", [1, 12]) == 12
+    with pytest.raises(InvalidArgument, match=r"field 'a' is produced already for samples \[4\]"):
+        read("share_put", [-5, b"a", 4])
+
+
 def test_reserve_reads_the_first_id_sealed_and_conflict():
     assert read("reserve", [1, 17]) == 17
     with pytest.raises(PartitionSealed, match="'p' is sealed"):
@@ -351,7 +362,7 @@ def test_insert_reads_first_id_sealed_and_conflict():
 
 @pytest.mark.parametrize("name", ["produce", "set_tags"])
 def test_writes_read_done_missing_partition_and_cleared_samples(name: str):
-    assert read(name, [1]) is None
+    assert read(name, [1]) == ([] if name == "produce" else None)
     with pytest.raises(UnknownPartition, match="'p' does not exist"):
         read(name, [-1])
     with pytest.raises(SampleNotFound, match=r"samples \[3, 5\] of partition 'p' were cleared"):

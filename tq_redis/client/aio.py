@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, partial, replay, reservations, streaming, watch
+from tq_redis.ops import arguments, kv, partial, replay, reservations, shared, streaming, watch
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -248,6 +248,7 @@ class AsyncTransferQueueClient:
     async_reserve_group = awaiting(
         reservations.reserve_group, doc="See :meth:`tq_redis.TransferQueueClient.reserve_group`."
     )
+    async_put_shared = awaiting(shared.put_shared, doc="See :meth:`tq_redis.TransferQueueClient.put_shared`.")
     async_commit_group = awaiting(
         reservations.commit_group, doc="See :meth:`tq_redis.TransferQueueClient.commit_group`."
     )

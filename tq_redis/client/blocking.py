@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, partial, replay, reservations, streaming, watch
+from tq_redis.ops import checkpoint, kv, partial, replay, reservations, shared, streaming, watch
 
 R = TypeVar("R")
 
@@ -296,6 +296,15 @@ class TransferQueueClient(AsyncTransferQueueClient):
         Set the priorities (finite numbers > 0, one per id) of samples ``global_indexes`` of
         ``partition_id``: ``PrioritizedSampler`` draws them in proportion to ``priority ** alpha``.
         Raises ``SampleNotFound`` for ids that do not exist.""")
+
+    # -- group-shared fields (tq_redis.ops.shared) -------------------------------------------------
+
+    put_shared = blocking(shared.put_shared, doc="""
+        Put ``data``'s fields (a TensorDict or dict of **one** row) once for every sample of
+        ``metadata`` (a group of one partition, e.g. a GRPO group's n samples sharing a prompt or
+        image): the bytes are stored once, each member's ``get_data`` returns the value, and it is
+        deleted when the group's last member is cleared. The members must not have these fields
+        yet. Returns the metadata with the fields added.""")
 
     def close(self) -> None:
         """Close the Redis pools and store connections."""

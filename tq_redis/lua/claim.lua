@@ -68,11 +68,12 @@
       values                     (with ids and _values) the batch's values kept inline, read in the
                                  same atomic step as the claim: field-major over ids in the
                                  order of ids, false where a value lives in a store; empty when
-                                 the partition keeps nothing inline
+                                 the partition keeps nothing inline; false when the partition
+                                 has group-shared fields (get_data reads those, see includes/shares.lua)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>  <p>:counters
-    <p>:tagnames  <p>:tag:<name>  <p>:tag:priority  <p>:groups  <p>:inline  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
+    <p>:tagnames  <p>:tag:<name>  <p>:tag:priority  <p>:groups  <p>:inline  <p>:shared  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
 -- @include claiming

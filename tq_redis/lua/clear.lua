@@ -7,16 +7,20 @@
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1..]                    sample ids
   Output:
-    {cleared_ids, fields, older, rings}
+    {cleared_ids, fields, older, rings, freed}
                                  ids that were alive (their data must be deleted), the
                                  partition's registered field names, how many ids were in the
-                                 trash before (bytes an earlier delete left behind), and the ids
-                                 of the rings its store values were put under (their holders)
+                                 trash before (bytes an earlier delete left behind), the ids
+                                 of the rings its store values were put under (their holders),
+                                 and the carriers of group-shared values whose last member this
+                                 clear removed and whose bytes are in a store (in the trash now,
+                                 deleted like the cleared ids'; see includes/shares.lua)
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>
     <p>:tagnames  <p>:tag:<name>
     <p>:trash  <p>:trashfields  <p>:inline  <p>:rings
+    <p>:shared  <p>:share:<field>  <p>:carriers
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
@@ -26,6 +30,7 @@
 -- @include events
 -- @include inline
 -- @include prefix
+-- @include shares
 
 local function clear(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
@@ -43,6 +48,8 @@ local function clear(KEYS, ARGV)
   if #alive == 0 then return {{}, fields, older, rings} end
 
   set_bits(prefix .. 'alive', alive, 0)
+  local freed = {}
+  if shares_exist(prefix) then freed = share_unlink(prefix, alive, nil) end
   inline_drop(prefix, alive, fields) -- inline values go with the bits; store bytes via the trash
   set_bits(prefix .. 'trash', alive, 1)
   if #fields > 0 then redis.call('SADD', prefix .. 'trashfields', unpack(fields)) end
@@ -66,5 +73,5 @@ local function clear(KEYS, ARGV)
   end
   redis.call('HINCRBY', KEYS[1], 'samples', -#alive)
   emit(prefix, 'cleared', 'count', #alive)
-  return {alive, fields, older, rings}
+  return {alive, fields, older, rings, freed}
 end

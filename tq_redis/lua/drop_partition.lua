@@ -14,7 +14,8 @@
     {alive_bitmap, fields, older, in_store, rings}
                                  the alive bitmap as it was, the registered field names ({false,
                                  {}} if unknown), how many ids were in the trash before (an earlier
-                                 delete's leftovers), and 1 if the samples may have bytes in the
+                                 delete's leftovers, and the carriers of group-shared values
+                                 with store bytes: includes/shares.lua), and 1 if the samples may have bytes in the
                                  store (the client deletes those), 0 if every value the partition
                                  ever held was inline (`inlineonly`, see insert.lua): the alive
                                  samples then go nowhere, their values went with <p>:inline;
@@ -27,6 +28,7 @@
     <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:tagchanges
+    <p>:shared  <p>:share:<field>  <p>:carriers  <p>:sharepending
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
@@ -35,6 +37,7 @@
 -- @include events
 -- @include prefix
 -- @include reservations
+-- @include shares
 -- @include tagwatch
 
 local function drop_partition(KEYS, ARGV)
@@ -43,6 +46,9 @@ local function drop_partition(KEYS, ARGV)
   for i = 1, #reserved do resv_free(prefix, reserved[i], resv_get(prefix, reserved[i])) end
   redis.call('DEL', prefix .. 'resvdl')
   if #reserved > 0 then admit_wake(prefix, server_ms()) end -- their slots are free
+  -- group-shared values (includes/shares.lua): their carriers are not alive samples; those with
+  -- store bytes (or pending ones) go to the trash, so `older` counts them and the client empties it
+  share_drop(prefix)
   local older = redis.call('BITCOUNT', prefix .. 'trash')
   local rings = redis.call('HKEYS', prefix .. 'rings')
   if redis.call('EXISTS', KEYS[1]) == 0 then return {false, {}, older, 1, rings} end

@@ -16,12 +16,16 @@
     then                         nids sample ids
     then                         optional: nids x nfields inline values, field-major
   Output:
-    {1}                          bits set, `produced` event emitted
+    {1, freed...}                bits set, `produced` event emitted; freed: carriers of
+                                 group-shared values these samples' fields pointed at, whose last
+                                 reference this rewrite dropped and whose bytes are in a store (in
+                                 the trash now: the caller empties it; see includes/shares.lua)
     {-1}                         the partition does not exist
     {-2, id...}                  these ids are not alive (never inserted or cleared); nothing written
     {0, field, registered}       a field's schema conflicts; nothing written
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline  <p>:rings  <p>:loc:<field>
+    <p>:shared  <p>:share:<field>  <p>:carriers  <p>:trash  <p>:trashfields
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
@@ -32,6 +36,7 @@
 -- @include placement
 -- @include prefix
 -- @include schemas
+-- @include shares
 
 local function produce(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
@@ -62,7 +67,11 @@ local function produce(KEYS, ARGV)
     redis.call('HDEL', KEYS[1], 'inlineonly')
     place_ids(prefix, ARGV[1], names, ids)
   end
+  -- a rewritten value replaces a group-shared one: the sample stops pointing at its carrier
+  local freed = {}
+  if shares_exist(prefix) then freed = share_unlink(prefix, ids, names) end
   for i = 1, #names do set_bits(prefix .. 'prod:' .. names[i], ids, 1) end
   emit(prefix, 'produced', 'count', #ids, 'fields', table.concat(names, ','))
-  return {1}
+  if #freed == 0 then return {1} end
+  return {1, unpack(freed)}
 end

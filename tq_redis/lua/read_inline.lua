@@ -11,14 +11,22 @@
   Output:
     {0, values}                  every id is alive and has every field; values field-major over
                                  the ids in ascending order, false where the value is not inline
+                                 (a member of a group-shared field gets its carrier's inline value,
+                                 see includes/shares.lua)
+    {0, values, refs, carriers, placement}
+                                 the same when some shared values live in a store: refs field-major
+                                 like values, the carrier id where the value is the carrier's store
+                                 value (false elsewhere); carriers those ids ascending, and
+                                 placement(prefix, carriers, fields) (includes/placement.lua)
     {-1, id...}                  these ids are not alive (cleared or never inserted)
     {-2, field, id...}           the field is not produced for these ids
   Touches:
-    <p>:alive  <p>:prod:<field>  <p>:inline
+    <p>:alive  <p>:prod:<field>  <p>:inline  <p>:shared  <p>:share:<field>  <p>:rings  <p>:loc:<field>
 ]]
 -- @include bits
 -- @include inline
 -- @include prefix
+-- @include shares
 -- @include visibility
 
 local function read_inline(KEYS, ARGV)
@@ -27,5 +35,8 @@ local function read_inline(KEYS, ARGV)
   local fields = {unpack(ARGV, 2)}
   local verdict = visibility(prefix, ranges, fields)
   if verdict[1] ~= 0 then return verdict end
-  return {0, inline_get(prefix, range_ids(ranges), fields)}
+  local ids = range_ids(ranges)
+  local values = inline_get(prefix, ids, fields)
+  if not shares_exist(prefix) then return {0, values} end
+  return share_values(prefix, ids, fields, values)
 end

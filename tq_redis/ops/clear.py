@@ -47,7 +47,7 @@ def clear_samples(ctx: Context, metadata: BatchMeta) -> Op:
         older = 0
         for piece in script_budget.pieces(ids, CLEAR_COST):
             cleared = yield from transitions.clear(pk, piece).call()
-            gone += cleared.ids
+            gone += cleared.doomed
             fields.update(cleared.fields)
             rings.update(cleared.rings)
             older = older or cleared.older

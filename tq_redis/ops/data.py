@@ -39,7 +39,7 @@ from tq_redis.errors import (
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, partitions_key
 from tq_redis.ops import arguments, script_budget, transitions
-from tq_redis.ops.clear import discard_bytes
+from tq_redis.ops.clear import discard_bytes, empty_trash
 from tq_redis.ops.context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
 from tq_redis.ops.data_parser import DataParser, apply_data_parser
 from tq_redis.ops.effects import Cmd, Offload
@@ -257,8 +257,10 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         # samples and the schemas itself and writes values and bits at once (one round trip).
         pk = ctx.keys(next(iter(groups)))
         store.count_inline("put", inline)
-        yield from transitions.produce(pk, metadata.global_indexes, schemas, ctx.strict_schema, inline).call()
-        return _with_fields(metadata, schemas)
+        freed = yield from transitions.produce(pk, metadata.global_indexes, schemas, ctx.strict_schema, inline).call()
+        if freed:  # the rewrite replaced a group's shared value for good: delete its bytes
+            yield from empty_trash(store, pk)
+        return with_fields(metadata, schemas)
     # Check every partition before writing any bytes: a conflict must leave nothing half-written.
     # One round trip, but for the samples past each partition's first piece (a big batch).
     checks: list[Any] = []
@@ -308,15 +310,18 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
                 calls.append(transitions.produce(pk, ids[piece], schemas, ctx.strict_schema, piece_inline, ring=ring))
                 if tag_names:
                     calls.append(transitions.set_tags(pk, ids[piece], (), (), notify=True))
-                yield from transitions.pipeline(*calls)
+                replies = yield from transitions.pipeline(*calls)
+                freed = replies[1 if tag_names else 0]  # produce's reply
                 store.count_inline("put", piece_inline)
+                if freed:  # the rewrite replaced a group's shared value for good: delete its bytes
+                    yield from empty_trash(store, pk)
         except (UnknownPartition, SampleNotFound) as exc:
             if part_inline is None:  # a clear won the race: what this put stored must not outlive it
                 note = yield from _discard_cleared(store, pk, ids, list(schemas), ring)
                 if note:
                     exc.add_note(note)
             raise
-    return _with_fields(metadata, schemas)
+    return with_fields(metadata, schemas)
 
 
 def _discard_cleared(
@@ -377,7 +382,7 @@ def _unreadable(pk: PartitionKeys, ids: list[int], fields: list[str]) -> Op:
     return sorted(gone), unread
 
 
-def _with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
+def with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
     """A copy of ``metadata`` with ``schemas``' fields produced (what a put with metadata returns)."""
     result = metadata.copy()
     result.field_schema.update(batchmeta_schema(schemas))
@@ -502,16 +507,49 @@ def _read_inline_first(
     are read from it afterwards and checked again (bytes before bits)."""
     got: dict[str, list] = {f: [] for f in fields}
     inline = False
+    shared: list[tuple[Sequence[int], transitions.InlineRead]] = []
     for piece in script_budget.pieces(ids, len(fields)):
         read = yield from transitions.read_inline(pk, piece, fields).call()
         raise_invisible(pk, read.visibility)
-        inline = inline or bool(read.values)
+        inline = inline or bool(read.values) or bool(read.shared)
         for f in fields:
             column = read.values.get(f, {})
             got[f].extend(column.get(i) for i in piece)
             store.count_inline("get", column.values())
+        if read.shared:
+            shared.append((piece, read))
     ctx.inline_partitions[pk.partition] = inline
+    for piece, read in shared:
+        values = yield from _read_carriers(store, pk, read)
+        proof = yield from transitions.read_inline(pk, piece, list(read.shared)).call()
+        raise_invisible(pk, proof.visibility)
+        if proof.shared != read.shared:  # a member's shared value was rewritten meanwhile: read again
+            return (yield from _read_inline_first(ctx, store, pk, ids, fields))
+        for f, refs in read.shared.items():
+            column = got[f]
+            for pos, i in enumerate(ids):
+                carrier = refs.get(i)
+                if carrier is not None:
+                    column[pos] = values[f][carrier]
     return (yield from fill_from_store(store, pk, ids, got))
+
+
+def _read_carriers(store: KVStorageManager, pk: PartitionKeys, read: transitions.InlineRead) -> Op:
+    """The store values of the carriers of group-shared fields a ``read_inline`` named (field ->
+    {carrier: value}), each from the node it was put on. Proved by the caller: the members still
+    point at these carriers afterwards, so they were not freed (a carrier's bytes are deleted only
+    once no member points at it, and its id is never reused)."""
+    out: dict[str, dict[int, Any]] = {}
+    where = read.placement
+    for f, refs in read.shared.items():
+        carriers = sorted(set(refs.values()))
+        placement = None
+        if where is not None and where.rings:
+            at = np.searchsorted(np.asarray(read.carriers, dtype=np.int64), np.asarray(carriers, dtype=np.int64))
+            placement = Placement(where.rings, {f: where.ring_of(f, len(read.carriers))[at]})
+        got = yield Offload(store.get, (pk, carriers, [f], placement))
+        out[f] = dict(zip(carriers, got[f]))
+    return out
 
 
 def fill_from_store(store: KVStorageManager, pk: PartitionKeys, ids: list[int], got: dict[str, list]) -> Op:

@@ -325,9 +325,9 @@ def _forget(ctx: Context, pk: PartitionKeys, pairs: list[tuple[str, int]]) -> Op
     for piece in script_budget.pieces(pairs, CLEAR_COST):
         ids = [i for _, i in piece]
         cleared, _ = yield from transitions.pipeline(transitions.clear(pk, ids), transitions.kv_unmap(pk, piece))
-        if cleared.ids:
+        if cleared.doomed:
             store = yield from storage(ctx)
-            yield from delete_bytes(store, pk, cleared.ids, cleared.fields, cleared.rings)
+            yield from delete_bytes(store, pk, cleared.doomed, cleared.fields, cleared.rings)
 
 
 # ------------------------------------------------------------------ get, list, clear

@@ -208,12 +208,19 @@ class Settled(NamedTuple):
 
 class Cleared(NamedTuple):
     """``lua/clear.lua``: ids that were alive, the partition's fields, the trash's earlier size,
-    the rings the partition's store values were put under."""
+    the rings the partition's store values were put under, and the carriers of group-shared
+    values the clear freed (their bytes go like the cleared ids', see ``lua/includes/shares.lua``)."""
 
     ids: list[int]
     fields: list[str]
     older: int
     rings: list[str] = []
+    freed: list[int] = []
+
+    @property
+    def doomed(self) -> list[int]:
+        """Every id whose store bytes are to be deleted now: the cleared samples and freed carriers."""
+        return self.ids + self.freed if self.freed else self.ids
 
 
 class Dropped(NamedTuple):
@@ -343,16 +350,61 @@ def _read_write(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]
         _conflict(reply, schemas)
 
 
+def _read_produce(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> list[int]:
+    _read_write(partition, schemas, reply)
+    return [int(i) for i in reply[1:]]
+
+
 def produce(
     pk: PartitionKeys, ids: Sequence[int], schemas: Mapping[str, str], strict: bool = False,
     inline_values: Sequence[bytes] = (), ring: str | None = None,
-) -> Transition[None]:  # fmt: skip
+) -> Transition[list[int]]:  # fmt: skip
     """``lua/produce.lua``: mark fields of existing samples produced: their bytes are stored (under
     the store's ``ring``, if it places keys itself), or come here as ``inline_values`` (``len(ids)``
     per field of ``schemas``, field-major). Raises ``UnknownPartition``, ``SampleNotFound`` or the
-    schema conflict."""
+    schema conflict. The result: carriers of group-shared values the rewrite freed (their store
+    bytes are in the partition's trash now, for the caller to delete; usually none)."""
     args = (ring or "", len(schemas), *_flat_schemas(schemas, strict), len(ids), *ids, *inline_values)
-    return Transition(FCall("produce", (pk.meta,), args), partial(_read_write, pk.partition, schemas))
+    return Transition(FCall("produce", (pk.meta,), args), partial(_read_produce, pk.partition, schemas))
+
+
+def _read_share_begin(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> int:
+    _read_write(partition, schemas, reply)
+    return int(reply[1])
+
+
+def share_begin(pk: PartitionKeys, schemas: Mapping[str, str], strict: bool = False) -> Transition[int]:
+    """``lua/share_begin.lua``: the carrier id of a group-shared value about to be stored (marked
+    pending until :func:`share_put` links it). Raises ``UnknownPartition`` or the schema conflict."""
+    return Transition(
+        FCall("share_begin", (pk.meta,), tuple(_flat_schemas(schemas, strict))),
+        partial(_read_share_begin, pk.partition, schemas),
+    )
+
+
+def _read_share_put(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> int:
+    if int(reply[0]) == -5:
+        field, ids = text(reply[1]), [int(i) for i in reply[2:12]]
+        raise InvalidArgument(
+            f"field {field!r} is produced already for samples {ids} of partition {partition!r}: a shared "
+            f"field is put once per group, before any member has it (put it per sample with put() instead)"
+        )
+    _read_write(partition, schemas, reply)
+    return int(reply[1])
+
+
+def share_put(
+    pk: PartitionKeys, members: Sequence[int], schemas: Mapping[str, str], strict: bool = False, *,
+    carrier: int | None = None, ring: str | None = None, inline_values: Sequence[bytes] = (),
+) -> Transition[int]:  # fmt: skip
+    """``lua/share_put.lua``: make one value per field of ``schemas`` the value of every member:
+    stored under ``carrier`` (from :func:`share_begin`, under the store's ``ring``) or, with
+    ``carrier`` None, the ``inline_values`` (one per field) stored with the bits. The result is the
+    carrier id. Raises ``UnknownPartition``, ``SampleNotFound``, the schema conflict, or
+    ``InvalidArgument`` for a member that has the field already."""
+    args = ("" if carrier is None else carrier, ring or "", id_ranges(members), len(schemas),
+            *_flat_schemas(schemas, strict), *inline_values)  # fmt: skip
+    return Transition(FCall("share_put", (pk.meta,), args), partial(_read_share_put, pk.partition, schemas))
 
 
 def set_tags(
@@ -400,6 +452,11 @@ class InlineRead(NamedTuple):
 
     visibility: Visibility
     values: dict[str, dict[int, bytes]]  # field -> {id: value} of the values kept inline
+    # group-shared values kept in a store: field -> {member id: carrier id}, and where the
+    # carriers' values were put (for the carriers in ascending order); empty / None when none
+    shared: dict[str, dict[int, int]] = {}
+    carriers: list[int] = []
+    placement: Placement | None = None
 
 
 def _read_inline(ids: Sequence[int], fields: Sequence[str], reply: Sequence[Any]) -> InlineRead:
@@ -413,7 +470,16 @@ def _read_inline(ids: Sequence[int], fields: Sequence[str], reply: Sequence[Any]
         for k, name in enumerate(fields):
             column = flat[k * n : (k + 1) * n]
             values[name] = {i: v for i, v in zip(order, column, strict=True) if v is not None}
-    return InlineRead(Visibility([], None, []), values)
+    if len(reply) < 5:
+        return InlineRead(Visibility([], None, []), values)
+    refs, carriers, where = reply[2], [int(c) for c in reply[3]], reply[4]
+    shared: dict[str, dict[int, int]] = {}
+    for k, name in enumerate(fields):
+        column = refs[k * n : (k + 1) * n]
+        found = {i: int(c) for i, c in zip(order, column, strict=True) if c}
+        if found:
+            shared[name] = found
+    return InlineRead(Visibility([], None, []), values, shared, carriers, _read_placement(fields, where))
 
 
 def read_inline(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[InlineRead]:
@@ -534,7 +600,7 @@ def _read_claim(reply: Sequence[Any], fields: Sequence[str] = ()) -> ClaimReply:
     last_id, ids, schemas, tags, deliveries, next_lapse, *rest = reply
     inline = bool(int(rest[1])) if len(rest) > 1 else None
     got = _claim_reply(last_id, ids, schemas, tags, deliveries, next_lapse, bool(rest and int(rest[0])), inline)
-    if len(rest) > 2 and got.ids:
+    if len(rest) > 2 and got.ids and rest[2] is not None:  # None: shared fields, read by get_data
         got = got._replace(values=_claimed_values(rest[2], len(got.ids), fields))
     return got
 
@@ -645,8 +711,11 @@ def unclaim(pk: PartitionKeys, task: str, ids: Sequence[int], fences: Sequence[i
 
 
 def _read_clear(reply: Sequence[Any]) -> Cleared:
-    cleared, fields, older, rings = reply
-    return Cleared([int(i) for i in cleared], [text(f) for f in fields], int(older), [text(r) for r in rings])
+    cleared, fields, older, rings, *freed = reply
+    return Cleared(
+        [int(i) for i in cleared], [text(f) for f in fields], int(older), [text(r) for r in rings],
+        [int(i) for i in freed[0]] if freed else [],
+    )  # fmt: skip
 
 
 def clear(pk: PartitionKeys, ids: Sequence[int]) -> Transition[Cleared]:
@@ -972,7 +1041,7 @@ def admission_config(pk: PartitionKeys, max_lag: int | None, batch: int = 1) -> 
 BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
     f.__name__: f
     for f in (
-        reserve, insert, produce, set_tags, check_visible, read_inline,
+        reserve, insert, produce, set_tags, check_visible, read_inline, share_begin, share_put,
         claim, claim_ids, ready_ids, wait, settle, unclaim,
         clear, drop_partition, trash_add, trash_done,
         reset_consumption, seal_partition, progress,

@@ -18,7 +18,7 @@
     claim_balanced(prefix, c, ids, tags, n, dp_size, part, cache_key, ttl)
                                                split a balanced choice, store it, reply with part
   Touches:
-    <p>:meta  <p>:tasks  <p>:fields  <p>:inline  <p>:tagnames  <p>:tag:<name>  <p>:alive
+    <p>:meta  <p>:tasks  <p>:fields  <p>:inline  <p>:shared  <p>:tagnames  <p>:tag:<name>  <p>:alive
     <p>:prod:<field>  <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
     <p>:wakebudget:<task>   (and the rank or balance cache key the caller names)
@@ -78,8 +78,14 @@ local function claim_reply(prefix, c, ids, deliveries)
   pass_baton(prefix, task) -- more for the other waiters?
   -- '' for the event id: a caller that got ids never waits, so the stream is not read.
   local inline = redis.call('EXISTS', prefix .. 'inline')
+  -- group-shared fields (includes/shares.lua) are resolved by read_inline: send get_data there,
+  -- and return false for the values (the caller reads the batch with get_data then)
+  local shared = redis.call('EXISTS', prefix .. 'shared') == 1
+  if shared then inline = 1 end
   local out = {'', ids, read_schemas(prefix, c.fields), read_tags(prefix, ids), deliveries, claim_lapse(prefix, c), 0, inline}
-  if c.opts._values == '1' then out[9] = inline_get(prefix, ids, c.fields, inline == 1) end
+  if c.opts._values == '1' then
+    if shared then out[9] = false else out[9] = inline_get(prefix, ids, c.fields, inline == 1) end
+  end
   return out
 end
 
