@@ -21,6 +21,7 @@ EXAMPLES = {
     "pipeline.py": "pipeline OK: 64 samples",
     "ray_placement.py": "ray_placement OK",
     "watch_replay_buffer.py": "watch_replay_buffer OK",
+    "async_grpo.py": "async_grpo OK",
 }
 # Examples that start a local Ray (~20 s here) run in CI's "soak or slow" step.
 SLOW = {"ray_placement.py"}
