@@ -21,7 +21,6 @@
     <p>:kv
 ]]
 -- @include bits
--- @include chunks
 -- @include prefix
 -- @include tags
 
@@ -36,12 +35,7 @@ local function kv_list(KEYS, ARGV)
     ids[#ids + 1] = tonumber(flat[i + 1])
   end
   local alive = get_bits(prefix .. 'alive', ids)
-  for i = 3, #ARGV - 1, 2 do
-    local values = hmget_many(prefix .. 'tag:' .. ARGV[i], ids)
-    for k = 1, #ids do
-      if values[k] ~= ARGV[i + 1] then alive[k] = 0 end
-    end
-  end
+  unmatched_to_zero(prefix, ids, alive, ARGV, 3)
   local live_keys, live_ids = {}, {}
   for i = 1, #ids do
     if alive[i] == 1 then

@@ -57,12 +57,7 @@ local function tag_changes(KEYS, ARGV)
   end
 
   local keep = get_bits(prefix .. 'alive', ids)
-  for i = 3, #ARGV - 1, 2 do
-    local values = hmget_many(prefix .. 'tag:' .. ARGV[i], ids)
-    for k = 1, #ids do
-      if values[k] ~= ARGV[i + 1] then keep[k] = 0 end
-    end
-  end
+  unmatched_to_zero(prefix, ids, keep, ARGV, 3)
   local live = {}
   for k = 1, #ids do
     if keep[k] == 1 then live[#live + 1] = ids[k] end

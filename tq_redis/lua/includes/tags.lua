@@ -6,6 +6,9 @@
     read_tags(prefix, ids)       flat {name1, {JSON value or false per id}, name2, ...}
     tag_range(prefix, name, first, count, value)
                                  tag `name` of ids first .. first + count - 1 set to one JSON value
+    unmatched_to_zero(prefix, ids, keep, filter, from)
+                                 keep[k] = 0 for each id whose tags differ from the filter: the
+                                 (tag name, JSON text) pairs filter[from], filter[from + 1], ...
   Touches:
     <p>:tagnames  <p>:tag:<name>
 ]]
@@ -35,4 +38,14 @@ local function tag_range(prefix, name, first, count, value)
     redis.call('HSET', key, unpack(hargs))
   end
   redis.call('SADD', prefix .. 'tagnames', name)
+end
+
+-- kv_list's and tag_changes' where=: clear keep[k] of every id whose tag differs from the filter.
+local function unmatched_to_zero(prefix, ids, keep, filter, from)
+  for i = from, #filter - 1, 2 do
+    local values = hmget_many(prefix .. 'tag:' .. filter[i], ids)
+    for k = 1, #ids do
+      if values[k] ~= filter[i + 1] then keep[k] = 0 end
+    end
+  end
 end
