@@ -458,7 +458,8 @@ _GLOBAL = {
 }  # fmt: skip
 _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",
-    "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics", "rings", "closed",
+    "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics", "dockdone", "dockready",
+    "dockage", "rings", "closed",
 }  # fmt: skip
 _FAMILIES = (
     "prod:", "cons:", "lease:", "dlv:", "poison:", "sampled:", "tag:", "loc:",

@@ -44,10 +44,13 @@ or the difference only adds to what it accepts):
 * Construction makes a new, empty dock (as a new MindSpeed actor is) unless ``name=`` names one
   to attach to; a name already used with another ``prompts_num`` / ``n_samples_per_prompt``
   raises :class:`~tq_redis.errors.InvalidArgument` instead of mixing two docks' rows.
-* ``max_age > 1`` (partial rollout: re-queued rollouts, ages, row re-sorting) is not implemented
-  and raises :class:`~tq_redis.errors.InvalidArgument` rather than silently behaving like
-  ``max_age=1``. ``dp_size`` and ``allow_partial_ready_data`` are accepted and, as in MindSpeed
-  without partial rollout, do nothing.
+* ``max_age > 1`` is MindSpeed's partial rollout (re-queued rollouts, ages, rows re-sorted
+  oldest first by ``clear``), kept in :mod:`tq_redis.dock.partial`; its differences: it needs
+  ``GBS_train > 0`` at construction (MindSpeed: at the first put), consumers other than
+  ``actor_rollout`` take ready rows in row order (no random draw, no seqlen balance), and the -2
+  rows a rollout claim pads with are skipped when put back (MindSpeed writes them into the
+  second-to-last row). ``allow_partial_ready_data`` is accepted and, as in MindSpeed's current
+  source, does nothing; ``dp_size`` only pads rollout claims under partial rollout.
 * ``GBS_train=0`` (MindSpeed's default) means "no cap"; in MindSpeed it makes every
   ``get_n_samples`` claim return ``(None, None)``, so an ``all_consumed`` loop never ends.
 * Columns keep their dtype (MindSpeed turns int64 into int32, which corrupts values >= 2**31).
@@ -73,9 +76,9 @@ or the difference only adds to what it accepts):
   prompt stored in its ``n_samples_per_prompt`` rows; ``indexes`` then name prompts);
   ``get_experience`` takes ``timeout=`` (None: claims return at once and reads by index wait as
   long as it takes, as in MindSpeed) and ``layout=``. ``get_update_ready`` and
-  ``get_incomplete_response_num`` count a row's rollout complete once its ``responses`` are put
-  (with ``max_age=1`` a rollout is never continued; MindSpeed only tracks completion under partial
-  rollout and returns constants otherwise).
+  ``get_incomplete_response_num`` with ``max_age=1`` count a row's rollout complete once its
+  ``responses`` are put (a rollout is never continued; MindSpeed only tracks completion under
+  partial rollout and returns constants otherwise).
 
 This module holds ``GRPOTransferDock`` (consumers, claims, metrics, request indexes) and is where
 to import the dock from; its parts: :mod:`tq_redis.dock.base` (the base class ``TransferDock``:
@@ -103,6 +106,7 @@ from tq_redis.dock.layout import ORIGINAL_LENGTH as ORIGINAL_LENGTH
 from tq_redis.dock.layout import as_layout, check_layout, unpadded
 from tq_redis.dock.metrics import DockMetrics as DockMetrics
 from tq_redis.dock.metrics import encode_update, replay
+from tq_redis.dock.partial import PAD_INDEX, PartialRollout, age_column
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.schemas import to_batchmeta_schema
@@ -138,7 +142,9 @@ class GRPOTransferDock(TransferDock):
         metrics: any object, as MindSpeed accepts; ``update_metrics`` calls its
             ``update(key, value, cumulate=)`` (MindSpeed's ``Metric``), so only an object used for
             updates needs one, and ``get_metrics`` returns copies of it. None: a :class:`DockMetrics`.
-        max_age: 1 (MindSpeed's partial rollout, ``max_age > 1``, is not supported).
+        max_age: 1, or > 1 for MindSpeed's partial rollout (see :mod:`tq_redis.dock.partial` and
+            the dock's docs page): unfinished rollouts are re-queued and age, and a row of age
+            ``max_age - 1`` must finish before ``get_update_ready``.
         GBS_train: with ``get_n_samples``, a consumer gets nothing more once it has consumed
             ``GBS_train * n_samples_per_prompt`` rows; 0: no cap.
         addition_columns / addition_consumers: names beyond MindSpeed-RL's defaults.
@@ -166,14 +172,13 @@ class GRPOTransferDock(TransferDock):
         timeout_interval: float | None = None,
         **place: Unpack[DockPlace],
     ) -> None:
-        if int_at_least("max_age", max_age, 1) > 1:
-            raise InvalidArgument(
-                f"max_age={max_age} asks for MindSpeed-RL's partial rollout, which tq_redis's dock does not "
-                f"implement; use max_age=1"
-            )
-        self.max_age = 1
+        self.max_age = int_at_least("max_age", max_age, 1)
         self.GBS_train = int_at_least("GBS_train", GBS_train, 0)
-        self.enable_partial_rollout = False
+        self.enable_partial_rollout = self.max_age > 1
+        if self.enable_partial_rollout and not self.GBS_train:
+            raise InvalidArgument(
+                f"max_age={max_age} (partial rollout) needs GBS_train > 0: the prompts a training step takes"
+            )
         self.metrics = metrics
         self.experience_consumers = extend_names(EXPERIENCE_CONSUMERS, addition_consumers)
         self.batch_seqlen_balance_mapper = {c: list(SEQLEN_COLUMNS) for c in SEQLEN_BALANCE_CONSUMERS}
@@ -181,6 +186,7 @@ class GRPOTransferDock(TransferDock):
             prompts_num, n_samples_per_prompt, extend_names(EXPERIENCE_COLUMNS, addition_columns), timeout,
             timeout_interval, **place,
         )
+        self._partial = PartialRollout(self, self.max_age, self.GBS_train) if self.enable_partial_rollout else None
         self._spec = (
             (prompts_num, n_samples_per_prompt, metrics, max_age, GBS_train, addition_columns, addition_consumers,
              timeout, timeout_interval),
@@ -237,12 +243,15 @@ class GRPOTransferDock(TransferDock):
         ``data_dict`` maps column -> a tensor with one row per index, or a list of per-row tensors
         (lengths may differ); a ``TensorDict`` with ``original_length`` (what ``get_experience``
         and ``padding_dict_to_tensor_dict`` return) is cut back to the rows' lengths first.
-        ``is_prompt`` marks MindSpeed's prompt put (it only matters for partial rollout). Ours:
+        ``is_prompt`` marks MindSpeed's prompt put (with partial rollout it also writes placeholder
+        ``responses`` / ``response_length``; a put of ``responses`` then needs ``rollout_completed``,
+        and rows of index -2 are dropped). Ours:
         ``indexes`` may be left out (the rows after the last ones handed out are used), and with
         ``repeat_prompts`` every row is a prompt, stored in its ``n_samples_per_prompt`` rows, and
         ``indexes`` (if given) are prompt numbers.
         """
         columns = unpadded(data_dict)
+        completed = self._rollout_completed(columns)
         self._check_columns(list(columns))
         if not columns:
             raise InvalidArgument("put_experience: data_dict has no column")
@@ -250,9 +259,17 @@ class GRPOTransferDock(TransferDock):
         rows = next(iter(counts.values()))
         if set(counts.values()) != {rows} or rows == 0:
             raise BatchSizeMismatch(f"put_experience: every column needs the same (non-zero) row count, got {counts}")
+        if completed is not None and len(completed) != rows:
+            raise BatchSizeMismatch(f"put_experience: {rows} rows but {len(completed)} rollout_completed flags")
         n = self.n_samples_per_prompt if repeat_prompts else 1
         if repeat_prompts:
             columns = {c: [r for r in values for _ in range(n)] for c, values in columns.items()}
+            completed = completed and [c for c in completed for _ in range(n)]
+        if self._partial is not None and is_prompt:  # MindSpeed's placeholder responses
+            for column, value, like in (("responses", -1, "prompts"), ("response_length", 0, "prompt_length")):
+                first = columns[like][0] if like in columns else None
+                dtype = first.dtype if isinstance(first, torch.Tensor) else torch.int32  # one dtype per column
+                columns.setdefault(column, [torch.tensor([value], dtype=dtype)] * (rows * n))
         if indexes is None:
             first = int(self._cmd("HINCRBY", self._pk.meta, "dock_cursor", rows * n)) - rows * n
             if first % n:
@@ -265,9 +282,37 @@ class GRPOTransferDock(TransferDock):
             if len(indexes) != rows:
                 raise BatchSizeMismatch(f"put_experience: {rows} rows but {len(indexes)} indexes")
             rows_at = [int(p) * n + j for p in indexes for j in range(n)] if repeat_prompts else list(indexes)
+        if self._partial is not None and not repeat_prompts:  # rows a rollout claim padded with: not rows
+            keep = [k for k, i in enumerate(rows_at) if not (isinstance(i, int | np.integer) and i == PAD_INDEX)]
+            if not keep:
+                return []
+            rows_at = [rows_at[k] for k in keep]
+            columns = {c: [values[k] for k in keep] for c, values in columns.items()}
+            completed = completed and [completed[k] for k in keep]
         rows_at = self._check_indexes(rows_at)
         self._write(columns, rows_at)
+        if completed:
+            self._run(self._partial.after_responses(rows_at, completed))
         return rows_at
+
+    def _rollout_completed(self, columns: dict[str, list[Any]]) -> list[bool] | None:
+        """Pops MindSpeed's ``rollout_completed`` (one flag per row) from a put of ``responses``."""
+        if self._partial is None:
+            return None
+        flags = columns.pop("rollout_completed", None)
+        if "responses" not in columns:
+            if flags is not None:
+                raise InvalidArgument("put_experience: rollout_completed goes with responses; put them together")
+            return None
+        if flags is None:
+            raise InvalidArgument(
+                "put_experience: with partial rollout (max_age > 1) a put of responses needs rollout_completed "
+                "(1 where the response is finished, 0 where its rollout continues)"
+            )
+        try:
+            return [int(torch.as_tensor(f).reshape(-1)[0]) == 1 for f in flags]
+        except (TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise InvalidArgument(f"rollout_completed must hold one 0/1 value per row ({exc})") from None
 
     # -- get ---------------------------------------------------------------------------------
 
@@ -293,32 +338,64 @@ class GRPOTransferDock(TransferDock):
         seconds on the dock's event stream. With ``indexes``: those rows (repeats allowed), marked
         consumed, waiting up to ``timeout`` seconds (None: as long as it takes) for their columns.
         The TensorDict is padded with ``original_length`` (``layout="padded"``) or jagged.
-        ``dp_size`` and ``allow_partial_ready_data`` only matter for partial rollout.
+        With partial rollout ``actor_rollout`` claims with ``get_n_samples=False``, takes what is
+        ready (up to ``experience_count``), gets an ``age`` column, and a short claim is padded to a
+        multiple of ``dp_size`` with row index -2; other consumers see only the ready mask's rows.
+        ``allow_partial_ready_data`` does nothing (as in MindSpeed).
         """
         self._check_consumer(consumer)
-        int_at_least("dp_size", dp_size, 1)
+        dp_size = int_at_least("dp_size", dp_size, 1)
         layout = check_layout(layout if layout is not None else self.layout)
+        rollout = self._partial is not None and consumer == "actor_rollout"
+        if rollout:
+            if get_n_samples:
+                raise InvalidArgument(
+                    "get_n_samples is not supported for actor_rollout with partial rollout (max_age > 1): "
+                    "pass get_n_samples=False"
+                )
+            experience_columns = [c for c in experience_columns if c != "age"]  # always added
         columns = self._check_columns(experience_columns)
         if not columns:
             raise InvalidArgument("experience_columns is empty: name the columns to get")
         if indexes is not None:
             rows = self._check_indexes(indexes, unique=False)
             meta = self._run(self._read_rows(rows, columns, timeout, consumer))
+            if rollout:
+                return self._rollout_batch(meta, rows, columns, None, dp_size, layout)
             return as_layout(self._client.get_data(meta), columns, layout), rows
-        count = self._check_count(experience_count, get_n_samples)
+        count = self._check_count(experience_count, get_n_samples and not rollout, divides=self._partial is None)
         balanced = use_batch_seqlen_balance and consumer in self.batch_seqlen_balance_mapper
         meta = self._run(self._claim(consumer, columns, count, get_n_samples, balanced, timeout))
         if meta is None:
             return None, None
         rows = [int(m["dock_index"]) for m in meta.custom_meta]
+        if rollout:
+            return self._rollout_batch(meta, rows, columns, count, dp_size, layout)
         return as_layout(self._client.get_data(meta), columns, layout), rows
 
-    def _check_count(self, count: Any, get_n_samples: bool) -> int:
+    def _rollout_batch(self, meta: BatchMeta, rows: list[int], columns: list[str], count: int | None,
+                       dp_size: int, layout: str) -> tuple[TensorDict, list[int]]:
+        """A rollout claim's result, as MindSpeed's: the rows plus ``age``, responses marked unwritten,
+        and (when fewer than ``count``) the last row repeated up to a multiple of ``dp_size`` with
+        index -2."""
+        td = self._client.get_data(meta)
+        ages = self._run(self._partial.ages(rows))
+        self._run(self._partial.after_rollout_claim(list(dict.fromkeys(meta.global_indexes))))
+        if count is not None and len(rows) < count:
+            pad = -len(rows) % dp_size
+            td = td[[*range(len(rows)), *[len(rows) - 1] * pad]]
+            ages, rows = ages + [ages[-1]] * pad, rows + [PAD_INDEX] * pad
+        td.set("age", age_column(ages))
+        return as_layout(td, [*columns, "age"], layout), rows
+
+    def _check_count(self, count: Any, get_n_samples: bool, divides: bool = True) -> int:
         if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 1:
             raise InvalidArgument(f"experience_count must be an int >= 1 without indexes, got {count!r}")
         count = int(count)
-        if count > self.max_len or self.max_len % count:
+        if divides and (count > self.max_len or self.max_len % count):
             raise InvalidArgument(f"experience_count ({count}) must divide the dock's {self.max_len} rows")
+        if count > self.max_len:  # partial rollout: any count up to the dock's rows (MindSpeed)
+            raise InvalidArgument(f"experience_count ({count}) is more than the dock's {self.max_len} rows")
         if get_n_samples and count % self.n_samples_per_prompt:
             raise InvalidArgument(
                 f"get_n_samples needs experience_count ({count}) to be a multiple of n_samples_per_prompt "
@@ -339,7 +416,13 @@ class GRPOTransferDock(TransferDock):
             if grouped and (yield from self._over_cap(consumer)):
                 return None  # only a clear lowers the count
             last = yield from self._last_event()  # any change after this wakes the wait below
-            if balanced:
+            if self._partial is not None:
+                rollout = consumer == "actor_rollout"
+                choose = self._partial.chooser(count, rollout, grouped)
+                got = yield from ops.claim_choice(self._pk, consumer, columns, 1 if rollout else count, choose,
+                                                  attempts=_CLAIM_RETRIES)
+                meta = got.meta
+            elif balanced:
                 meta = yield from self._claim_balanced(consumer, columns, count, grouped)
             else:
                 config: dict[str, Any] = {"sampler": "SequentialSampler"}
@@ -408,6 +491,11 @@ class GRPOTransferDock(TransferDock):
     def all_consumed(self, consumer: str, get_n_samples: bool = True) -> bool:
         """True once every one of the dock's rows exists and ``consumer`` has consumed it."""
         self._check_consumer(consumer)
+        if self._partial is not None:  # MindSpeed: a step's worth (GBS_train prompts)
+            if consumer == "actor_rollout":
+                return self._run(self._partial.done_groups()) >= self.GBS_train
+            consumed = self._cmd("BITCOUNT", self._pk.cons(consumer))
+            return int(consumed) == self.GBS_train * self.n_samples_per_prompt
         state = self._run(streaming.progress(self._ctx, self.partition_id, consumer, []))
         return state.alive == self.max_len and state.pending == 0
 
@@ -421,7 +509,13 @@ class GRPOTransferDock(TransferDock):
         return status["prompts"], status["responses"]
 
     def get_update_ready(self, require_max_age_all_finished: bool = True) -> bool:
-        """Whether ``GBS_train`` prompts have all their responses (and, if required, every row has)."""
+        """Whether ``GBS_train`` prompts have all their responses (and, if required, every row has).
+
+        With partial rollout: whether ``GBS_train`` prompts have finished their rollouts (and, if
+        required, every row of age ``max_age - 1`` has); it also refreshes the ready mask.
+        """
+        if self._partial is not None:
+            return self._run(self._partial.update_ready(require_max_age_all_finished))
         _, done = self._rollout_status()
         groups = int(done.view(self.prompts_num, self.n_samples_per_prompt).all(dim=1).sum())
         ready = groups >= self.GBS_train
@@ -430,19 +524,30 @@ class GRPOTransferDock(TransferDock):
         return ready
 
     def get_incomplete_response_num(self) -> torch.Tensor:
-        """Rows holding a prompt whose responses are not put yet (a 0-d int64 tensor, as MindSpeed)."""
+        """Rows holding a prompt whose responses are not put yet (a 0-d int64 tensor, as MindSpeed).
+
+        With partial rollout: rows holding a prompt minus rows whose rollout is finished.
+        """
+        if self._partial is not None:  # MindSpeed: prompts put minus rollouts finished
+            prompts = self._column_status(["prompts"])["prompts"]
+            done, _, _ = self._run(self._partial.state())
+            return (prompts.sum() - int(done.sum())).to(torch.int64)
         prompts, done = self._rollout_status()
         return (prompts.sum() - (prompts & done).sum()).to(torch.int64)
 
     def clear(self, consumer: str = "actor_train") -> None:
         """Drop every row, column, consumer status, request index and metric (start the next step).
 
-        ``consumer`` only matters for MindSpeed's partial rollout; it must name a consumer.
+        With partial rollout, only the rows ``consumer`` consumed are dropped; the others age by one
+        and whole prompts are re-sorted oldest first (:mod:`tq_redis.dock.partial`).
         """
         self._check_consumer(consumer)
 
         def op() -> Iterator[Any]:
-            yield from ops.clear_partition(self._ctx, self.partition_id)
+            if self._partial is not None:
+                yield from self._partial.clear(consumer)
+            else:
+                yield from ops.clear_partition(self._ctx, self.partition_id)
             yield Cmd(("DEL", self._state_key, self._metrics_key))
 
         self._run(op())

@@ -76,6 +76,9 @@ key                                type    holds
                                            (kept across clears)
 ``ns:{p}:dockstate``               HASH    ``cur_index``: the dock's prefetch_request_index cursor
 ``ns:{p}:dockmetrics``             LIST    the dock's update_metrics entries, replayed by get_metrics
+``ns:{p}:dockdone``                STRING  bitmap by dock row: rollout finished (partial rollout)
+``ns:{p}:dockready``               STRING  bitmap by dock row: in the ready mask (partial rollout)
+``ns:{p}:dockage``                 HASH    dock row -> age, absent: 0 (partial rollout)
 ``ns:chan:{c}:meta``               HASH    channel ``c``: maxsize, created_ms, ``w:<key>`` summed weights
 ``ns:chan:{c}:seq``                STRING  next data-plane id of a tensor item put in the channel
 ``ns:chan:{c}:q:<key>``            LIST    FIFO of entries ``"<weight>|<payload>"`` of queue ``key``
@@ -252,6 +255,9 @@ class PartitionKeys(_Tagged):
     dock = _Key("dock", "A GRPOTransferDock's shape (prompts_num, n_samples_per_prompt).")
     dockstate = _Key("dockstate")
     dockmetrics = _Key("dockmetrics")
+    dockdone = _Key("dockdone", "Bitmap by dock row: the row's rollout is finished (partial rollout).")
+    dockready = _Key("dockready", "Bitmap by dock row: the row is in the ready mask (partial rollout).")
+    dockage = _Key("dockage", "Hash of dock row -> age, absent: 0 (partial rollout).")
     prod = _KeyOf("prod:")
     cons = _KeyOf("cons:")
     lease = _KeyOf("lease:")

@@ -79,7 +79,7 @@ def _partition_keys(r: Any, pk: PartitionKeys, with_data: bool) -> list[str]:
     fields = [_text(f) for f in fields]
     keys = [pk.meta, pk.seq, pk.alive, pk.fields, pk.tasks, pk.tagnames, pk.groups, pk.groupidx, pk.kv,
             pk.kvkeys, pk.events, pk.tagchanges, pk.waittasks, pk.trash, pk.trash_fields, pk.inline, pk.dock,
-            pk.dockstate, pk.dockmetrics, pk.closed, pk.rings, pk.counters]
+            pk.dockstate, pk.dockmetrics, pk.dockdone, pk.dockready, pk.dockage, pk.closed, pk.rings, pk.counters]
     keys += [pk.prod(f) for f in fields]
     keys += [pk.loc(f) for f in fields]
     for task in sorted(map(_text, tasks)):

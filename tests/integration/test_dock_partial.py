@@ -1,0 +1,122 @@
+"""GRPOTransferDock with MindSpeed-RL's partial rollout (``max_age > 1``).
+
+A scripted MindSpeed-style run over two steps, in MindSpeed's call shapes (padded layout,
+``is_prompt`` puts, ``rollout_completed`` with responses, -2 pad rows put back): rollouts
+interrupted and re-queued, rows aged and re-sorted oldest first by ``clear``, ``max_age`` holding
+the update back until the oldest rows finish, the ready mask gating other consumers, and the
+incomplete count; every row, age and status asserted exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_client
+from tq_redis import GRPOTransferDock
+from tq_redis.errors import InvalidArgument
+
+ROLLOUT = ("prompts", "responses")
+
+
+@pytest.fixture
+def dock(server, namespace):
+    make_client(server.url, namespace).close()  # records the namespace's store
+    d = GRPOTransferDock(4, 2, None, 2, 2, redis_url=server.url, namespace=namespace)  # max_age 2, GBS_train 2
+    yield d
+    d.close()
+
+
+def _put_prompts(dock, rows, base):
+    dock.put_experience({"prompts": [torch.tensor([base + r]) for r in rows],
+                         "prompt_length": [torch.tensor([1]) for _ in rows]}, rows, is_prompt=True)
+
+
+def _rollout(dock, count, dp_size=1):
+    td, rows = dock.get_experience("actor_rollout", list(ROLLOUT), count, dp_size, get_n_samples=False)
+    n = len([r for r in rows if r != -2])
+    return rows, td["prompts"][:n, 0].tolist(), td["age"][:n, 0].tolist(), td["responses"][:n, 0].tolist()
+
+
+def _put_responses(dock, rows, completed):
+    dock.put_experience({
+        "responses": [torch.tensor([7, r]) for r in rows],
+        "response_length": [torch.tensor([2]) for _ in rows],
+        "input_ids": [torch.tensor([r]) for r in rows],
+        "rollout_completed": [torch.tensor([c]) for c in completed],
+    }, rows)
+
+
+def _status(dock, column):
+    return dock.get_experience_status()[column].tolist()
+
+
+def test_partial_rollout_over_two_steps(dock):
+    # step 1: prompts for this step (rows 0-3) and the next (rows 4-7), as MindSpeed's trainer does
+    _put_prompts(dock, [0, 1, 2, 3], 100)
+    _put_prompts(dock, [4, 5, 6, 7], 100)
+    assert _status(dock, "responses") == [1] * 8  # placeholder responses, as MindSpeed
+    assert _rollout(dock, 3) == ([0, 1, 2], [100, 101, 102], [0, 0, 0], [-1, -1, -1])
+    assert _status(dock, "responses") == [0, 0, 0, 1, 1, 1, 1, 1]  # a claimed rollout's response is unwritten
+    _put_responses(dock, [0, 1, 2], [1, 1, 0])  # row 2 interrupted: back in actor_rollout's queue
+    # fewer ready than asked: all of them, the last repeated up to a multiple of dp_size with index -2
+    td, rows = dock.get_experience("actor_rollout", list(ROLLOUT), 8, 4, get_n_samples=False)
+    assert rows == [2, 3, 4, 5, 6, 7, -2, -2]
+    assert td["prompts"][:, 0].tolist() == [102, 103, 104, 105, 106, 107, 107, 107]
+    assert td["responses"][0].tolist() == [7, 2]  # the interrupted response, to continue
+    assert td["age"].tolist() == [[0]] * 8
+    _put_responses(dock, rows, [1, 1, 0, 0, 1, 1, 1, 1])  # the -2 rows are dropped
+    assert dock.get_incomplete_response_num().item() == 2  # rows 4, 5
+    assert dock.get_consumer_status()["actor_rollout"].tolist() == [1, 1, 1, 1, 0, 0, 1, 1]
+
+    assert dock.get_experience("actor_train", ["responses"], 2) == (None, None)  # no ready mask yet
+    assert dock.all_consumed("actor_rollout")  # prompts 0, 1, 3 finished >= GBS_train
+    assert dock.get_update_ready(require_max_age_all_finished=True)
+    _, rows = dock.get_experience("actor_train", ["responses"], 4)
+    assert rows == [0, 1, 2, 3]
+    assert dock.get_experience("actor_train", ["responses"], 2) == (None, None)  # GBS_train consumed
+    assert dock.all_consumed("actor_train")
+    dock.clear("actor_train")
+
+    # rows 0-3 dropped; 4-7 (age 1) moved to the front without copying, the free rows after them
+    assert _status(dock, "prompts") == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert dock.get_consumer_status()["actor_rollout"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert dock.get_consumer_status()["actor_train"].tolist() == [0] * 8
+    assert dock.get_incomplete_response_num().item() == 2
+
+    # step 2: new prompts in the free rows; rows 0, 1 (age 1 = max_age - 1) must finish now
+    _put_prompts(dock, [4, 5, 6, 7], 200)
+    assert not dock.get_update_ready(True)  # only prompt 1 (rows 2, 3) finished
+    assert _rollout(dock, 4) == ([0, 1, 4, 5], [104, 105, 204, 205], [1, 1, 0, 0], [7, 7, -1, -1])
+    _put_responses(dock, [0, 1, 4, 5], [1, 0, 1, 1])
+    assert dock.get_update_ready(require_max_age_all_finished=False)  # prompts 1, 2 finished
+    assert not dock.get_update_ready(require_max_age_all_finished=True)  # row 1 is at max age, unfinished
+    rows, prompts, ages, _ = _rollout(dock, 4, dp_size=2)
+    assert (rows, prompts, ages) == ([1, 6, 7, -2], [105, 206, 207], [1, 0, 0])
+    _put_responses(dock, [1, 6, 7, -2], [1, 0, 0, 0])
+    assert dock.get_update_ready(require_max_age_all_finished=True)
+    assert dock.get_incomplete_response_num().item() == 2  # rows 6, 7
+    td, rows = dock.get_experience("actor_train", ["prompts"], 4)
+    assert rows == [0, 1, 2, 3] and td["prompts"][:, 0].tolist() == [104, 105, 106, 107]  # oldest first
+    dock.clear("actor_train")
+
+    # rows 4, 5 (finished) and 6, 7 (not) are now rows 0-3, all age 1
+    assert _status(dock, "prompts") == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert _rollout(dock, 4) == ([2, 3], [206, 207], [1, 1], [7, 7])
+    assert dock.all_consumed("actor_rollout") is False  # one finished prompt < GBS_train
+
+
+def test_partial_rollout_refuses_what_mindspeed_refuses(server, namespace):
+    make_client(server.url, namespace).close()
+    with pytest.raises(InvalidArgument, match="GBS_train"):
+        GRPOTransferDock(4, 2, None, 2, 0, redis_url=server.url, namespace=namespace)
+    dock = GRPOTransferDock(4, 2, None, 3, 2, redis_url=server.url, namespace=namespace)
+    assert (dock.max_age, dock.enable_partial_rollout) == (3, True)
+    _put_prompts(dock, [0, 1], 0)
+    with pytest.raises(InvalidArgument, match="rollout_completed"):
+        dock.put_experience({"responses": [torch.tensor([1])]}, [0])
+    with pytest.raises(InvalidArgument, match="get_n_samples"):
+        dock.get_experience("actor_rollout", ["prompts"], 2)
+    with pytest.raises(InvalidArgument, match="age"):
+        dock.get_experience("actor_train", ["prompts", "age"], 2)
+    dock.close()
