@@ -459,11 +459,12 @@ _GLOBAL = {
 _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",
     "waittasks", "trash", "trashfields", "inline", "dock", "dockstate", "dockmetrics", "dockdone", "dockready",
-    "dockage", "rings", "closed",
+    "dockage", "rings", "closed", "tagchanges", "counters", "resv", "resvdl", "admission", "admitwaiters",
+    "admitwake", "shared", "sharepending", "carriers",
 }  # fmt: skip
 _FAMILIES = (
     "prod:", "cons:", "lease:", "dlv:", "poison:", "sampled:", "tag:", "loc:",
-    "waiters:", "waitneed:", "wake:", "wakebudget:", "rank:", "bal:",
+    "waiters:", "waitneed:", "wake:", "wakebudget:", "rank:", "bal:", "share:",
 )  # fmt: skip
 _PARTITION_KEY = re.compile(r"\{([^{}]+)\}:(.*)", re.S)
 _DATA_KEY = re.compile(r"d:(\d+):(.+)", re.S)
@@ -537,4 +538,4 @@ def test_public_api_fuzz(valkey) -> None:
 
 @pytest.mark.soak
 def test_public_api_fuzz_soak(valkey) -> None:
-    _run(max_examples=400, steps=60)
+    _run(max_examples=250, steps=60)

@@ -488,7 +488,7 @@ def test_fuzz_the_node_with_hostile_frames(token_node, node_store):
 
 @pytest.mark.soak
 def test_fuzz_the_node_with_hostile_frames_soak(token_node, node_store):
-    _node_fuzz(token_node, node_store, max_examples=3000)
+    _node_fuzz(token_node, node_store, max_examples=1500)
 
 
 def _client_fuzz(valkey, fake, max_examples: int) -> None:
@@ -530,7 +530,7 @@ def test_fuzz_the_client_with_a_fake_node(valkey, fake):
 
 @pytest.mark.soak
 def test_fuzz_the_client_with_a_fake_node_soak(valkey, fake):
-    _client_fuzz(valkey, fake, max_examples=3000)
+    _client_fuzz(valkey, fake, max_examples=1500)
 
 
 # ---------------------------------------------------------------------------------------------

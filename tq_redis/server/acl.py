@@ -41,13 +41,13 @@ CLIENT_DATA_COMMANDS: tuple[str, ...] = (
     # (the commands the functions run are checked against the caller's rules too: lua/*.lua's)
     # strings and keys: values of the redis store, bitmaps, counters, checkpoints
     "get", "set", "mset", "mget", "getrange", "setrange", "strlen", "del", "unlink", "exists", "type",
-    "pttl", "pexpire", "incrby", "decr", "bitfield", "bitcount", "bitop", "bitpos",
+    "pttl", "pexpire", "persist", "incrby", "decr", "setbit", "bitfield", "bitcount", "bitop", "bitpos",
     # hashes, sets, sorted sets, lists, streams
     "hget", "hset", "hsetnx", "hmget", "hgetall", "hkeys", "hscan", "hdel", "hexists", "hlen", "hincrby",
     "hincrbyfloat", "sadd", "srem", "smembers", "sismember", "scard",
     "zadd", "zrem", "zrange", "zrevrange", "zrangebyscore", "zrevrangebyscore", "zremrangebyscore",
     "zcard", "zscore", "lrange", "llen", "rpush", "lpop", "ltrim", "blpop",
-    "xadd", "xread", "xrange", "xrevrange",
+    "xadd", "xread", "xrange", "xrevrange", "xtrim",
     # durable mode (redis.durable): wait for replicas / the AOF after a write
     "wait", "waitaof",
 )  # fmt: skip
