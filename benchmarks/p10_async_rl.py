@@ -19,7 +19,9 @@ inline and in the store.
 Replay (``max_times_sampled``, ``PrioritizedSampler``, ``update_priority``): claims of ``--group``
 samples from a partition of 1,000 claimable samples, replayed so that none runs out, by id order
 (the default sampler) and by priority (``alpha=0.6``, random priorities), and ``update_priority``
-of ``--group`` samples.
+of ``--group`` samples. The samples-per-insert rate limiter (``set_rate_limit``): inserts of a
+group (``put`` of new samples, inline) and replayed claims without and with a limiter on the
+claiming task (its window so wide that it never holds anything back: the bookkeeping alone).
 
 Group-shared fields (``put_shared``): ``--share-ops`` groups (default 200; quick 50) of ``--group``
 samples, each with a small ``tokens`` field and one ``--image-kib`` KiB image (default 64: in the
@@ -140,6 +142,19 @@ def measure_server(url: str, ops: int, group: int) -> dict[str, Any]:
     run("get_meta (prioritized)", 4096, lambda c: None, claim({"sampler": "PrioritizedSampler", "alpha": 0.6}), fill)
     run("update_priority", 4096, lambda c: torch.randint(0, REPLAY_ROWS, (group,)).unique().tolist(),
         lambda c, ids: c.update_priority("rollouts", ids, [1.5] * len(ids)), fill)
+    # the samples-per-insert rate limiter's bookkeeping (a window so wide that it never holds back):
+    # inserts of a group and replayed claims, without and with a limiter on the claiming task
+    def limited(c) -> None:
+        c.set_rate_limit("rollouts", "learner", 1.0, error_buffer=1e12)
+
+    def fill_limited(c) -> None:
+        fill(c)
+        limited(c)
+
+    run("insert (inline)", 4096, lambda c: None, lambda c, _: c.put(data, partition_id="rollouts"))
+    run("insert (inline, rate-limited)", 4096, lambda c: None, lambda c, _: c.put(data, partition_id="rollouts"),
+        limited)
+    run("get_meta (replay, rate-limited)", 4096, lambda c: None, claim({}), fill_limited)
     admin.close()
     return results
 

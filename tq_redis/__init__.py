@@ -46,7 +46,8 @@ _EXPORTS = {
         name: "tq_redis.api.functions"
         for base in ("kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list", "kv_clear",
                      "kv_watch", "reserve_group", "commit_group", "abort_group", "extend_reservation",
-                     "set_policy_version", "set_staleness_bound", "update_priority")
+                     "set_policy_version", "set_staleness_bound", "update_priority", "set_rate_limit",
+                     "get_rate_limit")
         for name in (base, f"async_{base}")
     },
     **{
@@ -79,6 +80,7 @@ __all__ = [
     "async_abort_group",
     "async_commit_group",
     "async_extend_reservation",
+    "async_get_rate_limit",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
     "async_kv_batch_put",
@@ -88,6 +90,7 @@ __all__ = [
     "async_kv_watch",
     "async_reserve_group",
     "async_set_policy_version",
+    "async_set_rate_limit",
     "async_set_staleness_bound",
     "async_update_priority",
     "close",
@@ -95,6 +98,7 @@ __all__ = [
     "extend_reservation",
     "get_client",
     "get_metrics_endpoint",
+    "get_rate_limit",
     "init",
     "install_transfer_queue_alias",
     "kv_batch_get",
@@ -109,6 +113,7 @@ __all__ = [
     "reserve_group",
     "save_checkpoint",
     "set_policy_version",
+    "set_rate_limit",
     "set_staleness_bound",
     "update_priority",
 ]
@@ -122,6 +127,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         async_abort_group,
         async_commit_group,
         async_extend_reservation,
+        async_get_rate_limit,
         async_kv_batch_get,
         async_kv_batch_get_by_meta,
         async_kv_batch_put,
@@ -131,10 +137,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         async_kv_watch,
         async_reserve_group,
         async_set_policy_version,
+        async_set_rate_limit,
         async_set_staleness_bound,
         async_update_priority,
         commit_group,
         extend_reservation,
+        get_rate_limit,
         kv_batch_get,
         kv_batch_get_by_meta,
         kv_batch_put,
@@ -146,6 +154,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
         reserve_group,
         save_checkpoint,
         set_policy_version,
+        set_rate_limit,
         set_staleness_bound,
         update_priority,
     )

@@ -214,6 +214,22 @@ class StalenessExceeded(TQError, TimeoutError):
         self.capacity = capacity
 
 
+class RateLimited(TQError, TimeoutError):
+    """An insert was held back by a task's samples-per-insert rate limiter (``set_rate_limit``)
+    for longer than it may wait: the task's consumers sampled too little since the last inserts.
+    ``task`` names the limiter, ``inserts`` and ``samples`` are its counts when it refused, and
+    ``timeout_s`` how long the insert waited. Nothing of the insert was made visible."""
+
+    def __init__(
+        self, message: str, task: str = "", inserts: int = 0, samples: int = 0, timeout_s: float | None = None
+    ):
+        super().__init__(message)
+        self.task = task
+        self.inserts = inserts
+        self.samples = samples
+        self.timeout_s = timeout_s
+
+
 class WatchCursorExpired(TQError, LookupError):
     """A ``kv_watch`` cursor can no longer be followed: the tag changes after it were trimmed
     from the partition's capped change stream (the watcher fell too far behind), the partition

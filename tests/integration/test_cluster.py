@@ -25,7 +25,7 @@ from tests.conftest import make_client
 from tests.procs import up_attach
 from tq_redis import Channel
 from tq_redis.client import driver
-from tq_redis.errors import ConfigError
+from tq_redis.errors import ConfigError, RateLimited
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, config_key
 from tq_redis.ops import streaming, transitions
@@ -359,6 +359,13 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.set_policy_version("rl", 1)
     client.commit_group(client.reserve_group("rl", 2), TensorDict({"x": torch.ones(2, 3)}, batch_size=[2]))
     client.abort_group(client.reserve_group("rl", 2))
+    client.set_rate_limit("lim", "t", 1.0, error_buffer=1, insert_timeout=0.05)  # samples-per-insert limiter
+    _put(client, 2, "lim")
+    with pytest.raises(RateLimited):  # held back: registers, waits for a wake token, gives up
+        _put(client, 1, "lim")
+    client.get_meta(["x"], 1, "lim", task_name="t", sampling_config={"sampler": First()})  # counted (claim_ids)
+    client.get_meta(["x"], 1, "lim", task_name="t")  # counted by the claim script
+    client.set_rate_limit("lim", "t", None)
     shared = client.put_shared({"img": torch.ones(1, 3)}, _put(client, 2, "all"))  # a group-shared field
     assert torch.equal(client.get_data(shared)["img"], torch.ones(2, 3))
     client.put({"img": torch.zeros(1, 3)}, metadata=shared[0:1])  # a rewrite drops a member's share

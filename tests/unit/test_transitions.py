@@ -26,6 +26,7 @@ from tq_redis.errors import (
     InvalidArgument,
     PartitionClosed,
     PartitionSealed,
+    RateLimited,
     SampleComplete,
     SampleNotFound,
     UnknownPartition,
@@ -131,8 +132,12 @@ def input_spec(name: str) -> tuple[int, int, bool]:
 
 # A worked example per script: the wrapper's effect and the ARGV the header prescribes for it.
 EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
-    "reserve": (transitions.reserve(PK, 4, {"a": F32}, strict=True), (4, "a", "!" + F32)),
-    "insert": (transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW, ring="r1"), (10, 4, NOW, "r1", 1, "a", F32)),
+    "reserve": (
+        transitions.reserve(PK, 4, {"a": F32}, strict=True, waiter="w", wait_ms=250), (4, "w", 250, "a", "!" + F32)
+    ),
+    "insert": (
+        transitions.insert(PK, 10, 4, {"a": F32}, now_ms=NOW, ring="r1"), (10, 4, NOW, "r1", "", 0, 1, "a", F32)
+    ),
     "produce": (transitions.produce(PK, [3, 5], {"a": F32}), ("", 1, "a", F32, 2, 3, 5)),
     "read_inline": (transitions.read_inline(PK, [5, 0, 1, 2], ["a"]), ("0-2,5", "a")),
     "share_begin": (transitions.share_begin(PK, {"a": F32}), ("a", F32)),
@@ -170,8 +175,8 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "seal_partition": (transitions.seal_partition(PK, now_ms=NOW), (NOW,)),
     "progress": (transitions.progress(PK, "t", ["a"]), ("t", 1, "a")),
     "kv_resolve": (
-        transitions.kv_resolve(PK, ["k1", "k2"], True, {"a": F32}, now_ms=NOW),
-        (1, NOW, 2, "k1", "k2", "a", F32),
+        transitions.kv_resolve(PK, ["k1", "k2"], True, {"a": F32}, now_ms=NOW, waiter="w", wait_ms=250),
+        (1, NOW, "w", 250, 2, "k1", "k2", "a", F32),
     ),
     "kv_unmap": (transitions.kv_unmap(PK, [("k1", 3), ("k2", 4)]), ("k1", 3, "k2", 4)),
     "kv_list": (transitions.kv_list(PK, "17", 100), ("17", 100)),
@@ -190,6 +195,7 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
     "group_abort": (transitions.group_abort(PK, "tok"), ("tok",)),
     "policy_version": (transitions.policy_version(PK, 7), (7,)),
     "admission_config": (transitions.admission_config(PK, 1, 8), (1, 8)),
+    "rate_limit_config": (transitions.rate_limit_config(PK, "t", 2, 10, 4, 5000), ("t", "2.0", 10, "4.0", 5000)),
     "part_alloc": (transitions.part_alloc(PK, [3, 4], [PART]), (1, *PART, 2, 3, 4)),
     "part_append": (
         transitions.part_append(PK, [3], [PART], [16], 7, inline_values=[b"v"], complete=["resp"]),
@@ -222,7 +228,7 @@ def test_input_spec_reads_fixed_and_variadic_headers():
     assert input_spec("wait") == (1, 4, False)
     assert input_spec("drop_partition") == (1, 1, False)
     assert input_spec("claim") == (1, 6, True)
-    assert input_spec("reserve") == (1, 1, True)
+    assert input_spec("reserve") == (1, 3, True)
     assert input_spec("kv_unmap") == (1, 0, True)
 
 
@@ -232,8 +238,10 @@ def test_optional_arguments_take_their_documented_defaults():
     assert transitions.channel_pop(CK, "q", 3, fit=True).effect.args == ("q", "fit", "3")
     claim = transitions.claim(PK, "t", SamplerPlan("sequential", 2, ()), ["a"])
     assert claim.effect.args == ("t", 2, 0, 0, "sequential", 0, 1, "a")  # no lease, no waiter
-    assert transitions.reserve(PK, 3).effect.args == (3,)
-    assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", 0)  # no ring: not placed
+    assert transitions.reserve(PK, 3).effect.args == (3, "", 0)  # no waiter
+    assert transitions.insert(PK, 0, 3, now_ms=NOW).effect.args == (0, 3, NOW, "", "", 0, 0)  # no ring: not placed
+    assert transitions.rate_limit_config(PK, "t", 1.5).effect.args == ("t", "1.5", 1, "1.0", "")  # no timeout
+    assert transitions.rate_limit_config(PK, "t", None).effect.args == ("t", "", "", "", "")  # removed
     now = transitions.seal_partition(PK).effect.args[0]
     assert abs(now - encoding.clock_ms()) < 60_000
 
@@ -269,6 +277,19 @@ def test_reservation_replies_are_read():
         read("group_commit", [0, b"a", I64.encode()])
     assert read("policy_version", [0, "9"]) == (False, 9)
     assert read("admission_config", ["", 0, 0]) == transitions.Admission(None, 0, 0)
+    held = read("group_reserve", [-6, 2, b"train", 40, 12, b"5000"])
+    assert not held.ok and held.trashed == 2 and isinstance(held.held, RateLimited)
+    assert (held.held.task, held.held.inserts, held.held.samples, held.held.timeout_s) == ("train", 40, 12, 5.0)
+
+
+def test_rate_limited_inserts_and_claims_are_read():
+    for name in ("reserve", "insert", "kv_resolve"):
+        with pytest.raises(RateLimited, match="task 'train'") as held:
+            read(name, [-6, b"train", 40, 12, b""])
+        assert isinstance(held.value, transitions.InsertHeld) and held.value.timeout_s is None
+        assert (held.value.inserts, held.value.samples) == (40, 12)
+    assert read("claim_ids", [-2]) == transitions.ClaimIdsReply(None, [], False, held_back=True)
+    assert read("rate_limit_config", [40, 12]) == transitions.RateCounts(40, 12)
 
 
 def test_set_tags_rejects_bad_names_and_values():
@@ -371,7 +392,7 @@ def test_writes_read_done_missing_partition_and_cleared_samples(name: str):
 
 def test_inline_writes_append_their_values_field_major():
     insert = transitions.insert(PK, None, 2, {"a": F32, "b": F32}, values=[b"a0", b"a1", b"b0", b"b1"], now_ms=NOW)
-    assert insert.effect.args == ("", 2, NOW, "", 2, "a", F32, "b", F32, b"a0", b"a1", b"b0", b"b1")
+    assert insert.effect.args == ("", 2, NOW, "", "", 0, 2, "a", F32, "b", F32, b"a0", b"a1", b"b0", b"b1")
     produce = transitions.produce(PK, [7, 9], {"a": F32}, inline_values=[b"x", b"y"])
     assert produce.effect.args == ("", 1, "a", F32, 2, 7, 9, b"x", b"y")
 
@@ -441,8 +462,8 @@ def test_claim_ids_reads_claimed_taken_and_missing_partition():
     got = read("claim_ids", [1, *CLAIM_REPLY[:6]])
     assert got.claimed == CLAIMED._replace(registered=False)
     assert (got.taken, got.partition_missing) == ([], False)
-    assert read("claim_ids", [0, 3, 5]) == (None, [3, 5], False)
-    assert read("claim_ids", [-1]) == (None, [], True)
+    assert read("claim_ids", [0, 3, 5]) == (None, [3, 5], False, False)
+    assert read("claim_ids", [-1]) == (None, [], True, False)
 
 
 def test_ready_ids_reads_the_bitmap_as_ids():

@@ -21,6 +21,7 @@ from tq_redis.client.blocking import TransferQueueClient
 from tq_redis.meta import BatchMeta, KVBatchMeta
 from tq_redis.ops import checkpoint
 from tq_redis.ops.data_parser import DataParser
+from tq_redis.ops.ratelimit import DEFAULT_INSERT_TIMEOUT_S, RateLimit
 from tq_redis.ops.reservations import Reservation
 from tq_redis.ops.transitions import Admission
 from tq_redis.ops.watch import TagChanges
@@ -157,6 +158,29 @@ def set_staleness_bound(partition_id: str, max_lag: int | None, batch_size: int 
     return _client().set_staleness_bound(partition_id, max_lag, batch_size)
 
 
+def set_rate_limit(
+    partition_id: str,
+    task_name: str,
+    samples_per_insert: float | None,
+    *,
+    min_size_to_sample: int = 1,
+    error_buffer: float | None = None,
+    insert_timeout: float | None = DEFAULT_INSERT_TIMEOUT_S,
+) -> RateLimit | None:
+    """Hold ``task_name``'s consumers and the partition's producers to ``samples_per_insert``
+    samples per insert, within ``error_buffer`` (``None`` removes the limiter); see
+    :meth:`tq_redis.TransferQueueClient.set_rate_limit`."""
+    return _client().set_rate_limit(
+        partition_id, task_name, samples_per_insert, min_size_to_sample=min_size_to_sample,
+        error_buffer=error_buffer, insert_timeout=insert_timeout,
+    )  # fmt: skip
+
+
+def get_rate_limit(partition_id: str, task_name: str) -> RateLimit | None:
+    """``task_name``'s rate limiter on the partition with its counts now, or None."""
+    return _client().get_rate_limit(partition_id, task_name)
+
+
 def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """``async_<name>``: the coroutine of the default client's ``async_<name>``, with ``function``'s
     parameters (``inspect.signature`` shows them)."""
@@ -174,6 +198,7 @@ def _coroutine_of(function: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R
 _FUNCTIONS = (
     kv_put, kv_batch_put, kv_batch_get, kv_batch_get_by_meta, kv_list, kv_clear, kv_watch, update_priority,
     reserve_group, commit_group, abort_group, extend_reservation, set_policy_version, set_staleness_bound,
+    set_rate_limit, get_rate_limit,
 )  # fmt: skip
 
 async_kv_put = _coroutine_of(kv_put)
@@ -190,5 +215,7 @@ async_abort_group = _coroutine_of(abort_group)
 async_extend_reservation = _coroutine_of(extend_reservation)
 async_set_policy_version = _coroutine_of(set_policy_version)
 async_set_staleness_bound = _coroutine_of(set_staleness_bound)
+async_set_rate_limit = _coroutine_of(set_rate_limit)
+async_get_rate_limit = _coroutine_of(get_rate_limit)
 
 __all__ = [name for function in _FUNCTIONS for name in (function.__name__, f"async_{function.__name__}")]

@@ -23,7 +23,7 @@ from tq_redis.client.driver import AsyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, partial, replay, reservations, shared, streaming, watch
+from tq_redis.ops import arguments, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
 from tq_redis.reprs import attrs_repr
 
 R = TypeVar("R")
@@ -264,6 +264,12 @@ class AsyncTransferQueueClient:
     )
     async_update_priority = awaiting(
         replay.update_priority, doc="See :meth:`tq_redis.TransferQueueClient.update_priority`."
+    )
+    async_set_rate_limit = awaiting(
+        ratelimit.set_rate_limit, doc="See :meth:`tq_redis.TransferQueueClient.set_rate_limit`."
+    )
+    async_get_rate_limit = awaiting(
+        ratelimit.get_rate_limit, doc="See :meth:`tq_redis.TransferQueueClient.get_rate_limit`."
     )
 
     async_append_parts = awaiting(partial.append_parts, doc="See :meth:`tq_redis.TransferQueueClient.append_parts`.")

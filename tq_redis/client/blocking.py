@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, partial, replay, reservations, shared, streaming, watch
+from tq_redis.ops import checkpoint, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
 
 R = TypeVar("R")
 
@@ -296,6 +296,18 @@ class TransferQueueClient(AsyncTransferQueueClient):
         Set the priorities (finite numbers > 0, one per id) of samples ``global_indexes`` of
         ``partition_id``: ``PrioritizedSampler`` draws them in proportion to ``priority ** alpha``.
         Raises ``SampleNotFound`` for ids that do not exist.""")
+
+    set_rate_limit = blocking(ratelimit.set_rate_limit, doc="""
+        Hold ``task_name``'s consumers and ``partition_id``'s producers to ``samples_per_insert``
+        samples per insert, within ``error_buffer`` samples, once ``min_size_to_sample`` were
+        inserted (``None`` removes the limiter). A held-back ``get_meta`` finds nothing and waits
+        for an insert (its ``timeout``); a held-back insert (``put``, ``kv_put``, ``reserve_group``)
+        waits for the task's claims up to ``insert_timeout`` seconds, then raises ``RateLimited``.
+        Returns the ``RateLimit`` with its counts.""")
+
+    get_rate_limit = blocking(ratelimit.get_rate_limit, doc="""
+        ``task_name``'s rate limiter on ``partition_id`` and its counts now (inserts, samples),
+        or None.""")
 
     # -- group-shared fields (tq_redis.ops.shared) -------------------------------------------------
 

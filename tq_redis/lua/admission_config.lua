@@ -19,7 +19,7 @@
 ]]
 -- @include clock
 -- @include prefix
--- @include reservations
+-- @include admitwait
 
 local function admission_config(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])

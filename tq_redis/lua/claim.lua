@@ -4,6 +4,9 @@
   in the same atomic step. Lapsed leases of the task are handed back first (no reaper process).
   Never a partial batch: with too few eligible samples nothing is marked and no ids are
   returned -- except with a token budget (max_tokens), where the batch may be smaller.
+  Under a rate limiter of the task (rate_limit_config) a claim the limiter holds back finds
+  nothing, and one that hands samples out counts them (a rank's stored choice was counted when
+  the first rank chose it).
   Cost: O(samples examined + bitmap words skipped), independent of the partition size.
 
   Samplers (ARGV[5]; see includes/samplers.lua for the selection rules):
@@ -73,6 +76,7 @@
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:poison:<task>  <p>:sampled:<task>  <p>:counters
+    <p>:ratelimit  <p>:admitwaiters  <p>:admitwake
     <p>:tagnames  <p>:tag:<name>  <p>:tag:priority  <p>:groups  <p>:inline  <p>:shared  <p>:groupidx  <p>:rank:<task>:<dp>:<b>  <p>:bal:<task>:<b>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
 ]]
@@ -105,15 +109,20 @@ local function claim(KEYS, ARGV)
   if sampler == 'sequential' and not opts.min_version and not opts.times and (tonumber(opts.max_tokens) or 0) <= 0
       and (c.lease_ms <= 0 or c.max_deliveries <= 0) then
     local ids = {}
+    if rate_held(prefix, c, c.want) then return claim_none_ready(prefix, c) end
     if take_ready(prefix, task, c.fields, c.want, ids) < c.want then return claim_none_ready(prefix, c) end
-    return claim_reply(prefix, c, ids, mark_claimed(prefix, task, ids, c.lease_ms))
+    local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
+    rate_count(prefix, c, ids)
+    return claim_reply(prefix, c, ids, deliveries)
   end
 
   if sampler == 'priority' then
+    if rate_held(prefix, c, c.want) then return claim_none_ready(prefix, c) end
     local ids = select_prioritized(prefix, task, c.fields, c.want, tonumber(opts.alpha), tonumber(opts.seed))
     if #ids == 0 then return claim_none_ready(prefix, c) end
     local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
     if opts.times then count_sampled(prefix, task, ids, tonumber(opts.times)) end
+    rate_count(prefix, c, ids)
     return claim_reply(prefix, c, ids, deliveries)
   end
 
@@ -133,6 +142,7 @@ local function claim(KEYS, ARGV)
   local total = c.want
   local dp_size = tonumber(opts.dp_size) or 1
   if sampler == 'balance' then total = c.want * dp_size end
+  if rate_held(prefix, c, total) then return claim_none_ready(prefix, c) end
   local select_opts = {
     n = tonumber(opts.n) or 1,
     max_tokens = tonumber(opts.max_tokens) or 0,
@@ -147,6 +157,7 @@ local function claim(KEYS, ARGV)
   if #ids == 0 then return claim_none_ready(prefix, c) end
   local deliveries = mark_claimed(prefix, task, ids, c.lease_ms)
   if opts.times then count_sampled(prefix, task, ids, tonumber(opts.times)) end
+  rate_count(prefix, c, ids)
   local ttl = tonumber(opts.ttl_ms) or 3600000
 
   if sampler == 'rank' then

@@ -19,16 +19,21 @@
                                  0 for a sampled id that was not consumed; empty without lease)
     {0, id...}                   these ids were no longer free; nothing marked
     {-1}                         the partition does not exist
+    {-2}                         the task's rate limiter holds the claim back (includes/ratelimit.lua);
+                                 nothing marked: wait for an insert, as when too few are ready
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:tasks
     <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>  <p>:counters
+    <p>:ratelimit  <p>:admitwaiters  <p>:admitwake
     <p>:tagnames  <p>:tag:<name>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
 ]]
 -- @include bits
+-- @include clock
 -- @include events
 -- @include leases
 -- @include prefix
+-- @include ratelimit
 -- @include schemas
 -- @include tags
 -- @include waiters
@@ -72,8 +77,11 @@ local function claim_ids(KEYS, ARGV)
     if not free[i] then taken[#taken + 1] = all[i] end
   end
   if #taken > 1 then return taken end
+  local limited = rl_may_sample(prefix, task, #sampled)
+  if limited == false then return {-2} end
 
   local leased = mark_claimed(prefix, task, consumed, lease_ms)
+  if limited ~= nil then rl_count_sampled(prefix, task, #sampled, server_ms()) end
   local deliveries = {}
   if lease_ms > 0 then
     local by_id = {}

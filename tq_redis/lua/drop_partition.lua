@@ -27,11 +27,12 @@
     <p>:kv  <p>:kvkeys  <p>:inline
     <p>:trash  <p>:trashfields  <p>:rings  <p>:loc:<field>  <p>:closed
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
-    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:tagchanges
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:tagchanges  <p>:ratelimit
     <p>:shared  <p>:share:<field>  <p>:carriers  <p>:sharepending
   Flags:
     allow-oom  it only deletes state (and records ids for deletion): clearing must free memory when Redis is full
 ]]
+-- @include admitwait
 -- @include chunks
 -- @include clock
 -- @include events

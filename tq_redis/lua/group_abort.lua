@@ -12,8 +12,9 @@
     {0, trashed}                 no such reservation: committed, aborted, or lapsed and freed already
     trashed: how many reservations (this one included) had their ids put in the trash
   Touches:
-    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields  <p>:ratelimit
 ]]
+-- @include admitwait
 -- @include clock
 -- @include prefix
 -- @include reservations

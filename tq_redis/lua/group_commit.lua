@@ -28,10 +28,11 @@
   Touches:
     <p>:meta  <p>:alive  <p>:fields  <p>:prod:<field>  <p>:inline  <p>:groups  <p>:closed
     <p>:rings  <p>:loc:<field>  <p>:tagnames  <p>:tag:<name> (policy_version, policy_version_end)  <p>:tagchanges
-    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields  <p>:ratelimit
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>  <p>:wakebudget:<task>
     <p>:cons:<task>  <p>:lease:<task> (reading, to check a waiter's need)
 ]]
+-- @include admitwait
 -- @include arrival
 -- @include clock
 -- @include events

@@ -17,7 +17,7 @@
     {-7, trashed}                another commit call of the reservation is its committer; nothing recorded
     trashed: how many lapsed reservations had their ids put in the trash (the client deletes their bytes)
   Touches:
-    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
+    <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields  <p>:ratelimit
 ]]
 -- @include clock
 -- @include prefix

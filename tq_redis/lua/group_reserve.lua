@@ -8,7 +8,9 @@
   reserved and not freed stay within (version + max_lag + 1) * batch (version: the trainer's
   published one, see policy_version); otherwise nothing is reserved and, with a waiter, the
   caller is registered to be woken when the bound may have moved (a version bump, a freed
-  reservation): it BLPOPs <p>:admitwake, at most until the next reservation lapses.
+  reservation): it BLPOPs <p>:admitwake, at most until the next reservation lapses. A rate
+  limiter of the partition (includes/ratelimit.lua) may hold the group back the same way (a
+  consumer's claim wakes it); a reservation freed without its commit takes back its count.
 
   Input:
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
@@ -28,15 +30,21 @@
                                  refused by the staleness bound: only `capacity` samples are
                                  admitted at the published `version`; next_lapse_ms: when the
                                  earliest reservation lapses (-1: none)
+    {-6, trashed, task, inserts, samples, timeout_ms}
+                                 held back by `task`'s rate limiter (includes/ratelimit.lua) at
+                                 these counts; the waiter is registered as for -5
     {-3, trashed}                the partition is sealed
     {-4, trashed}                the partition was sealed and cleared (closed)
     trashed: how many lapsed reservations had their ids put in the trash (the client deletes their bytes)
   Touches:
     <p>:meta  <p>:seq  <p>:closed
     <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
+    <p>:ratelimit
 ]]
+-- @include admitwait
 -- @include clock
 -- @include prefix
+-- @include ratelimit
 -- @include reservations
 
 local function group_reserve(KEYS, ARGV)
@@ -56,7 +64,8 @@ local function group_reserve(KEYS, ARGV)
     if waiter ~= '' and wait_ms > 0 then admit_wait(prefix, waiter, now, wait_ms) end
     return {-5, trashed, published, capacity, resv_next_lapse(prefix, now)}
   end
-  if waiter ~= '' then redis.call('ZREM', prefix .. 'admitwaiters', waiter) end
+  local held = insert_held(prefix, count, waiter, ARGV[6])
+  if held then return {-6, trashed, held[2], held[3], held[4], held[5]} end
   local first = redis.call('INCRBY', prefix .. 'seq', count) - count
   local version = ARGV[4] ~= '' and ARGV[4] or published
   local deadline = now + lease_ms

@@ -7,9 +7,11 @@
     KEYS[1]  partition meta key  <ns>:{<ns>/<p>}:meta
     ARGV[1]  create              '1': unknown keys get fresh ids; '0': look up only
     ARGV[2]  now_ms              creation time if this call creates the partition
-    ARGV[3]  nkeys
-    ARGV[4..3+nkeys]             user keys (unique)
-    ARGV[4+nkeys..]              field name, canonical schema JSON pairs checked before creating
+    ARGV[3]  waiter              '' or the caller's waiter id, registered when a rate limiter
+    ARGV[4]  wait_ms             refuses the new keys (see `reserve`), for at most wait_ms
+    ARGV[5]  nkeys
+    ARGV[6..5+nkeys]             user keys (unique)
+    ARGV[6+nkeys..]              field name, canonical schema JSON pairs checked before creating
   Output:
     {1, ids, created, common, tags}
       ids                        sample id per key, -1 where the key is unknown (create = '0')
@@ -21,24 +23,27 @@
     {-1}                         the partition does not exist (create = '0')
     {-4}                         the partition was sealed and cleared (closed until reopen_partition);
                                  nothing written (create = '1')
+    {-6, task, inserts, samples, timeout_ms}
+                                 new keys held back by a rate limiter, as `reserve`; nothing written
   Touches:
     <p>:closed  <p>:meta  <p>:seq  <p>:alive  <p>:fields  <p>:prod:<field>
     <p>:tagnames  <p>:tag:<name>
-    <p>:kv  <p>:kvkeys
+    <p>:kv  <p>:kvkeys  <p>:ratelimit  <p>:admitwaiters
 ]]
 -- @include bits
 -- @include chunks
 -- @include prefix
+-- @include ratelimit
 -- @include schemas
 -- @include tags
 
 local function kv_resolve(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   local create = ARGV[1] == '1'
-  local nkeys = tonumber(ARGV[3])
+  local nkeys = tonumber(ARGV[5])
   local keys, schemas = {}, {}
-  for i = 1, nkeys do keys[i] = ARGV[3 + i] end
-  for i = 4 + nkeys, #ARGV do schemas[#schemas + 1] = ARGV[i] end
+  for i = 1, nkeys do keys[i] = ARGV[5 + i] end
+  for i = 6 + nkeys, #ARGV do schemas[#schemas + 1] = ARGV[i] end
   if redis.call('EXISTS', KEYS[1]) == 0 and not create then return {-1} end
   if create and redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
   if create then
@@ -72,6 +77,8 @@ local function kv_resolve(KEYS, ARGV)
 
   local created = 0
   if create and #missing > 0 then
+    local held = insert_held(prefix, #missing, ARGV[3], ARGV[4])
+    if held then return held end
     created = #missing
     local first = redis.call('INCRBY', prefix .. 'seq', created) - created
     local fwd, rev = {}, {}

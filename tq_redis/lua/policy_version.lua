@@ -15,7 +15,7 @@
 ]]
 -- @include clock
 -- @include prefix
--- @include reservations
+-- @include admitwait
 
 local function policy_version(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])

@@ -36,6 +36,10 @@ key                                type    holds
 ``ns:{p}:poison:<task>``           SET     sample ids moved aside after max deliveries
 ``ns:{p}:sampled:<task>``          HASH    sample id -> times handed to the task so far (replay:
                                            ``max_times_sampled`` > 1; dropped once it is reached)
+``ns:{p}:ratelimit``               HASH    samples-per-insert rate limiters: ``inserts`` (counted while
+                                           one is set), ``cfg:<task>`` (ratio, min size, error buffer,
+                                           insert timeout), ``sampled:<task>`` (ids handed to the task);
+                                           kept across clears and drops, like ``seq``
 ``ns:{p}:counters``                HASH    ``expired:<task>``, ``redelivered:<task>``, ``poison:<task>``:
                                            lease expiries, redeliveries and samples turned poison,
                                            counted by the scripts as they happen; never reset (clears,
@@ -250,8 +254,13 @@ class PartitionKeys(_Tagged):
     resv = _Key("resv", "Hash of group reservations: token -> first id, count, start version, committer, fields.")
     resvdl = _Key("resvdl", "Sorted set of the reservations' lease deadlines (server ms).")
     admission = _Key("admission", "Hash of the staleness bound (max_lag, batch), published version, admitted count.")
-    admitwaiters = _Key("admitwaiters", "Sorted set of reservers the staleness bound blocks: waiter -> deadline.")
-    admitwake = _Key("admitwake", "List of wake tokens for the reservers blocked by the staleness bound.")
+    admitwaiters = _Key(
+        "admitwaiters", "Sorted set of producers the staleness bound or a rate limiter holds back: waiter -> deadline."
+    )
+    admitwake = _Key("admitwake", "List of wake tokens for the producers held back (staleness bound, rate limiter).")
+    ratelimit = _Key(
+        "ratelimit", "Hash of the samples-per-insert rate limiters: ``inserts``, ``cfg:<task>``, ``sampled:<task>``."
+    )
     dock = _Key("dock", "A GRPOTransferDock's shape (prompts_num, n_samples_per_prompt).")
     dockstate = _Key("dockstate")
     dockmetrics = _Key("dockmetrics")

@@ -356,7 +356,7 @@ def claim_choice(
         if got.claimed is not None:
             done = got.claimed
             return ChoiceClaim(_claimed_meta(pk.partition, done), done.last_event_id, done.next_lapse_ms, False, [])
-        if got.partition_missing:
+        if got.partition_missing or got.held_back:  # held back by a rate limiter: wait for an insert
             break
         lost = got.taken
     else:

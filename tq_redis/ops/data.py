@@ -38,7 +38,7 @@ from tq_redis.errors import (
 )
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, partitions_key
-from tq_redis.ops import arguments, script_budget, transitions
+from tq_redis.ops import arguments, ratelimit, script_budget, transitions
 from tq_redis.ops.clear import discard_bytes, empty_trash
 from tq_redis.ops.context import Context, Op, batchmeta_schema, canonical, group_by_partition, storage
 from tq_redis.ops.data_parser import DataParser, apply_data_parser
@@ -153,15 +153,24 @@ def _insert(ctx: Context, td: TensorDict, partition_id: str) -> Op:
     inline = inline_payload(values, store.inline_max_bytes)
     if inline is not None:  # small values: ids, values and bits in one script, one round trip
         store.count_inline("put", inline)
-        first, _ = yield from transitions.pipeline(
-            transitions.insert(pk, None, n, schemas, ctx.strict_schema, values=inline),
-            Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
-        )
+
+        def insert_inline(waiter: str, wait_ms: int) -> Op:
+            return (yield from transitions.pipeline(
+                transitions.insert(pk, None, n, schemas, ctx.strict_schema, values=inline, waiter=waiter,
+                                   wait_ms=wait_ms),
+                Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), partition_id)),
+            ))  # fmt: skip
+
+        first, _ = yield from ratelimit.admitted(pk, insert_inline, f"put() of {n} sample(s)")
         return BatchMeta.from_columns(
             list(range(first, first + n)), partition_id, batchmeta_schema(schemas),
             production_status=np.ones(n, dtype=np.int8),
         )  # fmt: skip
-    first = yield from transitions.reserve(pk, n, schemas, ctx.strict_schema).call()
+    first = yield from ratelimit.admitted(
+        pk, lambda waiter, wait_ms: transitions.reserve(
+            pk, n, schemas, ctx.strict_schema, waiter=waiter, wait_ms=wait_ms
+        ).call(), f"put() of {n} sample(s)",
+    )  # fmt: skip
     ids = list(range(first, first + n))
     ring: str | None = None
     try:
@@ -229,7 +238,10 @@ def allocate(ctx: Context, pk: PartitionKeys, fields: list[str], count: int) -> 
     ``put(data, metadata=...)``. They are alive (listed, clearable) but no task can claim them
     before their fields are put."""
     count = arguments.count(count, "batch_size (mode='insert')", maximum=MAX_INSERT)
-    first = yield from transitions.reserve(pk, count).call()
+    first = yield from ratelimit.admitted(
+        pk, lambda waiter, wait_ms: transitions.reserve(pk, count, waiter=waiter, wait_ms=wait_ms).call(),
+        f"get_meta(mode='insert') of {count} sample(s)",
+    )
     yield from transitions.pipeline(
         transitions.insert(pk, first, count),
         Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from tq_redis.errors import (
 from tq_redis.meta import BatchMeta, KVBatchMeta
 from tq_redis.meta.keys import PartitionKeys, check_name, partitions_key
 from tq_redis.meta.schemas import to_batchmeta_schema
-from tq_redis.ops import arguments, encoding, script_budget, transitions
+from tq_redis.ops import arguments, encoding, ratelimit, script_budget, transitions
 from tq_redis.ops.clear import CLEAR_COST, delete_bytes
 from tq_redis.ops.context import Context, Op, storage
 from tq_redis.ops.data import check_one_batch_dim, encode_batch, get_data, set_custom_meta, write_fields
@@ -188,21 +189,31 @@ def resolve(
 
     Many keys go in pieces of at most :data:`~tq_redis.ops.script_budget.SCRIPT_ITEMS`, one call each;
     if a later piece fails, the keys the earlier ones created are forgotten again."""
+
+    def attempt(piece: list[str], listing: bool, waiter: str, wait_ms: int) -> Op:
+        call = transitions.kv_resolve(
+            pk, piece, create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema, waiter=waiter, wait_ms=wait_ms
+        )
+        if not listing:
+            return (yield from call.call())
+        try:
+            got, _ = yield from transitions.pipeline(
+                call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
+            )
+        except PartitionClosed:
+            # the ZADD ran after the refusal: take out what it listed (the clear had unlisted it)
+            yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
+            raise
+        return got
+
     found: Resolved | None = None
     for piece in script_budget.pieces(keys, RESOLVE_COST):
-        call = transitions.kv_resolve(pk, list(piece), create, schemas or transitions.NO_SCHEMAS, ctx.strict_schema)
+        run = partial(attempt, list(piece), create and found is None)
         try:
-            if create and found is None:
-                try:
-                    got, _ = yield from transitions.pipeline(
-                        call, Cmd(("ZADD", partitions_key(ctx.namespace), "NX", time.time(), pk.partition))
-                    )
-                except PartitionClosed:
-                    # the ZADD ran after the refusal: take out what it listed (the clear had unlisted it)
-                    yield Cmd(("ZREM", partitions_key(ctx.namespace), pk.partition))
-                    raise
+            if create:  # new keys are inserts: a rate limiter may hold them back
+                got = yield from ratelimit.admitted(pk, run, f"kv_put of {len(keys)} key(s)")
             else:
-                got = yield from call.call()
+                got = yield from run("", 0)
         except Exception:
             if found is not None:
                 yield from _forget(ctx, pk, found.fresh)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tq_redis.errors import BatchSizeMismatch, InvalidArgument, ReservationLost, StalenessExceeded
+from tq_redis.errors import BatchSizeMismatch, InvalidArgument, RateLimited, ReservationLost, StalenessExceeded
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, config_key, partitions_key
 from tq_redis.ops import arguments, script_budget, transitions
@@ -107,7 +107,9 @@ def reserve_group(
     Nothing is visible to consumers until :func:`commit_group`. Under the partition's staleness
     bound (:func:`set_staleness_bound`) the reservation waits up to ``timeout`` seconds for room
     (a version bump or a freed reservation wakes it), then raises
-    :class:`~tq_redis.errors.StalenessExceeded`; ``timeout=0`` raises at once.
+    :class:`~tq_redis.errors.StalenessExceeded`; ``timeout=0`` raises at once. A rate limiter of
+    the partition (``set_rate_limit``) holds it back the same way (a consumer's claim wakes it),
+    then raises :class:`~tq_redis.errors.RateLimited`.
     """
     pk = ctx.keys(partition_id)
     count = arguments.count(n, "n (the group size)", maximum=MAX_GROUP)
@@ -128,6 +130,17 @@ def reserve_group(
             start = int(got.version) if got.version else None
             return Reservation(pk.partition, token, got.first, count, start, got.deadline_ms)
         remaining = deadline - time.monotonic()
+        if remaining <= 0 and got.held is not None:
+            if waiter:
+                yield Cmd(("ZREM", pk.admitwaiters, waiter))
+            held = got.held
+            raise RateLimited(
+                f"reserve_group({partition_id!r}, n={count}) was held back by task {held.task!r}'s rate limiter"
+                f"{f' for {timeout:g} s' if timeout else ''}: {held.inserts} samples inserted, {held.samples} "
+                f"sampled. The task's consumers must sample more first; pass timeout= to wait for them, or loosen "
+                f"the limit (set_rate_limit)",
+                held.task, held.inserts, held.samples, timeout,
+            )
         if remaining <= 0:
             if waiter:
                 yield Cmd(("ZREM", pk.admitwaiters, waiter))

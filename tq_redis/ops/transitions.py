@@ -41,6 +41,7 @@ from tq_redis.errors import (
     LibraryNotLoaded,
     PartitionClosed,
     PartitionSealed,
+    RateLimited,
     SampleComplete,
     SampleNotFound,
     UnknownPartition,
@@ -117,6 +118,23 @@ def raise_schema_conflict(field: str, registered: Any, offered: str) -> NoReturn
     raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {text(registered)}")
 
 
+class InsertHeld(RateLimited):
+    """A ``{-6, task, inserts, samples, timeout_ms}`` reply: a rate limiter held an insert back
+    (nothing was written). The insert's caller waits for room and asks again
+    (:func:`tq_redis.ops.ratelimit.admitted`); it is a :class:`RateLimited` only if it escapes."""
+
+    @classmethod
+    def from_reply(cls, partition: str, reply: Sequence[Any]) -> InsertHeld:
+        task, inserts, samples = text(reply[0]), int(reply[1]), int(reply[2])
+        limit = text(reply[3])
+        timeout_s = int(limit) / 1000 if limit else None
+        return cls(
+            f"partition {partition!r}: task {task!r}'s rate limiter holds inserts back at {inserts} inserts and "
+            f"{samples} samples; the task's consumers must sample more first",
+            task, inserts, samples, timeout_s,
+        )
+
+
 def _conflict(reply: Sequence[Any], schemas: Mapping[str, str]) -> NoReturn:
     """A ``{0, field, registered}`` reply: the offered schema of ``field`` conflicts."""
     field = text(reply[1])
@@ -167,6 +185,7 @@ class ClaimIdsReply(NamedTuple):
     claimed: ClaimReply | None  # None: nothing was marked
     taken: list[int]  # chosen ids no longer free (when claimed is None)
     partition_missing: bool
+    held_back: bool = False  # the task's rate limiter held the claim back (nothing marked)
 
 
 class ReadySet(NamedTuple):
@@ -300,12 +319,14 @@ class ChannelPop(NamedTuple):
 
 def _read_insert(partition: str, schemas: Mapping[str, str], reply: Sequence[Any]) -> None:
     """``{1, ...}`` done, ``{0, field, registered}`` a schema conflict, ``{-3}`` sealed, ``{-4}``
-    sealed and cleared."""
+    sealed and cleared, ``{-6, ...}`` held back by a rate limiter (:class:`InsertHeld`)."""
     code = int(reply[0])
     if code == -3:
         raise _sealed(partition)
     if code == -4:
         raise _closed(partition)
+    if code == -6:
+        raise InsertHeld.from_reply(partition, reply[1:])
     if code == 0:
         _conflict(reply, schemas)
 
@@ -316,26 +337,33 @@ def _read_reserve(partition: str, schemas: Mapping[str, str], reply: Sequence[An
 
 
 def reserve(
-    pk: PartitionKeys, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False
-) -> Transition[int]:
+    pk: PartitionKeys, count: int, schemas: Mapping[str, str] = NO_SCHEMAS, strict: bool = False, *,
+    waiter: str = "", wait_ms: int = 0,
+) -> Transition[int]:  # fmt: skip
     """``lua/reserve.lua``: allocate ``count`` new ids (the first one is the result) after checking
     the offered ``{field: canonical schema JSON}``. Raises ``PartitionSealed`` (``PartitionClosed``
-    once sealed and cleared) or the conflict."""
-    args = (count, *_flat_schemas(schemas, strict))
+    once sealed and cleared), the conflict, or :class:`InsertHeld` (a rate limiter refused; with a
+    ``waiter`` it is registered for ``wait_ms`` to be woken on ``<p>:admitwake``)."""
+    args = (count, waiter, wait_ms, *_flat_schemas(schemas, strict))
     return Transition(FCall("reserve", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
 def insert(
     pk: PartitionKeys, first_id: int | None, count: int, schemas: Mapping[str, str] = NO_SCHEMAS,
     strict: bool = False, *, values: Sequence[bytes] = (), now_ms: int | None = None, ring: str | None = None,
+    waiter: str = "", wait_ms: int = 0,
 ) -> Transition[int]:  # fmt: skip
     """``lua/insert.lua``: make ``count`` new samples alive with the fields of ``schemas`` produced;
     the first id is the result. Either ids ``first_id..`` from ``reserve`` whose bytes are stored
     already (under the store's ``ring``, if it places keys itself), or (``first_id`` None) small
     ``values`` (``count`` per field, field-major) stored inline with the bits while the ids are
-    allocated, in one step. Raises ``PartitionSealed``, ``PartitionClosed`` or the schema conflict."""
+    allocated, in one step. Raises ``PartitionSealed``, ``PartitionClosed``, the schema conflict or
+    (inline) :class:`InsertHeld`, with ``waiter`` as :func:`reserve`'s."""
     start = "" if first_id is None else first_id
-    args = (start, count, clock_ms(now_ms), ring or "", len(schemas), *_flat_schemas(schemas, strict), *values)
+    args = (
+        start, count, clock_ms(now_ms), ring or "", waiter, wait_ms, len(schemas), *_flat_schemas(schemas, strict),
+        *values,
+    )  # fmt: skip
     return Transition(FCall("insert", (pk.meta,), args), partial(_read_reserve, pk.partition, schemas))
 
 
@@ -646,6 +674,8 @@ def _read_claim_ids(reply: Sequence[Any]) -> ClaimIdsReply:
         return ClaimIdsReply(_claim_reply(*reply[1:7], False), [], False)
     if code == -1:
         return ClaimIdsReply(None, [], True)
+    if code == -2:
+        return ClaimIdsReply(None, [], False, held_back=True)
     return ClaimIdsReply(None, [int(i) for i in reply[1:]], False)
 
 
@@ -778,6 +808,8 @@ def _read_resolve(partition: str, schemas: Mapping[str, str], reply: Sequence[An
         return None
     if code == -4:
         raise _closed(partition)
+    if code == -6:
+        raise InsertHeld.from_reply(partition, reply[1:])
     if code == 0:
         _conflict(reply, schemas)
     _, ids, created, common, tags = reply
@@ -786,12 +818,15 @@ def _read_resolve(partition: str, schemas: Mapping[str, str], reply: Sequence[An
 
 def kv_resolve(
     pk: PartitionKeys, keys: Sequence[str], create: bool, schemas: Mapping[str, str] = NO_SCHEMAS,
-    strict: bool = False, *, now_ms: int | None = None,
+    strict: bool = False, *, now_ms: int | None = None, waiter: str = "", wait_ms: int = 0,
 ) -> Transition[KeyResolution | None]:  # fmt: skip
     """``lua/kv_resolve.lua``: the sample id of each user key, fresh ids for unknown keys with
     ``create`` (after checking ``schemas``); None when the partition does not exist (look-up
-    only). Raises the schema conflict, or ``PartitionClosed`` (creating in a sealed, cleared one)."""
-    args = (1 if create else 0, clock_ms(now_ms), len(keys), *keys, *_flat_schemas(schemas, strict))
+    only). Raises the schema conflict, ``PartitionClosed`` (creating in a sealed, cleared one) or
+    :class:`InsertHeld`, with ``waiter`` as :func:`reserve`'s."""
+    args = (
+        1 if create else 0, clock_ms(now_ms), waiter, wait_ms, len(keys), *keys, *_flat_schemas(schemas, strict),
+    )  # fmt: skip
     return Transition(FCall("kv_resolve", (pk.meta,), args), partial(_read_resolve, pk.partition, schemas))
 
 
@@ -928,6 +963,7 @@ class Reserved(NamedTuple):
     deadline_ms: int = 0
     capacity: int = 0
     next_lapse_ms: int = -1
+    held: InsertHeld | None = None  # refused by a rate limiter instead (includes/ratelimit.lua)
 
 
 class GroupReply(NamedTuple):
@@ -947,6 +983,8 @@ def _read_group_reserve(partition: str, reply: Sequence[Any]) -> Reserved:
         raise _closed(partition)
     if code == -5:
         return Reserved(False, trashed, version=text(reply[2]), capacity=int(reply[3]), next_lapse_ms=int(reply[4]))
+    if code == -6:
+        return Reserved(False, trashed, held=InsertHeld.from_reply(partition, reply[2:]))
     return Reserved(True, trashed, int(reply[2]), text(reply[3]), int(reply[4]))
 
 
@@ -1038,6 +1076,31 @@ def admission_config(pk: PartitionKeys, max_lag: int | None, batch: int = 1) -> 
     return Transition(FCall("admission_config", (pk.meta,), args), _read_admission)
 
 
+class RateCounts(NamedTuple):
+    """``lua/rate_limit_config.lua``: a rate limiter's counts after the change."""
+
+    inserts: int
+    samples: int
+
+
+def _read_rate_counts(reply: Sequence[Any]) -> RateCounts:
+    return RateCounts(int(reply[0]), int(reply[1]))
+
+
+def rate_limit_config(
+    pk: PartitionKeys, task: str, samples_per_insert: float | None, min_size_to_sample: int = 1,
+    error_buffer: float = 1.0, insert_timeout_ms: int | None = None,
+) -> Transition[RateCounts]:  # fmt: skip
+    """``lua/rate_limit_config.lua``: set ``task``'s samples-per-insert rate limiter on the partition
+    (``samples_per_insert`` None: remove it)."""
+    if samples_per_insert is None:
+        args: tuple[Any, ...] = (task, "", "", "", "")
+    else:
+        timeout = "" if insert_timeout_ms is None else insert_timeout_ms
+        args = (task, repr(float(samples_per_insert)), min_size_to_sample, repr(float(error_buffer)), timeout)
+    return Transition(FCall("rate_limit_config", (pk.meta,), args), _read_rate_counts)
+
+
 BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
     f.__name__: f
     for f in (
@@ -1048,7 +1111,7 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         kv_resolve, kv_unmap, kv_list, tag_changes,
         read_registry, channel_put, channel_pop,
         group_reserve, group_extend, group_commit, group_abort, policy_version, admission_config,
-        part_alloc, part_append, part_read,
+        rate_limit_config, part_alloc, part_append, part_read,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""

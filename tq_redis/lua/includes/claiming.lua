@@ -17,16 +17,22 @@
     cached_choice(prefix, c, cache_key, part)  the reply from a rank's stored choice, or nil
     claim_balanced(prefix, c, ids, tags, n, dp_size, part, cache_key, ttl)
                                                split a balanced choice, store it, reply with part
+    rate_held(prefix, c, b)                    whether the task's rate limiter holds a claim of b
+                                               samples back (sets c.limited: nil when it has none)
+    rate_count(prefix, c, ids)                 count a claim's ids against that limiter
   Touches:
     <p>:meta  <p>:tasks  <p>:fields  <p>:inline  <p>:shared  <p>:tagnames  <p>:tag:<name>  <p>:alive
     <p>:prod:<field>  <p>:cons:<task>  <p>:lease:<task>  <p>:dlv:<task>
     <p>:events  <p>:waittasks  <p>:waiters:<task>  <p>:waitneed:<task>  <p>:wake:<task>
     <p>:wakebudget:<task>   (and the rank or balance cache key the caller names)
+    <p>:ratelimit  <p>:admitwaiters  <p>:admitwake
 ]]
 -- @include balance
+-- @include clock
 -- @include events
 -- @include inline
 -- @include leases
+-- @include ratelimit
 -- @include samplers
 -- @include schemas
 -- @include tags
@@ -123,4 +129,15 @@ local function claim_balanced(prefix, c, ids, tags, n, dp_size, part, cache_key,
   end
   redis.call('SET', cache_key, table.concat(texts, ';'), 'PX', ttl)
   return claim_reply(prefix, c, mine, known_deliveries(prefix, c.task, mine, c.lease_ms))
+end
+
+-- Under a rate limiter of the task (includes/ratelimit.lua): whether a claim of b samples must
+-- wait (it then finds nothing, and the next insert wakes it); c.limited says there is one.
+local function rate_held(prefix, c, b)
+  c.limited = rl_may_sample(prefix, c.task, b)
+  return c.limited == false
+end
+
+local function rate_count(prefix, c, ids)
+  if c.limited ~= nil then rl_count_sampled(prefix, c.task, #ids, server_ms()) end
 end

@@ -18,7 +18,6 @@
   <p>:admitwake     LIST wake tokens for them (one per waiter when the bound may have moved)
 
   Offers:
-    ADMIT_KEY_TTL_MS                        how long the admission waiting keys outlive their last waiter
     resv_get(prefix, token)                 {first, count, version, owner, fields} or nil
     resv_put(prefix, token, rec, deadline)
     resv_free(prefix, token, rec)           forget it, free its slots; 1 if its ids went to the trash
@@ -26,14 +25,15 @@
     resv_live(prefix, token, now)           release_expired, then resv_get: (trashed, rec or nil)
     resv_next_lapse(prefix, now)            ms until the earliest reservation lapses, -1 if none
     admit_capacity(prefix)                  samples the bound admits now (nil: no bound)
-    admit_wake(prefix, now)                 wake every blocked reserver (the bound may have moved)
-    admit_wait(prefix, waiter, now, wait_ms) register a blocked reserver until now + wait_ms
+    (blocked reservers wait as includes/admitwait.lua says; a freed reservation no longer counts
+    as inserted for a rate limiter, includes/ratelimit.lua)
   Touches:
     <p>:resv  <p>:resvdl  <p>:admission  <p>:admitwaiters  <p>:admitwake  <p>:trash  <p>:trashfields
+    <p>:ratelimit
 ]]
+-- @include admitwait
 -- @include bits
-
-local ADMIT_KEY_TTL_MS = 60000
+-- @include ratelimit
 
 local function resv_get(prefix, token)
   local raw = redis.call('HGET', prefix .. 'resv', token)
@@ -51,23 +51,11 @@ local function resv_put(prefix, token, rec, deadline)
   redis.call('ZADD', prefix .. 'resvdl', deadline, token)
 end
 
-local function admit_wake(prefix, now)
-  local waiters = prefix .. 'admitwaiters'
-  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', now)
-  local n = redis.call('ZCARD', waiters)
-  if n == 0 then return end
-  local wake = prefix .. 'admitwake'
-  redis.call('DEL', wake)
-  local tokens = {}
-  for i = 1, n do tokens[i] = '1' end
-  redis.call('RPUSH', wake, unpack(tokens))
-  redis.call('PEXPIRE', wake, ADMIT_KEY_TTL_MS)
-end
-
 local function resv_free(prefix, token, rec)
   redis.call('HDEL', prefix .. 'resv', token)
   redis.call('ZREM', prefix .. 'resvdl', token)
   redis.call('HINCRBY', prefix .. 'admission', 'admitted', -rec.count)
+  rl_uncount_inserts(prefix, rec.count)
   if #rec.fields == 0 then return 0 end
   set_bit_range(prefix .. 'trash', rec.first, rec.count, 1)
   redis.call('SADD', prefix .. 'trashfields', unpack(rec.fields))
@@ -109,11 +97,4 @@ local function admit_capacity(prefix)
   if not lag or not batch then return nil end
   local version = tonumber(a[3]) or 0
   return (version + lag + 1) * batch - (tonumber(a[4]) or 0)
-end
-
-local function admit_wait(prefix, waiter, now, wait_ms)
-  local waiters = prefix .. 'admitwaiters'
-  redis.call('ZADD', waiters, now + wait_ms, waiter)
-  local keep = wait_ms + ADMIT_KEY_TTL_MS
-  if redis.call('PTTL', waiters) < keep then redis.call('PEXPIRE', waiters, keep) end
 end
