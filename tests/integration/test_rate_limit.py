@@ -17,6 +17,7 @@ from tests.conftest import make_client
 from tests.procs import mp_context
 from tq_redis.errors import InvalidArgument, InvalidName, RateLimited
 from tq_redis.meta.keys import PartitionKeys
+from tq_redis.monitor.status import render, snapshot
 from tq_redis.samplers import BaseSampler
 
 DEADLINE_S = 120.0
@@ -82,6 +83,13 @@ def test_a_producer_ahead_of_the_ratio_waits_until_a_claim_wakes_it(server, name
     # the fifth put would take the producers 5 ahead: it waits, registered for a wake-up
     _wait_until(lambda: client.redis.zcard(pk.admitwaiters) == 1, "the producer waits")
     assert _counts(client) == (4, 0)
+    # the operator sees why: tq-redis status shows the limiter, its balance and the waiting producer
+    (part,) = snapshot(client.redis, namespace)["partitions"]
+    assert part["rate_limits"] == {TASK: {"samples_per_insert": 1.0, "min_size_to_sample": 2, "error_buffer": 2.0,
+                                          "inserts": 4, "samples": 0, "balance": 4.0, "window": [0.0, 4.0]}}
+    assert part["producers_waiting"] == 1
+    assert ("rate limit train: 1 samples per insert from 2 inserts: 4 inserts, 0 samples, balance 4 (kept in "
+            "[0, 4]); producers waiting 1") in render(snapshot(client.redis, namespace))
     assert client.get_meta(["x"], 1, "p", task_name=TASK).global_indexes == [0]
     # that claim woke it: one more insert, then it waits again
     _wait_until(lambda: _counts(client) == (5, 1) and client.redis.zcard(pk.admitwaiters) == 1, "one more insert")

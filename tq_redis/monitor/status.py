@@ -24,6 +24,11 @@ What each task number means (the rules of the claim scripts, ``lua/includes/read
   sample put aside). They only grow: clears, drops and resets leave them. The snapshot's
   ``counters`` has them for every partition that ever counted one (dropped ones included, found
   through ``partitions:kept``) and their sums per namespace.
+
+A partition's ``rate_limits`` (``set_rate_limit``) give each limited task's ratio, minimum size
+and error buffer, and the counts the scripts keep: ``inserts``, ``samples`` handed to the task,
+and ``balance`` (``inserts * samples_per_insert - samples``, kept within ``window``);
+``producers_waiting`` counts the producers held back (by a rate limiter or the staleness bound).
 """
 
 from __future__ import annotations
@@ -168,8 +173,10 @@ def partition_status(r: redis.Redis, ns: str, partition: str, now_ms: int | None
         _task_reads(pipe, pk, t, now_ms)
     pipe.hlen(pk.inline)
     pipe.memory_usage(pk.inline, samples=0)
+    pipe.hgetall(pk.ratelimit)
+    pipe.zcard(pk.admitwaiters)
     replies = pipe.execute(raise_on_error=False)
-    inline_values, inline_bytes = replies[-2:]
+    inline_values, inline_bytes, limits, producers_waiting = replies[-4:]
     bitmaps = [b or b"" for b in replies[: 1 + len(fields)]]
     width = max((len(b) for b in bitmaps), default=0)
     alive = _bits(bitmaps[0], width)
@@ -190,6 +197,8 @@ def partition_status(r: redis.Redis, ns: str, partition: str, now_ms: int | None
             # MEMORY USAGE: what the inline hash costs Redis, overhead included (None: not answered)
             "bytes": inline_bytes if isinstance(inline_bytes, int) else (0 if inline_values == 0 else None),
         },
+        "rate_limits": rate_limits(limits if isinstance(limits, dict) else {}),
+        "producers_waiting": producers_waiting if isinstance(producers_waiting, int) else 0,
     }
     for f in fields:
         produced = (alive & prods[f]).bit_count()
@@ -202,6 +211,38 @@ def partition_status(r: redis.Redis, ns: str, partition: str, now_ms: int | None
                 raise reply
         out["tasks"][t] = _task_status(part, alive, prods, fields, width, samples, now_ms)
     return out
+
+
+def rate_limits(raw: dict[Any, Any]) -> dict[str, dict[str, Any]]:
+    """Task -> its rate limiter and counts, from the ``<p>:ratelimit`` hash (``lua/includes/ratelimit.lua``)."""
+    h = {_text(k): _text(v) for k, v in raw.items()}
+    inserts = int(h.get("inserts", 0))
+    out: dict[str, dict[str, Any]] = {}
+    for field, cfg in sorted(h.items()):
+        if not field.startswith("cfg:"):
+            continue
+        task = field[4:]
+        ratio, min_size, buffer, _timeout = cfg.split("\t")
+        r, m, e = float(ratio), int(min_size), float(buffer)
+        samples = int(h.get(f"sampled:{task}", 0))
+        out[task] = {
+            "samples_per_insert": r, "min_size_to_sample": m, "error_buffer": e, "inserts": inserts,
+            "samples": samples, "balance": inserts * r - samples, "window": [r * m - e, r * m + e],
+        }  # fmt: skip
+    return out
+
+
+def rate_limit_lines(p: dict[str, Any]) -> list[str]:
+    """One line per rate limiter of a partition's status."""
+    lines = []
+    for t, lim in p.get("rate_limits", {}).items():
+        low, high = lim["window"]
+        lines.append(
+            f"    rate limit {t}: {lim['samples_per_insert']:g} samples per insert from {lim['min_size_to_sample']} "
+            f"inserts: {lim['inserts']} inserts, {lim['samples']} samples, balance {lim['balance']:g} "
+            f"(kept in [{low:g}, {high:g}]); producers waiting {p.get('producers_waiting', 0)}"
+        )
+    return lines
 
 
 def storage_nodes(r: redis.Redis, ns: str) -> list[dict[str, Any]]:
@@ -415,6 +456,7 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
                 f"{_rate(r.get('tasks', {}).get(t))}  {lease_text(s)}  redelivered {s['redelivered']}  "
                 f"poison {s['poison']}  {waiting_text(s)}  counted: {events_text(s)}"
             )
+        lines += rate_limit_lines(p)
     nodes = snap["storage_nodes"]
     b = snap["bytes"]
     lines.append(f"bytes: {_size_or_unknown(b['inline'])} inline in Redis ({b['inline_values']} values), "

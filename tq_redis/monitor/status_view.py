@@ -15,6 +15,7 @@ from tq_redis.monitor.status import (
     age_text,
     counters_line,
     lease_text,
+    rate_limit_lines,
     render,
     server_line,
     waiting_text,
@@ -68,6 +69,7 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
                           str(s["poison"]), waiting_text(s), *(str(s.get(k, 0)) for k in COUNTER_KINDS.values()))
         if p["tasks"]:
             out.append(tasks)
+        out.extend(Text(line.strip()) for line in rate_limit_lines(p))
     b = snap["bytes"]
     inline_size = "?" if b["inline"] is None else format_size(b["inline"])
     nodes = Table(title=f"bytes: {inline_size} inline in Redis ({b['inline_values']} values), "
