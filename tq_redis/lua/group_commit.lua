@@ -64,8 +64,8 @@ local function group_commit(KEYS, ARGV)
   end
   local nfields = tonumber(ARGV[6])
   local pairs_ = {unpack(ARGV, 7, 6 + 2 * nfields)}
-  local conflict = schema_conflict(prefix, pairs_)
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = schema_refusal(prefix, pairs_)
+  if refused then return refused end
 
   local first, count = rec.first, rec.count
   local names = {}

@@ -50,8 +50,8 @@ local function insert(KEYS, ARGV)
   local pairs_ = {unpack(ARGV, 8, 7 + 2 * nfields)}
   if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then return {-3} end
   if redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
-  local conflict = schema_conflict(prefix, pairs_)
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = schema_refusal(prefix, pairs_)
+  if refused then return refused end
 
   local names = {}
   for i = 1, #pairs_, 2 do names[#names + 1] = pairs_[i] end

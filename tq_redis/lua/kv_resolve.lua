@@ -47,8 +47,8 @@ local function kv_resolve(KEYS, ARGV)
   if redis.call('EXISTS', KEYS[1]) == 0 and not create then return {-1} end
   if create and redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
   if create then
-    local conflict = schema_conflict(prefix, schemas)
-    if conflict then return {0, conflict[1], conflict[2]} end
+    local refused = schema_refusal(prefix, schemas)
+    if refused then return refused end
   end
 
   -- Known keys whose sample is still alive keep their id; the others are unknown.

@@ -29,11 +29,8 @@ local function part_alloc(KEYS, ARGV)
   local nids = tonumber(ARGV[at])
   local ids = {}
   for i = 1, nids do ids[i] = tonumber(ARGV[at + i]) end
-  local missing = missing_ids(prefix, ids)
-  if #missing > 0 then
-    table.insert(missing, 1, -2)
-    return missing
-  end
+  local refused = missing_reply(prefix, ids)
+  if refused then return refused end
   local done = parts_completed(prefix, spec[1], ids)
   if done then
     table.insert(done, 1, -3)

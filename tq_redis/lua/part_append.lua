@@ -48,11 +48,8 @@ local function part_append(KEYS, ARGV)
   local ids = {}
   for i = 1, nids do ids[i] = tonumber(ARGV[at + i]) end
   at = at + nids + 1
-  local missing = missing_ids(prefix, ids)
-  if #missing > 0 then
-    table.insert(missing, 1, -2)
-    return missing
-  end
+  local refused = missing_reply(prefix, ids)
+  if refused then return refused end
   local all = {unpack(names)}
   for i = 1, #complete do all[#all + 1] = complete[i] end
   for i = 1, #complete do

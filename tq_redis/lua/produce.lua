@@ -49,13 +49,8 @@ local function produce(KEYS, ARGV)
   for i = 1, nids do ids[i] = tonumber(ARGV[at + i]) end
   local values_at = at + nids + 1
 
-  local missing = missing_ids(prefix, ids)
-  if #missing > 0 then
-    table.insert(missing, 1, -2)
-    return missing
-  end
-  local conflict = schema_conflict(prefix, pairs_)
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = missing_reply(prefix, ids) or schema_refusal(prefix, pairs_)
+  if refused then return refused end
 
   register_schemas(prefix, pairs_)
   local names = {}

@@ -33,8 +33,8 @@ local function reserve(KEYS, ARGV)
   local count = tonumber(ARGV[1])
   if redis.call('HEXISTS', KEYS[1], 'sealed') == 1 then return {-3} end
   if redis.call('EXISTS', prefix .. 'closed') == 1 then return {-4} end
-  local conflict = schema_conflict(prefix, {unpack(ARGV, 4)})
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = schema_refusal(prefix, {unpack(ARGV, 4)})
+  if refused then return refused end
   local held = insert_held(prefix, count, ARGV[2], ARGV[3])
   if held then return held end
   local next_id = redis.call('INCRBY', prefix .. 'seq', count)

@@ -29,11 +29,8 @@ local function set_tags(KEYS, ARGV)
   local n = tonumber(ARGV[2])
   local ids = {}
   for i = 1, n do ids[i] = tonumber(ARGV[2 + i]) end
-  local missing = missing_ids(prefix, ids)
-  if #missing > 0 then
-    table.insert(missing, 1, -2)
-    return missing
-  end
+  local refused = missing_reply(prefix, ids)
+  if refused then return refused end
   local i = 3 + n
   while i <= #ARGV do
     local name = ARGV[i]

@@ -20,8 +20,8 @@
 local function share_begin(KEYS, ARGV)
   local prefix = partition_prefix(KEYS[1])
   if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
-  local conflict = schema_conflict(prefix, ARGV)
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = schema_refusal(prefix, ARGV)
+  if refused then return refused end
   local carrier = redis.call('INCRBY', prefix .. 'seq', 1) - 1
   redis.call('SETBIT', prefix .. 'sharepending', carrier, 1)
   local names = {}

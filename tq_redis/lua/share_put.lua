@@ -42,13 +42,8 @@ local function share_put(KEYS, ARGV)
   local ids = range_ids(parse_ranges(ARGV[3]))
   local nfields = tonumber(ARGV[4])
   local pairs_ = {unpack(ARGV, 5, 4 + 2 * nfields)}
-  local missing = missing_ids(prefix, ids)
-  if #missing > 0 then
-    table.insert(missing, 1, -2)
-    return missing
-  end
-  local conflict = schema_conflict(prefix, pairs_)
-  if conflict then return {0, conflict[1], conflict[2]} end
+  local refused = missing_reply(prefix, ids) or schema_refusal(prefix, pairs_)
+  if refused then return refused end
   local names = {}
   for i = 1, #pairs_, 2 do names[#names + 1] = pairs_[i] end
   for f = 1, #names do

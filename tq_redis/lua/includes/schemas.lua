@@ -8,6 +8,7 @@
 
   Offers:
     schema_conflict(prefix, fields_and_schemas)   nil, or {field, registered} of a strict mismatch
+    schema_refusal(prefix, fields_and_schemas)    nil, or a script's {0, field, registered} reply
     register_schemas(prefix, fields_and_schemas)  register (or widen) each field's schema
     read_schemas(prefix, fields)                  flat {field, schema JSON or false, ...}
     widen_schema(registered, offered), strict_schema(offered), and their parts TENSOR_KINDS,
@@ -67,6 +68,13 @@ local function schema_conflict(prefix, fields_and_schemas)
       end
     end
   end
+  return nil
+end
+
+-- The reply of a script refused by a schema conflict: nil, or {0, field, registered}.
+local function schema_refusal(prefix, fields_and_schemas)
+  local conflict = schema_conflict(prefix, fields_and_schemas)
+  if conflict then return {0, conflict[1], conflict[2]} end
   return nil
 end
 
