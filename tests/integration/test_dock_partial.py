@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import make_client
+from tests.procs import mp_context
 from tq_redis import GRPOTransferDock
 from tq_redis.errors import InvalidArgument
 
@@ -119,4 +120,74 @@ def test_partial_rollout_refuses_what_mindspeed_refuses(server, namespace):
         dock.get_experience("actor_rollout", ["prompts"], 2)
     with pytest.raises(InvalidArgument, match="age"):
         dock.get_experience("actor_train", ["prompts", "age"], 2)
+    dock.close()
+
+
+ROWS, PARTS = 12, 3  # every response is written over PARTS claims: interrupted PARTS - 1 times
+WORKERS = 3
+
+
+def _rollout_worker(url: str, ns: str, worker: int, completed, out) -> None:
+    """A rollout worker: claim rows, add one token to each interrupted response, put it back
+    (complete once it has PARTS tokens); log (row, tokens it found, token it wrote)."""
+    dock = GRPOTransferDock(ROWS, 1, None, 2, ROWS, redis_url=url, namespace=ns, name="partial-mp")
+    log = []
+    while completed.value < ROWS:
+        td, rows = dock.get_experience("actor_rollout", list(ROLLOUT) + ["response_length"], 2,
+                                       get_n_samples=False, timeout=0.5)
+        if rows is None:
+            continue
+        responses, finished = [], []
+        for i, row in enumerate(rows):
+            found = td["responses"][i, : int(td["response_length"][i, 0])].tolist()
+            token = 1000 * (worker + 1) + len(log)
+            log.append((row, found, token))
+            responses.append(torch.tensor(found + [token]))
+            finished.append(len(found) + 1 >= PARTS)
+        dock.put_experience({
+            "responses": responses,
+            "response_length": [torch.tensor([len(r)]) for r in responses],
+            "input_ids": [torch.tensor([row]) for row in rows],
+            "rollout_completed": [torch.tensor([int(f)]) for f in finished],
+        }, rows)
+        with completed.get_lock():
+            completed.value += sum(finished)
+    out.put(log)
+    dock.close()
+
+
+def test_rollout_workers_in_processes_continue_each_interrupted_response_exactly_once(real_server, namespace):
+    """3 worker processes share a dock with max_age 2: each response is interrupted twice and
+    continued by whichever worker claims it next. No row is held by two workers at once (each
+    part is claimed exactly once, finding exactly the tokens before it) and no part is lost."""
+    make_client(real_server.url, namespace).close()
+    dock = GRPOTransferDock(ROWS, 1, None, 2, ROWS, redis_url=real_server.url, namespace=namespace,
+                            name="partial-mp")
+    dock.put_experience({"prompts": [torch.tensor([100 + r]) for r in range(ROWS)],
+                         "prompt_length": [torch.tensor([1]) for _ in range(ROWS)]}, list(range(ROWS)),
+                        is_prompt=True)
+    ctx = mp_context()
+    completed, out = ctx.Value("i", 0), ctx.Queue()
+    procs = [ctx.Process(target=_rollout_worker, args=(real_server.url, namespace, w, completed, out))
+             for w in range(WORKERS)]
+    for p in procs:
+        p.start()
+    logs = [entry for _ in procs for entry in out.get(timeout=120)]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    by_row: dict[int, dict[int, tuple[list[int], int]]] = {}
+    for row, found, token in logs:
+        assert len(found) not in by_row.setdefault(row, {}), f"row {row} part {len(found)} was claimed twice"
+        by_row[row][len(found)] = (found, token)
+    assert sorted(by_row) == list(range(ROWS))
+    final = dock.get_experience_data()["responses"]
+    for row, parts in by_row.items():
+        assert sorted(parts) == list(range(PARTS)), f"row {row}: parts {sorted(parts)} claimed"
+        tokens = [parts[k][1] for k in range(PARTS)]
+        for k in range(PARTS):
+            assert parts[k][0] == tokens[:k], f"row {row} part {k} found {parts[k][0]}, not the tokens before it"
+        assert final[row][:PARTS].tolist() == tokens
+    assert dock.get_incomplete_response_num().item() == 0
+    assert dock.get_update_ready(require_max_age_all_finished=True)
     dock.close()
