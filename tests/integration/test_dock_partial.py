@@ -4,7 +4,9 @@ A scripted MindSpeed-style run over two steps, in MindSpeed's call shapes (padde
 ``is_prompt`` puts, ``rollout_completed`` with responses, -2 pad rows put back): rollouts
 interrupted and re-queued, rows aged and re-sorted oldest first by ``clear``, ``max_age`` holding
 the update back until the oldest rows finish, the ready mask gating other consumers, and the
-incomplete count; every row, age and status asserted exactly.
+incomplete count; every row, age and status asserted exactly. Then three rollout worker processes
+sharing a dock: each interrupted response is continued exactly once, by whichever worker claims it
+next.
 """
 
 from __future__ import annotations
