@@ -41,6 +41,21 @@ def _counts(client, pid: str = "p") -> tuple[int, int]:
     return limit.inserts, limit.samples
 
 
+def _scrape(url: str, namespace: str) -> str:
+    """What the exporter serves for the namespace now."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tq_redis.monitor.exporter import NamespaceCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    collector = NamespaceCollector(url, namespace)
+    registry.register(collector)
+    try:
+        return generate_latest(registry).decode()
+    finally:
+        collector.close()
+
+
 def _producer(url: str, ns: str, n: int, batch: int, go, out) -> None:
     from tq_redis import TransferQueueClient
 
@@ -90,6 +105,12 @@ def test_a_producer_ahead_of_the_ratio_waits_until_a_claim_wakes_it(server, name
     assert part["producers_waiting"] == 1
     assert ("rate limit train: 1 samples per insert from 2 inserts: 4 inserts, 0 samples, balance 4 (kept in "
             "[0, 4]); producers waiting 1") in render(snapshot(client.redis, namespace))
+    scraped = _scrape(server.url, namespace)
+    labels = f'namespace="{namespace}",partition="p",task="{TASK}"'
+    for metric, value in (("balance", 4.0), ("min_balance", 0.0), ("max_balance", 4.0), ("inserts", 4.0),
+                          ("samples", 0.0)):
+        assert f"tq_redis_rate_limit_{metric}{{{labels}}} {value}" in scraped, metric
+    assert f'tq_redis_producers_waiting{{namespace="{namespace}",partition="p"}} 1.0' in scraped
     assert client.get_meta(["x"], 1, "p", task_name=TASK).global_indexes == [0]
     # that claim woke it: one more insert, then it waits again
     _wait_until(lambda: _counts(client) == (5, 1) and client.redis.zcard(pk.admitwaiters) == 1, "one more insert")

@@ -56,6 +56,20 @@ PARTITION_GAUGES: dict[str, tuple[str, Any]] = {
     "tq_redis_partition_age_seconds": ("Seconds since the partition was created", lambda p: p["age_s"]),
     "tq_redis_inline_values": ("Values kept inline in Redis", lambda p: p["inline"]["values"]),
     "tq_redis_inline_bytes": ("Bytes Redis spends on the partition's inline values", lambda p: p["inline"]["bytes"]),
+    "tq_redis_producers_waiting": ("Producers held back by a rate limiter or the staleness bound",
+                                   lambda p: p.get("producers_waiting", 0)),
+}
+# gauge name -> (help, value of a task's rate limiter in the snapshot); see set_rate_limit
+RATE_LIMIT_GAUGES: dict[str, tuple[str, Any]] = {
+    "tq_redis_rate_limit_balance": ("inserts * samples_per_insert - samples of a task's rate limiter",
+                                    lambda lim: lim["balance"]),
+    "tq_redis_rate_limit_min_balance": ("The lowest balance the rate limiter lets the task's claims reach",
+                                        lambda lim: lim["window"][0]),
+    "tq_redis_rate_limit_max_balance": ("The highest balance the rate limiter lets inserts reach",
+                                        lambda lim: lim["window"][1]),
+    "tq_redis_rate_limit_inserts": ("Inserts the rate limiter counted", lambda lim: lim["inserts"]),
+    "tq_redis_rate_limit_samples": ("Samples handed to the task that the rate limiter counted",
+                                    lambda lim: lim["samples"]),
 }
 
 
@@ -80,7 +94,7 @@ class NamespaceCollector:
     per task claimable (``tq_redis_queue_depth``), consumed, in flight, lapsed, redelivered, poison
     and waiters, and the counters of lease expiries, redeliveries and poisoned samples (every
     partition that counted one, cleared ones included); per field production; per partition samples,
-    age and inline bytes; per storage
+    age, inline bytes and producers held back; per task rate limiter its balance, window and counts; per storage
     node used bytes, capacity, spilled bytes and heartbeat age; the server's memory."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
@@ -111,6 +125,7 @@ class NamespaceCollector:
         yield up
         task_families = {n: GaugeMetricFamily(n, h, labels=_TASK) for n, (h, _) in TASK_GAUGES.items()}
         part_families = {n: GaugeMetricFamily(n, h, labels=_PARTITION) for n, (h, _) in PARTITION_GAUGES.items()}
+        limit_families = {n: GaugeMetricFamily(n, h, labels=_TASK) for n, (h, _) in RATE_LIMIT_GAUGES.items()}
         produced = GaugeMetricFamily("tq_redis_field_produced", "Samples with the field produced",
                                      labels=[*_PARTITION, "field"])
         produced_ratio = GaugeMetricFamily("tq_redis_field_produced_ratio",
@@ -127,11 +142,15 @@ class NamespaceCollector:
             for task, s in p["tasks"].items():
                 for name, (_, value) in TASK_GAUGES.items():
                     task_families[name].add_metric([ns, p["id"], task], float(value(s, p)))
+            for task, lim in p.get("rate_limits", {}).items():
+                for name, (_, value) in RATE_LIMIT_GAUGES.items():
+                    limit_families[name].add_metric([ns, p["id"], task], float(value(lim)))
         yield from _event_counters(ns, snap)
         yield from part_families.values()
         yield produced
         yield produced_ratio
         yield from task_families.values()
+        yield from limit_families.values()
         node = ["namespace", "node"]
         used = GaugeMetricFamily("tq_redis_node_used_bytes", "Bytes held by a storage node", labels=node)
         capacity = GaugeMetricFamily("tq_redis_node_capacity_bytes", "Memory budget of a storage node", labels=node)
