@@ -98,3 +98,14 @@ def hang_after_store_put(client) -> None:
         return ring
 
     store.put = put_then_hang
+
+
+def gather(procs: list, out, timeout: float = 120) -> list:
+    """Start ``procs`` and return the one result each puts on ``out``, once every one exited with 0."""
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+    return results

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from examples.transfer_dock import pad, unpad  # MindSpeed-RL's padded layout, as its callers build it
 from tests.conftest import make_client
-from tests.procs import mp_context
+from tests.procs import gather, mp_context
 from tq_redis import GRPOTransferDock
 from tq_redis.dock.dock import DockMetrics, TransferDock
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
@@ -223,12 +223,7 @@ def test_prefetch_request_index_across_processes(real_server, namespace):
     ctx = mp_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_prefetch, args=(dock, 3, out)) for _ in range(3)]  # the dock pickles to its name
-    for p in procs:
-        p.start()
-    got = [rows for _ in procs for rows in out.get(timeout=60)]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got = [rows for each in gather(procs, out, timeout=60) for rows in each]
     assert sorted(i for rows in got for i in rows) == list(range(100))  # every row once, none twice
     assert sorted(len(rows) for rows in got)[0] == 1  # the last request is cut at the end of the dock
     assert dock.get_cur_index() == 102 and dock.prefetch_request_index(1) is None  # as MindSpeed counts

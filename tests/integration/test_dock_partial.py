@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import make_client
-from tests.procs import mp_context
+from tests.procs import gather, mp_context
 from tq_redis import GRPOTransferDock
 from tq_redis.errors import InvalidArgument
 
@@ -172,12 +172,7 @@ def test_rollout_workers_in_processes_continue_each_interrupted_response_exactly
     completed, out = ctx.Value("i", 0), ctx.Queue()
     procs = [ctx.Process(target=_rollout_worker, args=(real_server.url, namespace, w, completed, out))
              for w in range(WORKERS)]
-    for p in procs:
-        p.start()
-    logs = [entry for _ in procs for entry in out.get(timeout=120)]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    logs = [entry for log in gather(procs, out) for entry in log]
     by_row: dict[int, dict[int, tuple[list[int], int]]] = {}
     for row, found, token in logs:
         assert len(found) not in by_row.setdefault(row, {}), f"row {row} part {len(found)} was claimed twice"
