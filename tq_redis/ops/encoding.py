@@ -10,12 +10,12 @@ replies themselves.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from tq_redis.errors import UnsupportedValue
 
@@ -51,7 +51,9 @@ def id_ranges(ids: Sequence[int]) -> str:
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, np.ndarray | torch.Tensor):
+    # a tensor can only come from a process that imported torch: the CLI's reads never load it
+    torch = sys.modules.get("torch")
+    if isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor)):
         return value.tolist()
     raise UnsupportedValue(f"custom meta value {value!r} ({type(value).__name__}) is not JSON-serialisable")
 

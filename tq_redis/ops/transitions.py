@@ -48,7 +48,6 @@ from tq_redis.errors import (
 )
 from tq_redis.meta import bitmaps
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, check_name, storage_nodes_key
-from tq_redis.meta.schemas import check_compatible
 from tq_redis.ops.effects import Cmd, FCall, Pipe, WaitThenCall, WaitToken
 from tq_redis.ops.encoding import (
     clock_ms,
@@ -113,6 +112,8 @@ def _flat_schemas(schemas: Mapping[str, str], strict: bool) -> list[str]:
 
 def raise_schema_conflict(field: str, registered: Any, offered: str) -> NoReturn:
     """Raise the error of a field whose offered schema differs from the registered one."""
+    from tq_redis.meta.schemas import check_compatible  # torch, imported only when a schema conflicts
+
     check_compatible(field, json.loads(text(registered)), json.loads(offered))
     # check_compatible raises for every real difference; equal JSON would not have conflicted
     raise InvalidArgument(f"field {field!r}: schema {offered} conflicts with registered {text(registered)}")
