@@ -9,10 +9,14 @@ what it takes to learn that one key became ``finished``:
   ``kv_watch(where={"status": "finished"})`` (it wakes on the change stream). ``poll``: a thread that
   lists the partition every 2 s, as verl does (``kv_list`` of every key and tag) and, as the
   filtered variant, ``kv_list(where=...)``; the expected latency is half the period plus a listing.
-* **Redis CPU per operation**: the server's time for every command of one operation (the sum of
-  ``INFO commandstats``' ``usec``, reset before), per ``kv_watch`` that returned a change, per
-  listing pass of each kind, and per tag write (``kv_put`` of a tag, which also notes the change
-  on the stream).
+* **Redis CPU per operation**: the CPU time of the server's main thread over one operation
+  (``INFO cpu``'s ``used_cpu_user_main_thread + used_cpu_sys_main_thread``, read before and after),
+  per ``kv_watch`` that returned a change, per listing pass of each kind, and per tag write
+  (``kv_put`` of a tag, which also notes the change on the stream). It counts each command once,
+  with reading the request and writing the reply, and not the time the server waited for a core.
+  (``INFO commandstats``' ``usec`` is neither: it is wall time inside each command, which a loaded
+  machine inflates several times, and a script's ``usec`` already holds the commands it called,
+  which commandstats lists again under their own names.)
 
 Run on an embedded Valkey and on Debian's Redis 7.0 where installed:
 ``python -m benchmarks.p11_watch [--keys 100000] [--events 20] [--quick]``.
@@ -47,8 +51,10 @@ def _client(url: str, ns: str):
     return client
 
 
-def _server_usec(admin) -> float:
-    return sum(float(v.get("usec", 0)) for k, v in admin.info("commandstats").items() if k.startswith("cmdstat_"))
+def _server_cpu_usec(admin) -> float:
+    """CPU time the server's main thread has used so far, in µs."""
+    cpu = admin.info("cpu")
+    return (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])) * 1e6
 
 
 def _fill(client, keys: int) -> list[str]:
@@ -60,10 +66,10 @@ def _fill(client, keys: int) -> list[str]:
 
 
 def _cpu_per_call(admin, fn, calls: int) -> float:
-    admin.config_resetstat()
+    before = _server_cpu_usec(admin)
     for _ in range(calls):
         fn()
-    return _server_usec(admin) / calls
+    return (_server_cpu_usec(admin) - before) / calls
 
 
 def _watch_latency(url: str, ns: str, keys: list[str], events: int) -> list[float]:
@@ -175,19 +181,16 @@ def measure_server(url: str, keys: int, events: int) -> dict[str, Any]:
     def watch_one() -> None:
         nonlocal cursor
         client.kv_put(next(it), "replay", tag=FINISHED)
-        admin_before = _server_usec(admin)
+        before = _server_cpu_usec(admin)
         changes = client.kv_watch("replay", cursor, where=FINISHED)
-        watch_usec.append(_server_usec(admin) - admin_before)
+        watch_usec.append(_server_cpu_usec(admin) - before)
         cursor = changes.cursor
 
     watch_usec: list[float] = []
     for _ in range(len(sample)):
-        admin.config_resetstat()
         watch_one()
-    # INFO itself runs between the two readings: subtract what one INFO costs
-    admin.config_resetstat()
-    base = _server_usec(admin)
-    info_usec = _server_usec(admin) - base
+    # one INFO runs between the two readings: subtract what that costs (two readings, nothing between)
+    info_usec = statistics.median(_cpu_per_call(admin, lambda: None, 1) for _ in range(len(sample)))
     results["watch"]["redis_usec_per_op"] = statistics.median(watch_usec) - info_usec
     results["poll kv_list every 2 s"]["redis_usec_per_op"] = _cpu_per_call(admin, lambda: client.kv_list("replay"), 3)
     results["poll kv_list(where=) every 2 s"]["redis_usec_per_op"] = _cpu_per_call(
