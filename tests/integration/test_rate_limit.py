@@ -129,6 +129,44 @@ def test_a_producer_ahead_of_the_ratio_waits_until_a_claim_wakes_it(server, name
     client.close()
 
 
+def _held_producer(url: str, ns: str, out) -> None:
+    from tq_redis import TransferQueueClient
+
+    client = TransferQueueClient(url, ns)
+    out.put(("producer", client.put(_row(9), partition_id="p").global_indexes))
+    client.close()
+
+
+def test_a_held_back_producer_killed_while_it_waits_leaves_nothing_behind(real_server, namespace):
+    """SIGKILL a producer the limiter holds back: it wrote nothing, was never counted, and the next
+    producer is still woken and admitted by a claim."""
+    import os
+    import signal
+
+    client = make_client(real_server.url, namespace)
+    pk = PartitionKeys(namespace, "p")
+    client.set_rate_limit("p", TASK, 1.0, error_buffer=1, insert_timeout=DEADLINE_S)  # window [0, 2]
+    client.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    ctx = mp_context()
+    out = ctx.Queue()
+    doomed = ctx.Process(target=_held_producer, args=(real_server.url, namespace, out))
+    doomed.start()
+    _wait_until(lambda: client.redis.zcard(pk.admitwaiters) == 1, "the first producer waits")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(DEADLINE_S)
+    survivor = ctx.Process(target=_held_producer, args=(real_server.url, namespace, out))
+    survivor.start()
+    _wait_until(lambda: client.redis.zcard(pk.admitwaiters) == 2, "the second producer waits beside the dead one")
+    assert _counts(client) == (2, 0), "a held-back put was counted"
+    assert client.get_meta(["x"], 1, "p", task_name=TASK).global_indexes == [0]
+    assert out.get(timeout=DEADLINE_S) == ("producer", [2])  # woken and admitted
+    survivor.join(DEADLINE_S)
+    assert survivor.exitcode == 0
+    assert _counts(client) == (3, 1)
+    assert client.get_meta(["x"], 10, "p", task_name="all", mode="force_fetch").global_indexes == [0, 1, 2]
+    client.close()
+
+
 def test_a_consumer_ahead_of_the_ratio_finds_nothing_until_inserts_wake_it(server, namespace):
     client = make_client(server.url, namespace)
     pk = PartitionKeys(namespace, "p")
