@@ -42,7 +42,7 @@ def items(call: FCall) -> int:
     """The batch work of one script call: the values (sample x field), ids or keys it handles."""
     a = call.args
     if call.name == "insert":
-        nfields = int(a[4])
+        nfields = int(a[6])
         return int(a[1]) * nfields if a[0] == "" else nfields  # inline values, or bit ranges per field
     if call.name == "produce":
         nfields = int(a[1])
@@ -65,9 +65,9 @@ def items(call: FCall) -> int:
     if call.name == "kv_list":
         return int(a[1])  # keys scanned for the page
     if call.name == "reserve":
-        return (len(a) - 1) // 2  # the fields whose schemas it checks
+        return (len(a) - 3) // 2  # the fields whose schemas it checks
     if call.name == "kv_resolve":
-        return int(a[2])
+        return int(a[4])
     if call.name in ("trash_add", "trash_done"):
         return len(str(a[0]).split(","))  # id ranges, each one bitmap command
     return len(a)
