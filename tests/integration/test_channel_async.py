@@ -19,7 +19,7 @@ import redis
 
 from tests.procs import mp_context
 from tq_redis import Channel
-from tq_redis.channel.driver import MAX_CONNECTIONS as _MAX_CONNECTIONS
+from tq_redis.channel.in_redis import MAX_CONNECTIONS as _MAX_CONNECTIONS
 from tq_redis.errors import ChannelClosed, ChannelNotFound, InvalidArgument, UnsupportedValue
 
 ROOT = Path(__file__).resolve().parents[2]

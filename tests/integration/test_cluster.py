@@ -24,7 +24,7 @@ import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import up_attach
 from tq_redis import Channel
-from tq_redis.client import driver
+from tq_redis.client import plans
 from tq_redis.errors import ConfigError, RateLimited
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, config_key
@@ -302,13 +302,13 @@ def test_async_client_repairs_the_library_too(cluster, namespace):
 def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, cluster_client, namespace, monkeypatch):
     """Each function touches only keys of its first key's slot, or the server would refuse it."""
     called: set[str] = set()
-    fcall_args = driver._fcall_args
+    fcall_args = plans._fcall_args
 
     def recording(call):
         called.add(call.name)
         return fcall_args(call)
 
-    monkeypatch.setattr(driver, "_fcall_args", recording)  # every function call, pipelined or not
+    monkeypatch.setattr(plans, "_fcall_args", recording)  # every function call, pipelined or not
     client = cluster_client
     meta = _put(client, 8, "all")
     client.put(TensorDict({"z": torch.ones(2)}, batch_size=[2]), metadata=meta[0:2])

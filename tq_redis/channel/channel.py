@@ -13,7 +13,7 @@ the calls were made, as RLinf's channel actor runs one caller's requests: each o
 turn at the queue in issue order, and one that has to wait (an empty queue for a get, a full one
 for a put) steps aside so later operations proceed, except those on the same key and of the same
 kind (put, or get/get_batch), which queue behind it so they stay FIFO. Waiting operations share one
-blocked ``XREAD``, so a handle uses at most ``MAX_CONNECTIONS`` (:mod:`tq_redis.channel.driver`) + 1
+blocked ``XREAD``, so a handle uses at most ``MAX_CONNECTIONS`` (:mod:`tq_redis.channel.in_redis`) + 1
 connections however many operations are in flight. A put issued with ``async_op=True`` and never
 waited on still lands: on ``close()``, when the object is garbage-collected, and when the process exits (``atexit`` and
 multiprocessing's exit hook), the handle first finishes every put issued through it. An operation's
@@ -50,7 +50,7 @@ Modules: this one holds :class:`Channel` (it finds its server with
 what every channel takes (keys, weights, timeouts, :class:`WeightedItem`);
 :mod:`tq_redis.channel.executor` the ordered per-object executor, :class:`ChannelWork` and exit
 flushing; :mod:`tq_redis.ops.channel` the Redis operations as generators and the item encoding;
-:mod:`tq_redis.channel.driver` the bounded driver that runs them; :mod:`tq_redis.channel.local` the
+:mod:`tq_redis.channel.in_redis` the bounded driver that runs them; :mod:`tq_redis.channel.local` the
 in-process channel.
 """
 
@@ -63,8 +63,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from tq_redis.api.system import resolve_target
-from tq_redis.channel.driver import RedisOps, open_driver
 from tq_redis.channel.executor import ChannelWork, Executor, Start
+from tq_redis.channel.in_redis import RedisOps, open_driver
 from tq_redis.channel.local import LocalCore, LocalOps, local_core, new_local_core
 from tq_redis.codec.item_classes import REGISTERED, class_path
 from tq_redis.errors import ChannelClosed, ItemClassNotAllowed

@@ -5,7 +5,7 @@
 themselves, touched only on the executor's thread) and its :class:`~tq_redis.channel.executor.Executor`.
 Every copy of the channel in the process shares the core (found again by its token when unpickled);
 in another process, or in a forked child, the token finds a fresh, empty one. :class:`LocalOps` turns
-each call into the executor's job, as :class:`tq_redis.channel.driver.RedisOps` does for a channel in
+each call into the executor's job, as :class:`tq_redis.channel.in_redis.RedisOps` does for a channel in
 Redis; a pop takes the head items the Lua scripts would (:func:`take_count`).
 """
 

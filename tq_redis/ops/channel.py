@@ -7,7 +7,7 @@ bytes are samples of the hidden partition ``__chan__.<name>`` in the namespace's
 (:func:`create`, :func:`connect`, :func:`put`, :func:`pop`, :func:`peek`, :func:`qsize`,
 :func:`delete`) run ``lua/channel_*.lua`` through :mod:`tq_redis.ops.transitions` and yield a
 :class:`~tq_redis.ops.effects.Wait` on the channel's ``puts``/``gets`` stream when they must wait; they do
-no I/O themselves: :mod:`tq_redis.channel.driver` runs them on a channel handle's thread.
+no I/O themselves: :mod:`tq_redis.channel.in_redis` runs them on a channel handle's thread.
 """
 
 from __future__ import annotations

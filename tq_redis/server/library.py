@@ -17,7 +17,7 @@ only delete or shrink (the clear path), so clearing still frees memory when Redi
 Whether a server runs *this* library is decided from its code, not from what ``tq_version``
 answers (any user allowed to ``FUNCTION LOAD`` could load a library whose ``tq_version`` lies):
 ``FUNCTION LIST LIBRARYNAME tq_redis WITHCODE`` must return exactly :func:`library`'s source
-(:func:`library_state`). The driver (``tq_redis/client/driver.py``, ``ensure_loaded``, through
+(:func:`library_state`). The driver (``tq_redis/client/plans.py``, ``_ensure_loaded``, through
 :func:`tq_redis.server.policy.node_checks`) checks this once per server and driver -- on a Redis
 Cluster on every primary at first use, and on a primary it has not met before (a new one after a
 failover) before its first call there -- and, with ``redis.load_library: auto`` (the default),

@@ -24,7 +24,7 @@ environment; else the defaults):
     ``FUNCTION LOAD`` (``tq-redis acl``), so they run with ``never``.
 
 :func:`node_checks` is the check of one server, written once as a generator of commands that
-both drivers run (see :mod:`tq_redis.client.driver`); :func:`typed_error` maps Redis's refusals
+both drivers run (see :mod:`tq_redis.client.plans`); :func:`typed_error` maps Redis's refusals
 (``NOPERM``, ``OOM``, a failed ``AUTH``) to tq-redis errors.
 """
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,13 +24,14 @@ import redis.asyncio as aioredis
 from tq_redis import ops
 from tq_redis.channel.executor import Start, waiting
 from tq_redis.client.driver import AsyncDriver
+from tq_redis.client.plans import Plan, Sleep, Work
 from tq_redis.codec.item_classes import REGISTERED, ItemClasses
 from tq_redis.errors import ConfigError
 from tq_redis.meta.keys import ChannelKeys
 from tq_redis.ops import channel as channel_ops
 from tq_redis.ops.channel import WAIT_SLICE_S, encode_item
 from tq_redis.ops.channel_rules import key_token
-from tq_redis.ops.effects import Offload, Wait
+from tq_redis.ops.effects import Wait
 from tq_redis.redact import redact
 from tq_redis.server import connections
 
@@ -143,6 +145,13 @@ class StreamWatch:
             await self._conn.aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    """An I/O request of this driver's own: a ``Wait`` effect, carried out by :class:`StreamWatch`."""
+
+    wait: Wait
+
+
 class RedisDriver(AsyncDriver):
     """``AsyncDriver`` for one channel handle: a bounded pool, waits through :class:`StreamWatch`,
     store I/O run inline on the handle's thread (in issue order)."""
@@ -156,17 +165,22 @@ class RedisDriver(AsyncDriver):
         self.ctx = ops.Context(namespace=namespace, redis_url=url, allow_pickle=allow_pickle, nested_output=False)
         self.watch = StreamWatch(url, (keys.puts, keys.gets), self.redis, name)
 
-    async def _execute(self, effect: Any) -> Any:
+    def _attempt(self, effect: Any, notes: list[str]) -> Plan:
         if isinstance(effect, Wait):
+            return (yield _Watch(effect))
+        return (yield from super()._attempt(effect, notes))
+
+    async def _perform(self, request: Any) -> Any:
+        if isinstance(request, _Watch):
             with waiting():
-                await self.watch.wait(effect.stream, effect.last_id, effect.timeout_s)
+                await self.watch.wait(request.wait.stream, request.wait.last_id, request.wait.timeout_s)
             return None
-        if isinstance(effect, Offload):
-            return effect.fn(*effect.args)
-        if self._bound is None:
-            return await super()._execute(effect)
+        if isinstance(request, Work):
+            return request.fn(*request.args)
+        if self._bound is None or isinstance(request, Sleep):
+            return await super()._perform(request)
         async with self._bound:
-            return await super()._execute(effect)
+            return await super()._perform(request)
 
     async def close(self) -> None:
         await self.watch.aclose()
