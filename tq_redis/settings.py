@@ -27,7 +27,7 @@ Values are read when asked for, not at import, so a process (or a test) that set
 first use sees it; a few are read once where they size something process-wide (the buffer cache,
 the copy threads, the heartbeat). Reading one that does not parse raises :class:`ConfigError`
 naming the variable and what it takes. The URL, the namespace and the durable mode also come from
-``init()``'s configuration, which wins over the environment (:mod:`tq_redis.client.config`).
+``init()``'s configuration, which wins over the environment (:mod:`tq_redis.api.config`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 import tq_redis
 from tests.conftest import make_client
-from tq_redis.client import config
+from tq_redis.api import config
 from tq_redis.errors import ConfigError
 from tq_redis.integrations import alias as compat
 from tq_redis.integrations import controller

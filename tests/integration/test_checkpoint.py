@@ -121,7 +121,7 @@ def test_registries_are_rebuilt_from_the_keys_of_an_older_checkpoint():
         ["{__chan__.c}:d:0:f0", "string", b"..", -1],
         ["chan:{c}:meta", "hash", {b"maxsize": b"0"}, -1],
     ]
-    out = {rec[0]: rec for rec in checkpoint._registries("ns", records)}
+    out = {rec[0]: rec for rec in checkpoint.registries("ns", records)}
     assert out["partitions:kept"][2] == ["gone"]
     assert out["channels"][2] == ["c"]
     assert out["{gone}:seq"] == records[2]

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tests.procs import mp_context
-from tq_redis import errors, samplers
+from tq_redis import errors
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, config_key
 from tq_redis.samplers import BaseSampler
@@ -432,15 +432,40 @@ def test_namespace_default_sampler_from_config(client):
         def sample(self, ready_indexes, batch_size, *args, **kwargs):
             return ready_indexes[-batch_size:], ready_indexes[-batch_size:]
 
-    # what init() got in this process wins (it may be a class or an instance)
-    samplers.set_process_default(client.redis_url, client.namespace, Last)
-    try:
-        local = make_client(client.redis_url, client.namespace)
-        assert local.get_meta(["x"], 2, "p", task_name="v").global_indexes == [6, 7]
-    finally:
-        samplers.set_process_default(client.redis_url, client.namespace, None)
+    # the client's own default (init gives its client the config's; a class or an instance) wins
+    # over the namespace's, and comes through its context: another client of the process keeps
+    # the namespace's
+    local = make_client(client.redis_url, client.namespace, sampler=Last)
+    assert local.context.default_sampler is Last
+    assert local.get_meta(["x"], 2, "p", task_name="v").global_indexes == [6, 7]
+    with pytest.raises(errors.SamplerError, match="per call"):
+        make_client(client.redis_url, client.namespace).get_meta(["x"], 1, "p", task_name="w")
     fresh.close()
     local.close()
+
+
+def test_init_gives_its_client_the_configs_sampler(valkey, namespace):
+    import tq_redis as tq
+
+    class Last(BaseSampler):
+        def sample(self, ready_indexes, batch_size, *args, **kwargs):
+            return ready_indexes[-batch_size:], ready_indexes[-batch_size:]
+
+    make_client(valkey.url, namespace).close()  # records the store for the namespace
+    tq.init({"redis": {"url": valkey.url}, "namespace": namespace, "sampler": Last,
+             "storage": {"backend": "redis"}})
+    try:
+        default = tq.get_client()
+        assert default.context.default_sampler is Last
+        _put(default, 4)
+        assert default.get_meta(["x"], 2, "p", task_name="t").global_indexes == [2, 3]
+        # Redis records the class by name only: a client built apart is told to pass it per call
+        other = make_client(valkey.url, namespace)
+        with pytest.raises(errors.SamplerError, match="per call"):
+            other.get_meta(["x"], 1, "p", task_name="u")
+        other.close()
+    finally:
+        tq.close()
 
 
 def test_async_client_runs_builtin_and_user_samplers(valkey, namespace):

@@ -21,7 +21,7 @@ from tests.conftest import make_client
 from tests.integration.test_waiting import _blocked, _wait_until
 from tq_redis.meta.keys import PartitionKeys
 from tq_redis.ops import transitions
-from tq_redis.samplers import SamplerPlan
+from tq_redis.ops.claim_plan import SamplerPlan
 
 WAIT_MS = 30_000
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tq_redis import units
-from tq_redis.client import config
+from tq_redis.api import config
 from tq_redis.errors import ConfigError
 
 

@@ -25,6 +25,7 @@ from tensordict import TensorDict
 from tests.conftest import make_client
 from tq_redis import errors
 from tq_redis.meta import BatchMeta
+from tq_redis.ops.claim_plan import builtin_plan
 from tq_redis.samplers import (
     BaseSampler,
     GRPOGroupNSampler,
@@ -33,7 +34,6 @@ from tq_redis.samplers import (
     RankAwareSampler,
     SeqlenBalancedSampler,
     SequentialSampler,
-    builtin_plan,
     get_seqlen_balanced_partitions,
     is_builtin,
     karmarkar_karp,

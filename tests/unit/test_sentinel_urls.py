@@ -9,7 +9,7 @@ from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.sentinel import SentinelConnectionPool
 
-from tq_redis.client import config
+from tq_redis.api import config
 from tq_redis.errors import ConfigError
 from tq_redis.server import connections, durability, sentinel
 

@@ -35,6 +35,7 @@ from tq_redis.errors import (
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, storage_nodes_key
 from tq_redis.ops import claim as ops_claim
 from tq_redis.ops import encoding, transitions
+from tq_redis.ops.claim_plan import SamplerPlan
 from tq_redis.ops.effects import Cmd, FCall, Pipe
 from tq_redis.ops.transitions import (
     ChannelPop,
@@ -49,7 +50,6 @@ from tq_redis.ops.transitions import (
     TagChangesReply,
     Visibility,
 )
-from tq_redis.samplers import SamplerPlan
 from tq_redis.server import library as scripts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ from typing import Any, ParamSpec, TypeVar
 from tensordict import TensorDict
 
 from tq_redis.api.system import get_client
+from tq_redis.client import checkpoint
 from tq_redis.client.blocking import TransferQueueClient
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint
 from tq_redis.ops.data_parser import DataParser
 from tq_redis.ops.ratelimit import DEFAULT_INSERT_TIMEOUT_S, RateLimit
 from tq_redis.ops.reservations import Reservation
@@ -41,7 +41,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
 
     ``metadata`` (JSON-serialisable) is stored with it and returned by :func:`load_checkpoint`.
     ``include_storage=False`` saves metadata only (for stores whose data outlives the job); see
-    :func:`tq_redis.ops.checkpoint.save`.
+    :func:`tq_redis.client.checkpoint.save`.
     """
     checkpoint.save(_client(), checkpoint_dir, metadata=metadata, include_storage=include_storage)
 

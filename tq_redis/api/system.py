@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from tq_redis import names, samplers
-from tq_redis.client import config as config_mod
+from tq_redis import names
+from tq_redis.api import config as config_mod
 from tq_redis.client.blocking import TransferQueueClient
 from tq_redis.errors import ConfigError, ConnectionFailed, TQError
 from tq_redis.meta.keys import config_key
@@ -72,11 +72,14 @@ def init(conf: Any = None) -> dict[str, Any]:
             server_policy.declare(cfg["redis"]["url"], on_eviction=cfg["redis"]["on_eviction"],
                                   load_library=cfg["redis"]["load_library"])
             durability.declare(cfg["redis"]["url"], cfg["redis"]["durable"], cfg["redis"]["durable_timeout_ms"])
+            # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's); with
+            # one, this client uses it as given (a class or an instance cannot be recorded in Redis).
             client = TransferQueueClient(
                 cfg["redis"]["url"], cfg["namespace"],
                 allow_pickle=bool(cfg["codec"]["allow_pickle"]),
                 nested_output=bool(cfg["compat"]["nested_output"]),
                 strict_schema=bool(cfg["compat"].get("strict_schema", False)),
+                sampler=cfg["sampler"] if _gives_sampler(conf) else None,
             )
             _record_settings(client, cfg, conf, explicit_storage)
             if cfg["metrics"].get("enabled"):
@@ -92,9 +95,6 @@ def init(conf: Any = None) -> dict[str, Any]:
                 server_policy.forget(cfg["redis"]["url"])
                 durability.declare(cfg["redis"]["url"], None)
             raise
-        # Without a sampler in conf, get_meta uses the one recorded in Redis (the job's).
-        if _gives_sampler(conf):
-            samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], cfg["sampler"])
         _state.update(config=cfg, client=client, server=server, nodes=nodes)
         return cfg
 
@@ -208,7 +208,6 @@ def close() -> None:
             return
         exporter.stop_exporter()
         cfg = _state["config"]
-        samplers.set_process_default(cfg["redis"]["url"], cfg["namespace"], None)
         _state["client"].close()
         connections.declare_cluster(cfg["redis"]["url"], None)
         server_policy.forget(cfg["redis"]["url"])

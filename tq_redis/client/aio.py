@@ -39,12 +39,15 @@ def lease_task(metadata: BatchMeta) -> str:
 
 
 def make_context(redis_url: str, namespace: str, options: dict[str, Any]) -> ops.Context:
+    """The context a client's operations run with: its namespace and its options (``allow_pickle``,
+    ``nested_output``, ``strict_schema``, ``sampler``: the default sampler, see the client's ``sampler``)."""
     return ops.Context(
         namespace=namespace,
         redis_url=redis_url,
         allow_pickle=bool(options.get("allow_pickle", False)),
         nested_output=bool(options.get("nested_output", True)),
         strict_schema=bool(options.get("strict_schema", False)),
+        default_sampler=options.get("sampler"),
     )
 
 
@@ -65,6 +68,10 @@ class AsyncTransferQueueClient:
         live: count this process as a live client of the namespace while the client is open
             (a heartbeat thread per process and namespace, see :mod:`tq_redis.client.liveness`);
             False for admin tools that must not keep a namespace in use.
+        sampler: the default sampler of this client's ``get_meta`` (a built-in's name, a
+            :class:`~tq_redis.samplers.BaseSampler` subclass or an instance); None (the default):
+            the one ``init`` recorded for the namespace (``<ns>:config``). ``init``'s own client
+            gets the config's ``sampler``; ``sampling_config["sampler"]`` wins over both.
     """
 
     def __init__(
@@ -77,12 +84,14 @@ class AsyncTransferQueueClient:
         nested_output: bool = True,
         strict_schema: bool = False,
         live: bool = True,
+        sampler: Any = None,
     ) -> None:
         self.redis_url = redis_url
         self.namespace = namespace
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
         self._ctx = make_context(redis_url, namespace, {
             "allow_pickle": allow_pickle, "nested_output": nested_output, "strict_schema": strict_schema,
+            "sampler": sampler,
         })
         # redis.asyncio connections belong to the loop that opened them: one driver per loop.
         self._async_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncDriver] = (

@@ -14,11 +14,12 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import ops
+from tq_redis.client import checkpoint
 from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import checkpoint, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
+from tq_redis.ops import kv, partial, ratelimit, replay, reservations, shared, streaming, watch
 
 R = TypeVar("R")
 
@@ -42,6 +43,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
             instead of making the field jagged (the default, as the reference does).
         live: count this process as a live client of the namespace while the client is open
             (see :mod:`tq_redis.client.liveness`); False for admin tools.
+        sampler: the default sampler of ``get_meta`` (a built-in's name, a class or an instance);
+            None: the namespace's, recorded by ``init``. ``init``'s own client gets the config's.
     """
 
     def _open(self) -> None:
@@ -64,7 +67,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
 
     # -- the reference client's checkpoint calls. tq-redis keeps no controller state apart from
     # Redis, so each writes (or reads) a whole checkpoint of this client's namespace in a directory
-    # (tq_redis.ops.checkpoint): the "controller" ones without a store's bytes where the store allows.
+    # (tq_redis.client.checkpoint): the "controller" ones without a store's bytes where the store allows.
 
     def save_controller_checkpoint(self, path: str) -> None:
         """Save the namespace's metadata to the directory ``path`` (``include_storage=False``)."""

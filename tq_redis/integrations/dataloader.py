@@ -80,6 +80,21 @@ def connection_settings(config: Any) -> dict[str, Any]:
     return settings
 
 
+def _init_sampler(redis_url: str, namespace: str) -> Any:
+    """The default sampler ``init()``'s client in this process has, when it serves the same
+    namespace (a class or an instance, which ``<ns>:config`` cannot record); else None: the
+    namespace's."""
+    from tq_redis.api.system import NotInitialized, get_client
+
+    try:
+        client = get_client()
+    except NotInitialized:
+        return None
+    if (client.redis_url, client.namespace) != (redis_url, namespace):
+        return None
+    return client.context.default_sampler
+
+
 def default_fetch_batch_fn(
     tq_client: TransferQueueClient,
     data_fields: Sequence[str],
@@ -213,6 +228,7 @@ class StreamingDataset(IterableDataset):
             self._client = TransferQueueClient(
                 s["redis_url"], s["namespace"],
                 allow_pickle=s["allow_pickle"], nested_output=s["nested_output"],
+                sampler=_init_sampler(s["redis_url"], s["namespace"]),
             )
             self._pid = os.getpid()
         return self._client

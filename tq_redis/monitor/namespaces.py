@@ -33,7 +33,7 @@ import redis
 
 from tq_redis import names
 from tq_redis.backends.dram.discovery import DEFAULT_FORGET_AFTER_S, forget_nodes, forgettable
-from tq_redis.client import liveness
+from tq_redis.client import checkpoint, liveness
 from tq_redis.errors import InvalidName, NamespaceInUse, StorageError, TQError
 from tq_redis.meta.keys import (
     ChannelKeys,
@@ -49,7 +49,6 @@ from tq_redis.meta.keys import (
     storage_rings_key,
 )
 from tq_redis.ops import channel as channel_ops
-from tq_redis.ops import checkpoint
 from tq_redis.server import connections
 
 __all__ = ["NamespaceInfo", "describe", "drop", "find", "gc"]

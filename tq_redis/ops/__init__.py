@@ -18,12 +18,15 @@ ops; ops.get_meta(...)``); each lives in a module of its own:
   :func:`append_parts`, :func:`complete_parts` (partial rollout) and the :func:`get_data` that
   reads fields written in parts too;
 * :mod:`~tq_redis.ops.claim` -- :func:`get_meta` (claims with built-in or user samplers, and
-  waiting), :func:`claim_choice`, :func:`settle`, :func:`reset_consumption`;
+  waiting), :func:`claim_choice`, :func:`settle`, :func:`reset_consumption`; beside it
+  :mod:`~tq_redis.ops.claim_plan` -- the claim script's sampler options built from
+  ``sampling_config`` (:func:`~tq_redis.ops.claim_plan.builtin_plan`);
 * :mod:`~tq_redis.ops.batch` -- :func:`get_meta_and_data`: a claim that returns its inline values;
 * :mod:`~tq_redis.ops.clear` -- :func:`clear_samples`, :func:`clear_partition` and the trash;
 * :mod:`~tq_redis.ops.status` -- production and consumption status, the partition list;
 * :mod:`~tq_redis.ops.kv` (the KV API), :mod:`~tq_redis.ops.streaming` (sealed partitions, drained
-  reads), :mod:`~tq_redis.ops.checkpoint`, :mod:`~tq_redis.ops.channel` with
+  reads), :mod:`~tq_redis.ops.checkpoint` (a checkpoint's record format; the client's
+  :mod:`tq_redis.client.checkpoint` reads and writes it), :mod:`~tq_redis.ops.channel` with
   :mod:`~tq_redis.ops.channel_rules` (RLinf's channels);
 * :mod:`~tq_redis.ops.arguments` (the checks calls share), :mod:`~tq_redis.ops.script_budget` (how
   much one script call may do), :mod:`~tq_redis.ops.data_parser` (a user's put hook).

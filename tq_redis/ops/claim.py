@@ -25,6 +25,7 @@ from tq_redis.errors import InvalidArgument, LeaseLost, NotDurable
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, check_name, config_key
 from tq_redis.ops import arguments, encoding, script_budget, transitions
+from tq_redis.ops.claim_plan import SamplerPlan, builtin_plan
 from tq_redis.ops.context import Context, Op, batchmeta_schema, check_fields, group_by_partition
 from tq_redis.ops.data import allocate
 from tq_redis.ops.effects import Cmd, Pause, Unconfirmed, WaitToken
@@ -133,7 +134,7 @@ def fetch(
         _check_replay(sampler, lease_ms)
     shared = False  # a batch the ranks of a data-parallel group share (stored by the first rank's claim)
     if samplers.is_builtin(sampler):
-        plan = samplers.builtin_plan(sampler, config, batch_size)
+        plan = builtin_plan(sampler, config, batch_size)
         shared = plan.kind in SHARED_BATCH_SAMPLERS
         if plan.kind == "priority" and lease_ms and max_deliveries:
             raise samplers.SamplerError("max_deliveries does not combine with PrioritizedSampler; drop one of them")
@@ -236,14 +237,12 @@ def not_durable_claim(
 
 
 def _default_sampler(ctx: Context) -> Op:
-    """The client's default sampler: its context's, else what ``init`` got in this process for
-    the namespace (class or instance included), else the spec ``init`` recorded in
-    ``<ns>:config``; resolved once per client."""
+    """The client's default sampler: its context's ``default_sampler`` (what the client was built
+    with: ``init`` gives its client the config's, class or instance included), else the spec
+    ``init`` recorded in ``<ns>:config``; resolved once per context."""
     if ctx.resolved_sampler is not None:
         return ctx.resolved_sampler
     spec = ctx.default_sampler
-    if spec is None:
-        spec = samplers.process_default(ctx.redis_url, ctx.namespace)
     if spec is not None:
         sampler = samplers.resolve_sampler(spec)
     else:
@@ -254,7 +253,7 @@ def _default_sampler(ctx: Context) -> Op:
 
 
 def _builtin_claim(
-    pk: PartitionKeys, plan: samplers.SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str],
+    pk: PartitionKeys, plan: SamplerPlan, task: str, lease_ms: int, max_deliveries: int, fields: list[str],
     inline_hints: dict[str, bool], values: dict[str, list[bytes | None]] | None = None,
 ):  # fmt: skip
     """One claim with a built-in sampler: an attempt ``(waiter, wait_ms, wake=None)`` yielding

@@ -39,8 +39,9 @@ class Context:
     allow_pickle: bool = False
     nested_output: bool = True
     strict_schema: bool = False
-    # the default sampler (name, class or instance); None: this process's init() default, else
-    # the one the namespace's config records (resolved once into ``resolved_sampler``)
+    # the default sampler of get_meta (a built-in's name, a class or an instance), set by the
+    # client it was built with (init's client: the config's); None: the one the namespace's config
+    # records. Resolved once into ``resolved_sampler``.
     default_sampler: Any = None
     resolved_sampler: samplers.BaseSampler | None = None
     storage: KVStorageManager | None = None

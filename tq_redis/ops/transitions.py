@@ -60,7 +60,7 @@ from tq_redis.ops.encoding import (
 from tq_redis.storage.manager import Placement
 
 if TYPE_CHECKING:
-    from tq_redis.samplers import SamplerPlan
+    from tq_redis.ops.claim_plan import SamplerPlan
 
 R = TypeVar("R")
 

@@ -13,7 +13,7 @@ The canonical form is a URL, so one string still says where every process attach
   ``sentinel_username`` / ``sentinel_password``. Percent-encode reserved characters.
 
 The config block ``redis: {sentinel: {hosts: [...], service: ..., ...}}`` is turned into this URL by
-:func:`url_from_block` (``tq_redis.client.config`` does so in ``init``), so the URL other processes attach
+:func:`url_from_block` (``tq_redis.api.config`` does so in ``init``), so the URL other processes attach
 with (``conf["redis"]["url"]``, ``TQ_REDIS_URL``) carries the Sentinel setup too.
 
 A client built here asks the Sentinels for the current primary whenever it opens a connection
