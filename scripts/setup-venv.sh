@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs tq-redis with its test extras into it.
+# Creates .venv (if missing) and installs tq-redis with the extras EXTRAS names into it (default
+# "test", the whole test set; scripts/demo asks for "demo": rich and matplotlib, about 2 minutes here).
 # torch is installed first and pinned, so pip never pulls a multi-GB CUDA build by accident;
 # set TORCH_SPEC to choose another build (e.g. TORCH_SPEC="torch==2.13.0+cu126").
 # VENV=DIR builds another environment (default .venv); CONSTRAINTS=FILE applies a pip constraints
@@ -9,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-test}
 pip_args=(-q)
 if [ -n "${CONSTRAINTS:-}" ]; then
   pip_args+=(-c "$CONSTRAINTS")
@@ -37,11 +39,19 @@ if [ ${#build_deps[@]} -gt 0 ]; then
     echo "[setup] note: ${build_deps[*]} missing; tq_redis.codec._copy and tq_redis.codec._scan will not build and their work runs in Python"
   fi
 fi
-stamp=$VENV/.tq-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-    || { [ -n "${CONSTRAINTS:-}" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; } \
-    || [ -n "$(find tq_redis -name '*.c' -newer "$stamp")" ]; then
-  echo "[setup] installing tq-redis (editable) with test extras into $VENV"
-  "$VENV/bin/pip" install "${pip_args[@]}" -e ".[test]"
-  touch "$stamp"
+# One stamp per extras set: the install is redone when the project's build files are newer than it
+fresh() {
+  [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! setup.py -nt "$1" ] \
+    && { [ -z "${CONSTRAINTS:-}" ] || [ ! "$CONSTRAINTS" -nt "$1" ]; } \
+    && [ -z "$(find tq_redis -name '*.c' -newer "$1")" ]
+}
+stamp=$VENV/.tq-installed-$EXTRAS
+# the test set holds the demo's: a venv made for the tests serves the demo as it is
+if fresh "$stamp" || { [ "$EXTRAS" = demo ] && fresh "$VENV/.tq-installed-test"; }; then
+  exit 0
 fi
+echo "[setup] installing tq-redis (editable) with the [$EXTRAS] extras into $VENV"
+# editable_mode=compat puts the checkout itself on sys.path (a .pth file holding its path) instead of
+# an import hook: mypy, pyright and IDEs follow a static path, not setuptools' finder
+"$VENV/bin/pip" install "${pip_args[@]}" -e ".[$EXTRAS]" --config-settings editable_mode=compat
+touch "$stamp"

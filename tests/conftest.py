@@ -20,6 +20,8 @@ import pytest
 
 from tq_redis.server.embedded import EmbeddedServer, free_port
 
+pytest_plugins = ["tests.timing"]
+
 
 @dataclass
 class ServerInfo:

@@ -161,18 +161,25 @@ def _produce(url: str, ns: str, rank: int, go) -> None:
     ch.close()
 
 
-def _consume(url: str, ns: str, go, out) -> None:
+def _consume(url: str, ns: str, go, out, taken) -> None:
+    """Take batches until all PRODUCERS * ITEMS items are taken (counted across consumers in ``taken``).
+
+    A get that times out only lets the loop look at the count again: an empty queue on a slow machine
+    is no sign that the producers are done.
+    """
     ch = Channel.connect("mp", redis_url=url, namespace=ns)
     go.wait()
     got = []
-    idle = 0
-    while idle < 2:  # both keys stayed empty for a while: the producers are done
+    deadline = time.monotonic() + 120  # decides failure only: the test's assertion then names what is missing
+    while taken.value < PRODUCERS * ITEMS and time.monotonic() < deadline:
         for key in ("k0", "k1"):
             try:
-                got.extend(tuple(x) for x in ch.get_batch(2, key=key, timeout=0.5))
-                idle = 0
+                batch = [tuple(x) for x in ch.get_batch(2, key=key, timeout=0.2)]
             except TimeoutError:
-                idle += 1
+                continue
+            got.extend(batch)
+            with taken.get_lock():
+                taken.value += len(batch)
     out.put(got)
     ch.close()
 
@@ -181,13 +188,13 @@ def test_many_processes_fifo_per_key_exactly_once_with_backpressure(real_server,
     make_client(real_server.url, namespace).close()
     Channel.create("mp", maxsize=4, redis_url=real_server.url, namespace=namespace).close()
     ctx = mp_context()
-    go, out = ctx.Event(), ctx.Queue()
+    go, out, taken = ctx.Event(), ctx.Queue(), ctx.Value("i", 0)
     procs = [ctx.Process(target=_produce, args=(real_server.url, namespace, r, go)) for r in range(PRODUCERS)]
-    procs += [ctx.Process(target=_consume, args=(real_server.url, namespace, go, out)) for _ in range(CONSUMERS)]
+    procs += [ctx.Process(target=_consume, args=(real_server.url, namespace, go, out, taken)) for _ in range(CONSUMERS)]
     for p in procs:
         p.start()
     go.set()
-    results = [out.get(timeout=60) for _ in range(CONSUMERS)]
+    results = [out.get(timeout=180) for _ in range(CONSUMERS)]
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
