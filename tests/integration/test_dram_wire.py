@@ -630,7 +630,7 @@ def test_the_registry_read_is_one_keyed_call(cluster_url_or_none, valkey):
     try:
         with DramStore(url, ns, shm=False) as store:
             store._read_registry()  # the first call also checks the server's library (once per store)
-            store._driver.redis = recorder = _Recorder(store._driver.redis)
+            store._registry.redis = recorder = _Recorder(store._registry.redis)
             now, nodes = store._read_registry()
             # a function of the library (a namespace's ACL user may not EVAL), keyed by the registry
             assert recorder.calls == [("execute_command", ("FCALL", "tq_read_registry", 1, storage_nodes_key(ns)))]

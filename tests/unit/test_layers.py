@@ -31,6 +31,7 @@ def test_the_package_keeps_its_layers_and_has_no_import_cycle():
     done = _lint(ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "tq_redis layers KEPT" in done.stdout
+    assert "the stores never import the client or the operations KEPT" in done.stdout
     assert "no import cycle among the modules of any package KEPT" in done.stdout
 
 
@@ -52,6 +53,18 @@ def test_a_lazy_import_up_the_layers_breaks_the_contract(tmp_path):
     assert done.returncode != 0
     assert "tq_redis.meta is not allowed to import tq_redis.client" in done.stdout
     assert "tq_redis.meta.keys -> tq_redis.client.driver" in done.stdout
+
+
+def test_a_store_that_imports_an_operation_breaks_the_contract(tmp_path):
+    """``ops`` and ``backends`` are siblings, so the layers alone forbid this one too; the stores'
+    own contract names it as well (and keeps forbidding it should the layers ever be regrouped)."""
+    root = _copy_package(tmp_path)
+    _append(root / "tq_redis" / "backends" / "dram" / "discovery.py",
+            "def _sneaky():\n    from tq_redis.ops import transitions\n\n    return transitions")
+    done = _lint(root)
+    assert done.returncode != 0
+    assert "the stores never import the client or the operations BROKEN" in done.stdout
+    assert "tq_redis.backends.dram.discovery -> tq_redis.ops.transitions" in done.stdout
 
 
 def test_a_type_only_cycle_inside_a_package_breaks_the_contract(tmp_path):

@@ -109,7 +109,7 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``namespace`` and ``cleanup`` to the ``tq-redis`` command line."""
-    from tq_redis.backends.dram.discovery import DEFAULT_FORGET_AFTER_S
+    from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S
 
     ns = sub.add_parser("namespace", help="list, drop or garbage-collect the namespaces on a Redis server")
     nsub = ns.add_subparsers(dest="action", required=True)

@@ -32,7 +32,6 @@ from typing import Any
 import redis
 
 from tq_redis import names
-from tq_redis.backends.dram.discovery import DEFAULT_FORGET_AFTER_S, forget_nodes, forgettable
 from tq_redis.client import checkpoint, liveness
 from tq_redis.errors import InvalidName, NamespaceInUse, StorageError, TQError
 from tq_redis.meta.keys import (
@@ -50,6 +49,7 @@ from tq_redis.meta.keys import (
 )
 from tq_redis.ops import channel as channel_ops
 from tq_redis.server import connections
+from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S, forget_nodes, forgettable
 
 __all__ = ["NamespaceInfo", "describe", "drop", "find", "gc"]
 

@@ -57,6 +57,7 @@ from tq_redis.ops.encoding import (
     tag_rows,
     text,
 )
+from tq_redis.server.registry import Registry, decode_registry
 from tq_redis.storage.manager import Placement
 
 if TYPE_CHECKING:
@@ -889,22 +890,12 @@ def tag_changes(
 # ------------------------------------------------------------------ storage nodes
 
 
-class Registry(NamedTuple):
-    """Reply of ``lua/read_registry.lua``."""
-
-    now: float  #: the server's clock, in seconds
-    entries: list[tuple[str, bytes]]  #: (node id, registration JSON as the node wrote it), every node
-
-
-def _read_registry(reply: Sequence[Any]) -> Registry:
-    sec, usec, flat = reply
-    return Registry(int(sec) + int(usec) / 1e6, [(text(k), v) for k, v in zip(flat[::2], flat[1::2])])
-
-
 def read_registry(namespace: str) -> Transition[Registry]:
     """``lua/read_registry.lua``: the server's clock and every storage-node registration of the
-    namespace, in one call (no ``EVAL``: a namespace's ACL user may run only the library)."""
-    return Transition(FCall("read_registry", (storage_nodes_key(namespace),), ()), _read_registry)
+    namespace, in one call (no ``EVAL``: a namespace's ACL user may run only the library). The
+    stores read it without an operation, through :class:`tq_redis.server.registry.RegistryReader`,
+    which owns the reply's reader."""
+    return Transition(FCall("read_registry", (storage_nodes_key(namespace),), ()), decode_registry)
 
 
 # ------------------------------------------------------------------ channels

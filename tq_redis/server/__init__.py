@@ -6,6 +6,7 @@
 * :mod:`tq_redis.server.policy` -- what tq-redis requires of a server it shares;
 * :mod:`tq_redis.server.durability` -- durable mode (``WAIT`` / ``WAITAOF``);
 * :mod:`tq_redis.server.acl` -- per-namespace ACL users;
+* :mod:`tq_redis.server.registry` -- the storage-node registry: read with the server's clock, gone nodes forgotten;
 * :mod:`tq_redis.server.embedded`, :mod:`tq_redis.server.embedded_cluster`,
   :mod:`tq_redis.server.spawner`, :mod:`tq_redis.server.leftovers` -- the embedded Valkey ``init()``
   starts, the children that die with their parent, and what a killed job left behind;

@@ -2,8 +2,10 @@
 
 Storage nodes register in Redis under :func:`~tq_redis.meta.keys.storage_nodes_key` and heartbeat
 there. :class:`NodeDiscovery` (the base of :class:`~tq_redis.backends.dram.store.DramStore`) reads that
-registry with Redis's clock in one round trip (``lua/read_registry.lua``, a function of the
-library: a namespace's ACL user runs no ``EVAL``), keeps a :class:`~tq_redis.backends.dram.pool.Link`
+registry with Redis's clock in one round trip through :class:`~tq_redis.server.registry.RegistryReader`
+(``lua/read_registry.lua``, a function of the library: a namespace's ACL user runs no ``EVAL``), a
+plain redis-py client below the user-facing client and the operations, which this module never
+imports (as fsspec's implementations never import its user API). It keeps a :class:`~tq_redis.backends.dram.pool.Link`
 per node instance (made when a node appears, closed when it leaves or restarts as a new
 instance), and builds the placement :class:`~tq_redis.backends.dram.placement.Ring` of the live
 ones (heartbeat fresh), trusted for ``refresh_s``. While Redis is unreachable the last known ring
@@ -21,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -33,67 +34,15 @@ import redis
 
 from tq_redis.backends.dram.placement import Member, Ring
 from tq_redis.backends.dram.pool import Link
-from tq_redis.client.driver import SyncDriver
-from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable, TQError
-from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key, storage_rings_key
-from tq_redis.ops import transitions
+from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable
+from tq_redis.meta.keys import storage_nodes_key, storage_rings_key
 from tq_redis.redact import public_registration, redact
+from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S, RegistryReader, forget_nodes, forgettable
 from tq_redis.settings import settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_FORGET_AFTER_S", "NodeDiscovery", "forget_nodes", "forgettable"]
-
-#: a storage-node registration whose heartbeat is older than this is removed (its node is gone)
-DEFAULT_FORGET_AFTER_S = 600.0
-_HOST = socket.gethostname()
-
-
-def forgettable(
-    registrations: dict[str, Any], now_s: float, dead_after_s: float, forget_after_s: float
-) -> list[str]:
-    """The node ids whose registration belongs to a node that is gone: no heartbeat for
-    ``forget_after_s``, or (on this host) no heartbeat for ``dead_after_s`` and no process with
-    its pid. ``registrations``: node id -> its JSON (str, bytes or already read)."""
-    gone = []
-    for node_id, raw in registrations.items():
-        try:
-            info = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
-            age = now_s - float(info.get("heartbeat", 0))
-        except (TypeError, ValueError, AttributeError):
-            continue  # not ours to judge; the reader logs it
-        if age > forget_after_s or (age > dead_after_s and info.get("host") == _HOST and not _running(info.get("pid"))):
-            gone.append(node_id)
-    return gone
-
-
-def _running(pid: Any) -> bool:
-    """Whether a process with this pid exists on this host (one we may not signal counts)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # cannot tell: keep it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not reaped yet) is not running either
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def forget_nodes(r: Any, namespace: str, node_ids: list[str]) -> None:
-    """Remove the registrations of gone nodes, and the deletes recorded for them (their memory is gone)."""
-    if not node_ids:
-        return
-    pipe = r.pipeline(transaction=False)
-    pipe.hdel(storage_nodes_key(namespace), *node_ids)
-    pipe.srem(pending_nodes_key(namespace), *node_ids)
-    for node_id in node_ids:
-        pipe.delete(pending_deletes_key(namespace, node_id))
-    pipe.execute()
+__all__ = ["NodeDiscovery"]
 
 #: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
 _REGISTRY_POLL_S = 0.05
@@ -152,12 +101,11 @@ class NodeDiscovery:
         self.forget_after_s = float(forget_after_s)
         self.client_id = uuid.uuid4().hex
         # no reconnect loop of its own: while Redis is away the last known node list serves; the
-        # driver checks (and loads, where allowed) the library before the first call, as clients do
-        self._driver = SyncDriver(
-            redis_url, durable="none", reconnect=False, socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-        )  # fmt: skip
-        self._redis = self._driver.redis
+        # reader checks (and loads, where allowed) the library before the first call, as clients do
+        self._registry = RegistryReader(
+            redis_url, reconnect=False, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
+        )
+        self._redis = self._registry.redis
         self._key = storage_nodes_key(namespace)
         self._rings_key = storage_rings_key(namespace)
         self._lock = threading.Lock()
@@ -204,17 +152,7 @@ class NodeDiscovery:
         Connection failures are :class:`ConnectionFailed`; an ACL refusal or a library that is not
         loaded raise their own typed errors (a stale node list would not fix them).
         """
-        try:
-            reply = self._driver.run(transitions.read_registry(self.namespace).call())
-        except TQError:
-            raise
-        except redis.RedisError as exc:
-            raise ConnectionFailed(
-                f"cannot read the DRAM storage nodes from Redis at {redact(self.redis_url)} ({exc}); "
-                f"check that Redis is running"
-            ) from exc
-        except (TypeError, ValueError) as exc:
-            raise ConnectionFailed(f"unexpected reply reading the DRAM storage nodes from Redis ({exc})") from exc
+        reply = self._registry.read(self.namespace)
         nodes = {}
         for k, v in reply.entries:
             try:

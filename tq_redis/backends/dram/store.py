@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from tq_redis.backends.dram.discovery import DEFAULT_FORGET_AFTER_S, NodeDiscovery
+from tq_redis.backends.dram.discovery import NodeDiscovery
 from tq_redis.backends.dram.placement import Ring, group_by_node
 from tq_redis.backends.dram.pool import (
     Conn,
@@ -108,6 +108,7 @@ from tq_redis.errors import (
 )
 from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key
 from tq_redis.redact import redact
+from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S
 from tq_redis.storage.base import Buffer, Segments, StoreContext
 from tq_redis.units import parse_size
 
