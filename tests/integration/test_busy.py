@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 from tests.conftest import make_client
 from tq_redis import errors
-from tq_redis.client import plans
+from tq_redis.server import policy
 
 # Read-only, so SCRIPT KILL can stop it: spins on the server's clock for ARGV[1] ms (forever if 0).
 SPIN = """
@@ -97,7 +97,7 @@ def test_calls_wait_out_a_long_script_and_then_run(real_server, namespace):
 def test_a_server_busy_for_too_long_raises_server_busy(real_server, namespace, monkeypatch):
     client = make_client(real_server.url, namespace)
     _put(client, 4)
-    monkeypatch.setattr(plans, "BUSY_WAIT_S", 0.5)
+    monkeypatch.setattr(policy, "BUSY_WAIT_S", 0.5)
     with BusyServer(real_server.url, 0):
         started = time.monotonic()
         with pytest.raises(errors.ServerBusy, match="busy running a script") as busy:

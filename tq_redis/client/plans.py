@@ -122,33 +122,6 @@ def handed_over(url: str, effect: Any, exc: BaseException) -> BaseException:
     return exc
 
 
-# A server busy in a long script answers BUSY to every other command, which then did not run: it is
-# sent again after a pause (doubling from BUSY_PAUSE_S up to BUSY_PAUSE_MAX_S) for at most
-# BUSY_WAIT_S, then ServerBusy is raised. Only what got BUSY is sent again (a pipeline's other calls ran).
-BUSY_WAIT_S = 10.0
-BUSY_PAUSE_S = 0.005
-BUSY_PAUSE_MAX_S = 0.25
-
-
-class _BusyWait:
-    """The pauses of one effect's tries while the server answers BUSY, and when to give up."""
-
-    __slots__ = ("started", "pause")
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.pause = BUSY_PAUSE_S
-
-    def next_pause(self, url: str, exc: BaseException) -> float:
-        """Seconds to pause before the next try; raises ServerBusy once BUSY_WAIT_S are spent."""
-        waited = time.monotonic() - self.started
-        if waited >= BUSY_WAIT_S:
-            raise server_policy.busy_error(url, exc, waited) from None
-        pause = min(self.pause, BUSY_WAIT_S - waited)
-        self.pause = min(self.pause * 2, BUSY_PAUSE_MAX_S)
-        return pause
-
-
 def _busy_positions(results: list) -> list[int]:
     return [i for i, r in enumerate(results) if server_policy.is_busy(r)]
 
@@ -354,7 +327,7 @@ class Plans:
             except redis.ResponseError as exc:
                 if not server_policy.is_busy(exc):
                     raise
-                busy = busy or _BusyWait()
+                busy = busy or server_policy.BusyWait()
                 yield Sleep(busy.next_pause(self.url, exc))
 
     def _attempt(self, effect: Any, notes: list[str]) -> Plan:
@@ -476,7 +449,7 @@ class Plans:
                 results[i] = result
         busy = None
         while refused := _busy_positions(results):  # only the calls that got BUSY, which did not run
-            busy = busy or _BusyWait()
+            busy = busy or server_policy.BusyWait()
             yield Sleep(busy.next_pause(self.url, results[refused[0]]))
             for i, result in zip(refused, (yield from self._send(tuple(effect.calls[i] for i in refused), notes))):
                 results[i] = result

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Generator
 from typing import Any
@@ -308,3 +309,30 @@ def node_checks(url: str, node: str = "") -> Check:
             f"({exc}): an administrator runs `{ADMIN_LOAD}`; set redis.load_library: never "
             f"({LOAD_LIBRARY_ENV}=never) on clients of a shared Redis"
         ) from exc
+
+
+# A server busy in a long script answers BUSY to every other command, which then did not run: it is
+# sent again after a pause (doubling from BUSY_PAUSE_S up to BUSY_PAUSE_MAX_S) for at most
+# BUSY_WAIT_S, then ServerBusy is raised. The client's plans and the registry reader both wait this way.
+BUSY_WAIT_S = 10.0
+BUSY_PAUSE_S = 0.005
+BUSY_PAUSE_MAX_S = 0.25
+
+
+class BusyWait:
+    """The pauses of one command's tries while the server answers BUSY, and when to give up."""
+
+    __slots__ = ("started", "pause")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.pause = BUSY_PAUSE_S
+
+    def next_pause(self, url: str, exc: BaseException) -> float:
+        """Seconds to pause before the next try; raises ServerBusy once BUSY_WAIT_S are spent."""
+        waited = time.monotonic() - self.started
+        if waited >= BUSY_WAIT_S:
+            raise busy_error(url, exc, waited) from None
+        pause = min(self.pause, BUSY_WAIT_S - waited)
+        self.pause = min(self.pause * 2, BUSY_PAUSE_MAX_S)
+        return pause

@@ -60,10 +60,6 @@ _UNREACHABLE = (
     redis.ConnectionError, redis.TimeoutError, OSError,
     redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
 )  # fmt: skip
-# BUSY (a script runs past busy-reply-threshold) is sent again after a doubling pause, for this long
-_BUSY_WAIT_S = 10.0
-_BUSY_PAUSE_S = 0.005
-_BUSY_PAUSE_MAX_S = 0.25
 _HOST = socket.gethostname()
 
 
@@ -148,18 +144,14 @@ class RegistryReader:
 
     def _patiently(self, command: tuple[Any, ...]) -> Any:
         """Send ``command``, again while the server answers BUSY (it did not run)."""
-        started, pause = time.monotonic(), _BUSY_PAUSE_S
+        busy = policy.BusyWait()
         while True:
             try:
                 return self.redis.execute_command(*command)
             except redis.ResponseError as exc:
                 if not policy.is_busy(exc):
                     raise
-                waited = time.monotonic() - started
-                if waited >= _BUSY_WAIT_S:
-                    raise policy.busy_error(self.url, exc, waited) from None
-                time.sleep(min(pause, _BUSY_WAIT_S - waited))
-                pause = min(pause * 2, _BUSY_PAUSE_MAX_S)
+                time.sleep(busy.next_pause(self.url, exc))
 
     @staticmethod
     def _name(node: Any) -> str:
