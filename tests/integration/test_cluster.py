@@ -23,7 +23,7 @@ from tensordict import TensorDict
 import tq_redis as tq
 from tests.conftest import make_client
 from tests.procs import up_attach
-from tq_redis import Channel
+from tq_redis import Channel, GRPOTransferDock
 from tq_redis.client import plans
 from tq_redis.errors import ConfigError, RateLimited
 from tq_redis.meta import BatchMeta
@@ -372,6 +372,23 @@ def test_every_script_runs_on_a_cluster_without_cross_slot_access(cluster, clust
     client.seal_partition("all")
     client.clear_samples(meta[0:2])
     client.clear_partition("all")
+    # MindSpeed's dock with partial rollout: its shape, marks, hand-backs, ready mask and re-sort are scripts too
+    dock = GRPOTransferDock(2, 2, None, 2, 2, redis_url=cluster.url, namespace=namespace)
+    try:
+        dock.put_experience({"prompts": [torch.tensor([r]) for r in range(4)],
+                             "prompt_length": [torch.tensor([1])] * 4}, [0, 1, 2, 3], is_prompt=True)
+        _, rows = dock.get_experience("actor_rollout", ["prompts"], 4, get_n_samples=False)  # responses unwritten
+        dock.put_experience({"responses": [torch.tensor([7])] * 4, "response_length": [torch.tensor([1])] * 4,
+                             "input_ids": [torch.tensor([1])] * 4,
+                             "rollout_completed": [torch.tensor([c]) for c in (1, 1, 0, 0)]}, rows)  # hand-back
+        assert not dock.get_update_ready(require_max_age_all_finished=False)  # the ready mask: 1 prompt < 2
+        dock.get_experience("actor_train", ["prompts"], indexes=[0, 1])  # a read by index marks its rows
+        assert dock.prefetch_request_index(3) == [0, 1, 2]  # the dock's cursors
+        dock.update_metrics("reward", 1.0)  # its log of metric updates
+        dock.clear("actor_train")  # rows 2, 3 become rows 0, 1; the cursor and log go
+        assert dock.get_experience_status()["prompts"].tolist() == [1, 1, 0, 0] and dock.get_cur_index() == 0
+    finally:
+        dock.close()
     chan = Channel.create(f"{namespace}-all", redis_url=cluster.url)
     try:
         chan.put("a", weight=1)

@@ -37,6 +37,27 @@ def _prompts(k: int, start: int = 0) -> dict:
     }
 
 
+def test_reads_by_index_are_marked_by_a_script_the_rate_limiter_counts(server, namespace):
+    """A read by index marks its rows in lua/mark_consumed.lua: counted once per row by the
+    consumer's rate limiter, as the claims are."""
+    dock = _dock(server, namespace)
+    client = make_client(server.url, namespace)
+    try:
+        dock.put_experience(_prompts(4), repeat_prompts=True)
+        client.set_rate_limit(dock.partition_id, "actor_train", 1.0, error_buffer=100)
+        assert client.get_rate_limit(dock.partition_id, "actor_train").samples == 0
+        _, rows = dock.get_experience("actor_train", ["prompts"], indexes=[1, 0, 1])
+        assert rows == [1, 0, 1] and client.get_rate_limit(dock.partition_id, "actor_train").samples == 2
+        dock.get_experience("actor_train", ["prompts"], indexes=[0])  # consumed already: not again
+        assert client.get_rate_limit(dock.partition_id, "actor_train").samples == 2
+        assert dock.get_experience("actor_train", ["prompts"], 2)[1] == [2, 3]  # a claim: counted too
+        assert client.get_rate_limit(dock.partition_id, "actor_train").samples == 4
+        assert dock.get_consumer_status()["actor_train"].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    finally:
+        client.close()
+        dock.close()
+
+
 def test_prompts_repeat_and_consumers_claim_each_row_once(server, namespace):
     dock = _dock(server, namespace)
     assert dock.put_experience(_prompts(2), repeat_prompts=True) == [0, 1, 2, 3]  # appended, repeated n times

@@ -109,6 +109,36 @@ def test_partial_rollout_over_two_steps(dock):
     assert dock.all_consumed("actor_rollout") is False  # one finished prompt < GBS_train
 
 
+def test_kv_watch_reports_the_clears_re_sort_and_the_limiter_counts_rollout_marks(dock, server, namespace):
+    """The re-sort is a tag change of every moved row (lua/dock_resort.lua), and a finished
+    rollout's mark is counted by the rollout task's rate limiter (lua/dock_finish.lua)."""
+    watcher = make_client(server.url, namespace)
+    try:
+        _put_prompts(dock, range(8), 100)
+        watcher.set_rate_limit(dock.partition_id, "actor_rollout", 1.0, error_buffer=100)
+        assert watcher.get_rate_limit(dock.partition_id, "actor_rollout").samples == 0
+        assert _rollout(dock, 6)[0] == [0, 1, 2, 3, 4, 5]  # counted by the claim script
+        assert watcher.get_rate_limit(dock.partition_id, "actor_rollout").samples == 6
+        _put_responses(dock, [0, 1, 2, 3, 4, 5, 6, 7], [1, 1, 1, 1, 0, 0, 1, 0])
+        # rows 0-3 stayed consumed, 4, 5 went back; row 6 finished unclaimed: marked, and counted
+        assert watcher.get_rate_limit(dock.partition_id, "actor_rollout").samples == 7
+        assert dock.get_consumer_status()["actor_rollout"].tolist() == [1, 1, 1, 1, 0, 0, 1, 0]
+        assert dock.get_update_ready(require_max_age_all_finished=False)  # prompts 0, 1 finished
+        assert dock.get_experience("actor_train", ["responses"], 4)[1] == [0, 1, 2, 3]
+        moving = watcher.kv_retrieve_meta(["4", "5", "6", "7"], dock.partition_id).global_indexes
+        cursor = watcher.kv_watch(dock.partition_id).cursor
+        dock.clear("actor_train")
+        changes = watcher.kv_watch(dock.partition_id, cursor, timeout=10)
+        assert sorted(changes.global_indexes) == sorted(moving)  # the rows 4-7 are rows 0-3 now
+        assert sorted((k, t["dock_index"], t["uid"]) for k, t in changes.items()) == [
+            ("0", 0, 0), ("1", 1, 0), ("2", 2, 1), ("3", 3, 1),
+        ]
+        assert watcher.kv_retrieve_meta(["0", "1", "2", "3"], dock.partition_id).global_indexes == moving
+        assert len(watcher.kv_watch(dock.partition_id, changes.cursor)) == 0  # one change, noted once
+    finally:
+        watcher.close()
+
+
 def test_partial_rollout_refuses_what_mindspeed_refuses(server, namespace):
     make_client(server.url, namespace).close()
     with pytest.raises(InvalidArgument, match="GBS_train"):

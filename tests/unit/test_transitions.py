@@ -202,6 +202,18 @@ EXAMPLES: dict[str, tuple[transitions.Transition, tuple]] = {
         ("", 7, 1, "resp", 1, *PART, 1, 3, 16, "v", b"v"),
     ),
     "part_read": (transitions.part_read(PK, [3, 4, 5], "resp"), ("3-5", "resp")),
+    "mark_consumed": (transitions.mark_consumed(PK, "t", [5, 3, 5], ["a"]), ("t", 3, 5, 3, 5, 1, "a")),
+    "unproduce": (transitions.unproduce(PK, [4, 3, 9], ["resp", "len"]), ("3-4,9", "resp", "len")),
+    "dock_shape": (transitions.dock_shape(PK, 4, 2), (4, 2)),
+    "dock_cursor": (transitions.dock_cursor(PK, "requests", 3, 8), ("requests", 3, 8)),
+    "dock_metric": (transitions.dock_metric(PK, b"entry"), (b"entry",)),
+    "dock_reset": (transitions.dock_reset(PK), ()),
+    "dock_finish": (transitions.dock_finish(PK, "roll", [2, 3], [True, False]), ("roll", 2, "1", 3, "0")),
+    "dock_ready": (transitions.dock_ready(PK, 2, 8), (2, 8)),
+    "dock_resort": (
+        transitions.dock_resort(PK, 2, [2, 3, 0, 1], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]),
+        (2, 4, "1100", "1100", 2, 3, 0, 1, 1, 1, 0, 0),
+    ),
 }
 
 
@@ -290,6 +302,30 @@ def test_rate_limited_inserts_and_claims_are_read():
         assert (held.value.inserts, held.value.samples) == (40, 12)
     assert read("claim_ids", [-2]) == transitions.ClaimIdsReply(None, [], False, held_back=True)
     assert read("rate_limit_config", [40, 12]) == transitions.RateCounts(40, 12)
+
+
+def test_dock_replies_are_read():
+    assert read("mark_consumed", [1, 2]) == transitions.Marked(2, [])
+    assert read("mark_consumed", [1, 0]).ok
+    refused = read("mark_consumed", [0, 3, 5])
+    assert not refused.ok and refused.not_ready == [3, 5]
+    assert read("mark_consumed", [-1]) == transitions.Marked(0, [], True)
+    assert read("unproduce", [1]) is None
+    with pytest.raises(UnknownPartition):
+        read("unproduce", [-1])
+    with pytest.raises(SampleNotFound, match=r"\[3\]"):
+        read("unproduce", [-2, 3])
+    assert read("dock_shape", [4, 2]) == (4, 2)
+    assert read("dock_cursor", 6) == 6 and read("dock_cursor", -1) is None
+    assert transitions.dock_cursor(PK, "rows", 2).effect.args == ("rows", 2, "")  # no end
+    with pytest.raises(InvalidArgument, match="'rows' or 'requests'"):
+        transitions.dock_cursor(PK, "other", 1)
+    assert read("dock_metric", 3) == 3 and read("dock_reset", 2) == 2
+    assert read("dock_finish", [1, 2]) == transitions.DockFinished(1, 2)
+    assert read("dock_ready", 3) == 3
+    assert read("dock_resort", 4) == 4
+    with pytest.raises(InvalidArgument, match="4 rows"):
+        transitions.dock_resort(PK, 2, [0, 1, 2, 3], [0], [0], [0])
 
 
 def test_set_tags_rejects_bad_names_and_values():

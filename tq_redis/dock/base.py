@@ -28,7 +28,7 @@ from tq_redis.dock.layout import check_layout, row_tensors, rows_to_field
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
 from tq_redis.meta import bitmaps
 from tq_redis.meta.keys import kept_partitions_key
-from tq_redis.ops import kv
+from tq_redis.ops import kv, transitions
 from tq_redis.ops.effects import Cmd, Pipe, Wait
 from tq_redis.reprs import attrs_repr
 
@@ -137,7 +137,6 @@ class TransferDock:
         self._client = TransferQueueClient(url, ns, allow_pickle=allow_pickle)
         self._ctx = self._client.context
         self._pk = self._ctx.keys(self.partition_id)
-        self._shape_key = self._pk.prefix + "dock"
         self._state_key = self._pk.prefix + "dockstate"
         self._metrics_key = self._pk.prefix + "dockmetrics"
         self._spec: tuple[tuple, dict] = (
@@ -168,14 +167,12 @@ class TransferDock:
 
     def _register_shape(self) -> None:
         shape = (self.prompts_num, self.n_samples_per_prompt)
-        # Listed in partitions:kept at once, so a checkpoint finds a dock that holds no rows yet.
-        _, _, got, _ = self._run(_one(Pipe((
-            Cmd(("HSETNX", self._shape_key, "prompts_num", shape[0])),
-            Cmd(("HSETNX", self._shape_key, "n_samples_per_prompt", shape[1])),
-            Cmd(("HMGET", self._shape_key, "prompts_num", "n_samples_per_prompt")),
+        # Listed in partitions:kept at once, so a checkpoint finds a dock that holds no rows yet (the
+        # namespace's list, as clear_partition keeps it: on a cluster it lives in another slot).
+        registered, _ = self._run(transitions.pipeline(
+            transitions.dock_shape(self._pk, *shape),
             Cmd(("SADD", kept_partitions_key(self.namespace), self.partition_id)),
-        ))))
-        registered = tuple(int(v) for v in got)
+        ))
         if registered != shape:
             raise InvalidArgument(
                 f"dock {self.name!r} in namespace {self.namespace!r} has {registered[0]} prompts x {registered[1]} "
@@ -244,7 +241,8 @@ class TransferDock:
         """BatchMeta of ``rows`` (in order, repeats allowed) once their columns are stored.
 
         Waits up to ``timeout`` seconds (None: as long as it takes, warning after ``self.timeout``
-        and then every ``self.timeout_interval``); marks the rows consumed by ``consumer``.
+        and then every ``self.timeout_interval``); marks the rows consumed by ``consumer``
+        (``lua/mark_consumed.lua``: counted by its rate limiter like a claim).
         """
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
@@ -255,7 +253,12 @@ class TransferDock:
             last = yield from self._last_event()
             res = yield from kv.resolve(self._ctx, self._pk, keys, False, [])
             if res is not None and min(res.ids) >= 0 and all(c in res.schemas for c in columns):
-                break
+                if consumer is None:
+                    break
+                # marked in the script that checks them again (a row cleared meanwhile: wait on)
+                marked = yield from transitions.mark_consumed(self._pk, consumer, res.ids, columns).call()
+                if marked.ok:
+                    break
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"dock rows {unique[:10]} did not get columns {columns} within {timeout}s")
@@ -267,11 +270,6 @@ class TransferDock:
             if deadline is not None:
                 slice_s = min(slice_s, deadline - now)
             yield Wait(self._pk.events, last, slice_s)
-        if consumer is not None:
-            yield Pipe((
-                Cmd(("SADD", self._pk.tasks, consumer)),
-                Cmd(("BITFIELD", self._pk.cons(consumer), *[x for i in res.ids for x in ("SET", "u1", i, 1)])),
-            ))
         position = {row: k for k, row in enumerate(unique)}
         return res.meta(self.partition_id, columns, [position[r] for r in rows])
 

@@ -14,8 +14,14 @@ keys a dock uses ``<ns>:{dock.<name>}:dock`` (HASH: its ``prompts_num`` and
 ``n_samples_per_prompt``, kept across clears), ``...:dockstate`` (HASH: ``cur_index``, the cursor
 of ``prefetch_request_index``) and ``...:dockmetrics`` (LIST: one entry per ``update_metrics``
 call, replayed in order by ``get_metrics``; an append is atomic, so concurrent updates are never
-lost). ``clear`` deletes all but the first. Any number of processes may build the same dock (same
-``name=``) or receive it pickled (it pickles to its address); every claim is one atomic script:
+lost). ``clear`` deletes all but the first. Every change of the dock's state is one script of the
+function library, as every other client's is, so the partition's event stream, ``kv_watch`` (its
+tag-change stream), the consumers' rate limiters and their counts see the dock's too: claims
+(``lua/claim.lua``, ``lua/claim_ids.lua``), reads by index (``lua/mark_consumed.lua``), the shape,
+cursors and metric log (``lua/dock_shape.lua``, ``lua/dock_cursor.lua``, ``lua/dock_metric.lua``,
+``lua/dock_reset.lua``) and partial rollout's (:mod:`tq_redis.dock.aging`). Any number of processes
+may build the same dock (same ``name=``) or receive it pickled (it pickles to its address); every
+claim is one atomic script:
 
 * ``get_experience`` without ``indexes`` claims ``experience_count`` ready rows the consumer has
   not consumed: whole prompts (``GRPOGroupNSampler`` over the ``uid`` tag) with ``get_n_samples``
@@ -45,7 +51,7 @@ or the difference only adds to what it accepts):
   to attach to; a name already used with another ``prompts_num`` / ``n_samples_per_prompt``
   raises :class:`~tq_redis.errors.InvalidArgument` instead of mixing two docks' rows.
 * ``max_age > 1`` is MindSpeed's partial rollout (re-queued rollouts, ages, rows re-sorted
-  oldest first by ``clear``), kept in :mod:`tq_redis.dock.partial`; its differences: it needs
+  oldest first by ``clear``), kept in :mod:`tq_redis.dock.aging`; its differences: it needs
   ``GBS_train > 0`` at construction (MindSpeed: at the first put), consumers other than
   ``actor_rollout`` take ready rows in row order (no random draw, no seqlen balance), and the -2
   rows a rollout claim pads with are skipped when put back (MindSpeed writes them into the
@@ -98,6 +104,7 @@ import torch
 from tensordict import TensorDict
 
 from tq_redis import ops
+from tq_redis.dock.aging import PAD_INDEX, PartialRollout, age_column
 from tq_redis.dock.base import DEFAULT_TIMEOUT_INTERVAL_S as DEFAULT_TIMEOUT_INTERVAL_S
 from tq_redis.dock.base import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from tq_redis.dock.base import WAIT_SLICE_S, DockPlace, TransferDock, extend_names, int_at_least
@@ -106,12 +113,11 @@ from tq_redis.dock.layout import ORIGINAL_LENGTH as ORIGINAL_LENGTH
 from tq_redis.dock.layout import as_layout, check_layout, unpadded
 from tq_redis.dock.metrics import DockMetrics as DockMetrics
 from tq_redis.dock.metrics import encode_update, replay
-from tq_redis.dock.partial import PAD_INDEX, PartialRollout, age_column
 from tq_redis.errors import BatchSizeMismatch, InvalidArgument
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.schemas import to_batchmeta_schema
-from tq_redis.ops import streaming
-from tq_redis.ops.effects import Cmd, Pipe, Wait
+from tq_redis.ops import streaming, transitions
+from tq_redis.ops.effects import Cmd, Wait
 from tq_redis.samplers import karmarkar_karp
 
 Op = ops.Op
@@ -142,7 +148,7 @@ class GRPOTransferDock(TransferDock):
         metrics: any object, as MindSpeed accepts; ``update_metrics`` calls its
             ``update(key, value, cumulate=)`` (MindSpeed's ``Metric``), so only an object used for
             updates needs one, and ``get_metrics`` returns copies of it. None: a :class:`DockMetrics`.
-        max_age: 1, or > 1 for MindSpeed's partial rollout (see :mod:`tq_redis.dock.partial` and
+        max_age: 1, or > 1 for MindSpeed's partial rollout (see :mod:`tq_redis.dock.aging` and
             the dock's docs page): unfinished rollouts are re-queued and age, and a row of age
             ``max_age - 1`` must finish before ``get_update_ready``.
         GBS_train: with ``get_n_samples``, a consumer gets nothing more once it has consumed
@@ -205,7 +211,7 @@ class GRPOTransferDock(TransferDock):
     def update_metrics(self, key: str = "", value: Any = None, cumulate: bool = False) -> None:
         """Record ``metrics.update(key, value, cumulate=cumulate)`` for every process of the dock."""
         entry = encode_update(self.metrics, key, value, cumulate, allow_pickle=self._ctx.allow_pickle)
-        self._cmd("RPUSH", self._metrics_key, entry)
+        self._run(transitions.dock_metric(self._pk, entry).call())
 
     def get_metrics(self) -> Any:
         """A copy of the ``metrics`` object holding every update since the last ``clear``."""
@@ -221,12 +227,11 @@ class GRPOTransferDock(TransferDock):
     def prefetch_request_index(self, experience_num: int) -> list[int] | None:
         """The next ``experience_num`` row numbers (fewer at the end of the dock); None once all are given."""
         num = int_at_least("experience_num", experience_num, 0)
-        end = int(self._cmd("HINCRBY", self._state_key, "cur_index", num))
-        first = end - num
-        if first >= self.max_len:
-            self._cmd("HINCRBY", self._state_key, "cur_index", -num)  # as MindSpeed: no move past the end
+        # as MindSpeed: no move past the end
+        first = self._run(transitions.dock_cursor(self._pk, "requests", num, self.max_len).call())
+        if first is None:
             return None
-        return list(range(first, min(end, self.max_len)))
+        return list(range(first, min(first + num, self.max_len)))
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -271,7 +276,7 @@ class GRPOTransferDock(TransferDock):
                 dtype = first.dtype if isinstance(first, torch.Tensor) else torch.int32  # one dtype per column
                 columns.setdefault(column, [torch.tensor([value], dtype=dtype)] * (rows * n))
         if indexes is None:
-            first = int(self._cmd("HINCRBY", self._pk.meta, "dock_cursor", rows * n)) - rows * n
+            first = self._run(transitions.dock_cursor(self._pk, "rows", rows * n).call())
             if first % n:
                 raise InvalidArgument(
                     f"put_experience(repeat_prompts=True) without indexes needs the dock's next free row ({first}) "
@@ -469,10 +474,10 @@ class GRPOTransferDock(TransferDock):
     def _unit_lengths(self, units: list[list[int]], seqlen_columns: list[str]) -> Op:
         """The summed ``seqlen_columns`` of each unit; raises if some row lacks them."""
         ids = [i for unit in units for i in unit]
-        schemas = yield Cmd(("HMGET", self._pk.fields, *seqlen_columns))
-        bitfield = [x for i in ids for x in ("GET", "u1", i)]
-        produced = yield Pipe(tuple(Cmd(("BITFIELD", self._pk.prod(c), *bitfield)) for c in seqlen_columns))
-        if any(s is None for s in schemas) or not all(all(bits) for bits in produced):
+        visible, schemas = yield from transitions.pipeline(
+            transitions.check_visible(self._pk, ids, seqlen_columns), Cmd(("HMGET", self._pk.fields, *seqlen_columns))
+        )
+        if any(s is None for s in schemas) or not visible.ok:
             raise InvalidArgument(
                 f"use_batch_seqlen_balance needs {seqlen_columns} put for every ready row; put them first "
                 f"or pass use_batch_seqlen_balance=False"
@@ -539,7 +544,7 @@ class GRPOTransferDock(TransferDock):
         """Drop every row, column, consumer status, request index and metric (start the next step).
 
         With partial rollout, only the rows ``consumer`` consumed are dropped; the others age by one
-        and whole prompts are re-sorted oldest first (:mod:`tq_redis.dock.partial`).
+        and whole prompts are re-sorted oldest first (:mod:`tq_redis.dock.aging`).
         """
         self._check_consumer(consumer)
 
@@ -548,6 +553,6 @@ class GRPOTransferDock(TransferDock):
                 yield from self._partial.clear(consumer)
             else:
                 yield from ops.clear_partition(self._ctx, self.partition_id)
-            yield Cmd(("DEL", self._state_key, self._metrics_key))
+            yield from transitions.dock_reset(self._pk).call()
 
         self._run(op())

@@ -739,6 +739,127 @@ def unclaim(pk: PartitionKeys, task: str, ids: Sequence[int], fences: Sequence[i
     return Transition(FCall("unclaim", (pk.meta,), (task, *pairs)), int)
 
 
+class Marked(NamedTuple):
+    """``lua/mark_consumed.lua``: the ids were marked consumed, or which were not ready."""
+
+    marked: int  # ids the task had not consumed before (those its rate limiter counted)
+    not_ready: list[int]  # ids not alive or lacking a required field (nothing was marked)
+    partition_missing: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Every id is consumed by the task now."""
+        return not self.not_ready and not self.partition_missing
+
+
+def _read_marked(reply: Sequence[Any]) -> Marked:
+    code = int(reply[0])
+    if code == 1:
+        return Marked(int(reply[1]), [])
+    if code == -1:
+        return Marked(0, [], True)
+    return Marked(0, [int(i) for i in reply[1:]])
+
+
+def mark_consumed(pk: PartitionKeys, task: str, ids: Sequence[int], fields: Sequence[str] = ()) -> Transition[Marked]:
+    """``lua/mark_consumed.lua``: mark ``ids`` (named, repeats allowed, consumed already or not)
+    consumed by ``task`` if every one is alive with every one of ``fields``; the newly marked count
+    as sampled by the task's rate limiter (a read by index of the dock)."""
+    return Transition(FCall("mark_consumed", (pk.meta,), (task, len(ids), *ids, len(fields), *fields)), _read_marked)
+
+
+def unproduce(pk: PartitionKeys, ids: Sequence[int], fields: Sequence[str]) -> Transition[None]:
+    """``lua/unproduce.lua``: mark ``fields`` of ``ids`` unwritten again (their next put makes them
+    visible; the dock's rollout claim). Raises ``UnknownPartition`` or ``SampleNotFound``."""
+    return Transition(
+        FCall("unproduce", (pk.meta,), (id_ranges(ids), *fields)), partial(_read_write, pk.partition, NO_SCHEMAS)
+    )
+
+
+# ------------------------------------------------------------------ the dock's partial rollout
+
+
+class DockFinished(NamedTuple):
+    """``lua/dock_finish.lua``: rows newly marked consumed by the rollout task, and rows handed back."""
+
+    marked: int
+    released: int
+
+
+def _read_dock_finish(reply: Sequence[Any]) -> DockFinished:
+    return DockFinished(int(reply[0]), int(reply[1]))
+
+
+def dock_finish(
+    pk: PartitionKeys, task: str, rows: Sequence[int], finished: Sequence[bool]
+) -> Transition[DockFinished]:
+    """``lua/dock_finish.lua``: record which dock ``rows`` finished their rollout and hand the
+    unfinished ones back to ``task`` (the one continuing rollouts)."""
+    args = (task, *(x for row, done in zip(rows, finished, strict=True) for x in (row, "1" if done else "0")))
+    return Transition(FCall("dock_finish", (pk.meta,), args), _read_dock_finish)
+
+
+def dock_ready(pk: PartitionKeys, n_per_prompt: int, rows: int) -> Transition[int]:
+    """``lua/dock_ready.lua``: refresh the dock's ready mask (rows of prompts whose rollouts all
+    finished); the result is the number of such prompts."""
+    return Transition(FCall("dock_ready", (pk.meta,), (n_per_prompt, rows)), int)
+
+
+def _flags(values: Sequence[int]) -> str:
+    return "".join("1" if v else "0" for v in values)
+
+
+def dock_resort(
+    pk: PartitionKeys, n_per_prompt: int, order: Sequence[int], finished: Sequence[int], ready: Sequence[int],
+    ages: Sequence[int],
+) -> Transition[int]:  # fmt: skip
+    """``lua/dock_resort.lua``: row ``r`` of the dock takes the sample of row ``order[r]`` (its key,
+    ``dock_index`` and ``uid`` tags, noted for ``kv_watch``), and the finished / ready bitmaps and
+    ages become ``finished``, ``ready`` and ``ages`` (one per row, in the new order); the result is
+    how many samples moved."""
+    rows = len(order)
+    if not len(finished) == len(ready) == len(ages) == rows:
+        raise InvalidArgument(f"dock_resort: {rows} rows but {len(finished)}, {len(ready)}, {len(ages)} values")
+    args = (n_per_prompt, rows, _flags(finished), _flags(ready), *(int(r) for r in order), *(int(a) for a in ages))
+    return Transition(FCall("dock_resort", (pk.meta,), args), int)
+
+
+def _read_shape(reply: Sequence[Any]) -> tuple[int, int]:
+    return int(reply[0]), int(reply[1])
+
+
+def dock_shape(pk: PartitionKeys, prompts_num: int, n_per_prompt: int) -> Transition[tuple[int, int]]:
+    """``lua/dock_shape.lua``: register the dock's shape unless it has one; the result is the
+    shape it has, ``(prompts_num, n_samples_per_prompt)``."""
+    return Transition(FCall("dock_shape", (pk.meta,), (prompts_num, n_per_prompt)), _read_shape)
+
+
+def _read_cursor(reply: Any) -> int | None:
+    first = int(reply)
+    return None if first < 0 else first
+
+
+def dock_cursor(pk: PartitionKeys, cursor: str, count: int, end: int | None = None) -> Transition[int | None]:
+    """``lua/dock_cursor.lua``: take ``count`` positions of the dock's ``cursor`` (``"rows"``: the
+    next free row; ``"requests"``: MindSpeed's request index); the result is the first, or None
+    when the cursor is at or past ``end`` (it does not move then)."""
+    if cursor not in ("rows", "requests"):
+        raise InvalidArgument(f"dock_cursor: cursor must be 'rows' or 'requests', got {cursor!r}")
+    args = (cursor, count, "" if end is None else end)
+    return Transition(FCall("dock_cursor", (pk.meta,), args), _read_cursor)
+
+
+def dock_metric(pk: PartitionKeys, entry: str | bytes) -> Transition[int]:
+    """``lua/dock_metric.lua``: append one encoded ``update_metrics`` call to the dock's log; the
+    result is the log's length."""
+    return Transition(FCall("dock_metric", (pk.meta,), (entry,)), int)
+
+
+def dock_reset(pk: PartitionKeys) -> Transition[int]:
+    """``lua/dock_reset.lua``: the dock's request cursor and metric log go (a clear starts the next step)."""
+    return Transition(FCall("dock_reset", (pk.meta,), ()), int)
+
+
 # ------------------------------------------------------------------ clearing and the trash
 
 
@@ -1104,6 +1225,8 @@ BY_SCRIPT: dict[str, Callable[..., Transition[Any]]] = {
         read_registry, channel_put, channel_pop,
         group_reserve, group_extend, group_commit, group_abort, policy_version, admission_config,
         rate_limit_config, part_alloc, part_append, part_read,
+        mark_consumed, unproduce, dock_shape, dock_cursor, dock_metric, dock_reset, dock_finish, dock_ready,
+        dock_resort,
     )
 }  # fmt: skip
 """The wrapper of each ``lua/<name>.lua``, by script name."""

@@ -16,12 +16,20 @@ The per-row state lives in Redis beside the dock's partition, indexed by row num
 sample each row's key names (``kv`` / ``kvkeys`` and the ``uid`` / ``dock_index`` tags), and the
 bitmaps and ages above are permuted with it. A clear runs while no other process uses the dock,
 as in MindSpeed (the trainer clears between steps).
+
+Every change of this state is one script of the library, so the partition's tag-change stream
+(``kv_watch``), its events and the rate limiter see it as they see any other client's:
+``lua/dock_finish.lua`` (a put of responses: finished rows recorded, unfinished ones handed back to
+``actor_rollout``), ``lua/unproduce.lua`` (a rollout claim: the response is unwritten again),
+``lua/dock_ready.lua`` (the ready mask) and ``lua/dock_resort.lua`` (the clear's re-sort, which
+kv_watch reports as a tag change of every moved row). This module only reads state and computes
+MindSpeed's order.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,13 +37,14 @@ import torch
 
 from tq_redis import ops
 from tq_redis.meta import bitmaps
-from tq_redis.ops import kv
+from tq_redis.ops import kv, transitions
 from tq_redis.ops.effects import Cmd, Pipe
 
 Op = ops.Op
 
 PAD_INDEX = -2  # MindSpeed's index of a row added to reach a multiple of dp_size
 RESET_ON_CLAIM = ("responses", "response_length")  # columns a rollout claim marks unwritten again
+ROLLOUT_CONSUMER = "actor_rollout"  # the consumer that continues unfinished rollouts
 
 
 def bits(raw: bytes | None, length: int) -> np.ndarray:
@@ -44,15 +53,6 @@ def bits(raw: bytes | None, length: int) -> np.ndarray:
     got = bitmaps.unpack(raw)[:length]
     out[: len(got)] = got
     return out
-
-
-def set_bits(key: str, values: np.ndarray) -> list[Cmd]:
-    """Commands that make bitmap ``key`` hold exactly ``values`` (0/1 per position)."""
-    cmds = [Cmd(("DEL", key))]
-    ones = np.flatnonzero(values).tolist()
-    if ones:
-        cmds.append(Cmd(("BITFIELD", key, *[x for i in ones for x in ("SET", "u1", i, 1)])))
-    return cmds
 
 
 def group_sort(age: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,10 +76,6 @@ class PartialRollout:
 
     # -- reading state ------------------------------------------------------------------------
 
-    def _sids(self, rows: Sequence[int]) -> Op:
-        ids = yield Cmd(("HMGET", self.dock._pk.kv, *[str(r) for r in rows]))
-        return [None if i is None else int(i) for i in ids]
-
     def state(self) -> Op:
         """``(done, ready, age)`` over the dock's rows, as int arrays."""
         length = self.dock.max_len
@@ -98,11 +94,8 @@ class PartialRollout:
 
     def done_groups(self) -> Op:
         """Refresh the ready mask from the finished rollouts; returns the number of finished prompts."""
-        done, _, _ = yield from self.state()
-        groups = done.reshape(-1, self.dock.n_samples_per_prompt).all(axis=1)
-        mask = np.repeat(groups, self.dock.n_samples_per_prompt).astype(np.int32)
-        yield Pipe(tuple(set_bits(self.ready_key, mask)))
-        return int(groups.sum())
+        dock = self.dock
+        return (yield from transitions.dock_ready(dock._pk, dock.n_samples_per_prompt, dock.max_len).call())
 
     def update_ready(self, require_max_age_all_finished: bool) -> Op:
         finished = yield from self.done_groups()
@@ -116,15 +109,7 @@ class PartialRollout:
 
     def after_responses(self, rows: list[int], completed: list[bool]) -> Op:
         """Record finished rollouts and hand unfinished rows back to ``actor_rollout``."""
-        finished = [r for r, c in zip(rows, completed) if c]
-        if finished:
-            yield Cmd(("BITFIELD", self.done_key, *[x for r in finished for x in ("SET", "u1", r, 1)]))
-        done = yield Cmd(("BITFIELD", self.done_key, *[x for r in rows for x in ("GET", "u1", r)]))
-        sids = yield from self._sids(rows)
-        pairs = [(s, int(d)) for s, d in zip(sids, done) if s is not None]
-        if pairs:
-            yield Cmd(("BITFIELD", self.dock._pk.cons("actor_rollout"),
-                       *[x for s, d in pairs for x in ("SET", "u1", s, d)]))
+        yield from transitions.dock_finish(self.dock._pk, ROLLOUT_CONSUMER, rows, completed).call()
 
     # -- claims -------------------------------------------------------------------------------
 
@@ -155,17 +140,14 @@ class PartialRollout:
 
     def after_rollout_claim(self, sids: list[int]) -> Op:
         """A claimed rollout is being continued: its response is unwritten again (MindSpeed)."""
-        yield Pipe(tuple(
-            Cmd(("BITFIELD", self.dock._pk.prod(c), *[x for s in sids for x in ("SET", "u1", s, 0)]))
-            for c in RESET_ON_CLAIM
-        ))
+        if sids:
+            yield from transitions.unproduce(self.dock._pk, sids, RESET_ON_CLAIM).call()
 
     # -- clear --------------------------------------------------------------------------------
 
     def clear(self, consumer: str) -> Op:
         """Drop the rows ``consumer`` consumed, age the rest and re-sort prompts oldest first."""
         dock, pk = self.dock, self.dock._pk
-        length = dock.max_len
         consumed, has_input = yield from dock._row_status([pk.cons(consumer), pk.prod("input_ids")])
         gone = np.flatnonzero(consumed.numpy())
         if not len(gone):
@@ -176,29 +158,9 @@ class PartialRollout:
         age[gone], done[gone], ready[gone] = -1, 0, 0
         order, age = group_sort(age, dock.n_samples_per_prompt)
         age[age < 0] = 0
-        sids = yield from self._sids(range(length))
-        yield Pipe(tuple(self._remap(order, sids)) + tuple(set_bits(self.done_key, done[order]))
-                   + tuple(set_bits(self.ready_key, ready[order])) + tuple(self._ages(age)))
-
-    def _remap(self, order: np.ndarray, sids: list[int | None]) -> Iterator[Cmd]:
-        n = self.dock.n_samples_per_prompt
-        pk = self.dock._pk
-        moved = [(row, sids[int(src)]) for row, src in enumerate(order) if int(src) != row]
-        empty = [str(row) for row, sid in moved if sid is None]
-        if empty:
-            yield Cmd(("HDEL", pk.kv, *empty))
-        present = [(row, sid) for row, sid in moved if sid is not None]
-        if present:
-            yield Cmd(("HSET", pk.kv, *[x for row, sid in present for x in (str(row), sid)]))
-            yield Cmd(("HSET", pk.kvkeys, *[x for row, sid in present for x in (sid, str(row))]))
-            yield Cmd(("HSET", pk.tag("dock_index"), *[x for row, sid in present for x in (sid, str(row))]))
-            yield Cmd(("HSET", pk.tag("uid"), *[x for row, sid in present for x in (sid, str(row // n))]))
-
-    def _ages(self, age: np.ndarray) -> Iterator[Cmd]:
-        yield Cmd(("DEL", self.age_key))
-        nonzero = np.flatnonzero(age).tolist()
-        if nonzero:
-            yield Cmd(("HSET", self.age_key, *[x for r in nonzero for x in (r, int(age[r]))]))
+        yield from transitions.dock_resort(
+            pk, dock.n_samples_per_prompt, order.tolist(), done[order].tolist(), ready[order].tolist(), age.tolist()
+        ).call()
 
 
 def age_column(ages: list[int]) -> torch.Tensor:
