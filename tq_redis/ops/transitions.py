@@ -1,6 +1,6 @@
 """One typed wrapper per Lua transition: the KEYS/ARGV of each ``lua/<name>.lua`` and its reply.
 
-(About 1,000 lines: 35 wrappers and their reply types, kept together so the shared reply
+(About 1,200 lines: 47 wrappers and their reply types, kept together so the shared reply
 readers stay in one place.)
 
 Every state change of the metadata plane is one script of the ``tq_redis`` function library, and
