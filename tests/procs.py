@@ -17,7 +17,11 @@ def mp_context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "tensordict", "numpy", "redis", "tq_redis", "tq_redis.ops"])
+        # `import tq_redis` is lazy: name the modules a worker uses, so the children get them imported
+        _ctx.set_forkserver_preload([
+            "torch", "tensordict", "numpy", "redis", "tq_redis", "tq_redis.ops", "tq_redis.client.blocking",
+            "tq_redis.client.aio", "tq_redis.backends.dram.store", "tq_redis.channel", "tq_redis.dock",
+        ])
     return _ctx
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conformance import servers as store_servers
+from tests.ray_start import init_local_ray
 from tq_redis.server.embedded import EmbeddedServer, free_port
 from tq_redis.storage.base import StorageClient, StoreContext, create_store
 
@@ -139,8 +140,8 @@ class _Session:
             import ray
 
             if not ray.is_initialized():
-                ray.init(
-                    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                init_local_ray(
+                    num_cpus=2, include_dashboard=False, log_to_driver=False,
                     object_store_memory=512 << 20,
                 )  # fmt: skip
             from tq_redis.backends.ray_store import RayStore

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from examples.transfer_dock import pad, unpad  # MindSpeed-RL's padded layout, as its callers build it
 from tests.conftest import make_client
 from tests.procs import gather, mp_context
+from tests.ray_start import init_local_ray
 from tq_redis import GRPOTransferDock
 from tq_redis.dock.dock import DockMetrics, TransferDock
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
@@ -301,8 +302,7 @@ def ray_local():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=256 << 20)
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
     yield ray
     if started:
         ray.shutdown()

@@ -12,6 +12,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tests.ray_start import init_local_ray
+
 ray = pytest.importorskip("ray")
 
 
@@ -20,7 +22,7 @@ def ray_job():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()
