@@ -3,9 +3,10 @@
 
 Before the test module imports ``rlinf.scheduler``, ``rlinf.scheduler.Channel`` (and the names it is
 re-exported under) becomes :class:`tq_redis.Channel`, on an embedded Valkey this process starts; its
-URL goes to the environment, so the Ray workers RLinf's ``Cluster`` starts attach to it. Every
-dataclass and NamedTuple the test modules define is registered (``tq_redis.register_item_class``,
-what an RLinf user adds once), so the channels the tests create carry them without pickle.
+URL goes to the environment, so the Ray workers RLinf's ``Cluster`` starts attach to it. Nothing
+is registered and nothing is pickled: the dataclasses the test module defines travel on the default
+rule (classes the program defines, :mod:`tq_redis.codec.item_classes`), in the test process and in
+the Ray workers, which load the test module by name to run its Worker classes.
 
 The test file's ``DistributedChannel`` subclass builds itself RLinf's private way (``cls()``, then
 ``_initialize(...)`` with channel actors it launched on one node), so the class put in place also
@@ -20,7 +21,6 @@ import rlinf.scheduler as _rlinf_scheduler
 import rlinf.scheduler.channel as _rlinf_channel
 
 import tq_redis as _tq
-from tq_redis.codec.item_classes import record_kind as _record_kind
 
 _cfg = _tq.init()
 _os.environ["TQ_REDIS_URL"], _os.environ["TQ_NAMESPACE"] = _cfg["redis"]["url"], _cfg["namespace"]
@@ -46,9 +46,3 @@ class _Channel(_tq.Channel):
 for _module in (_rlinf_scheduler, _rlinf_channel):
     _module.Channel = _Channel
 
-
-def pytest_itemcollected(item):
-    module = getattr(item, "module", None)
-    for value in list(vars(module).values()) if module is not None else ():
-        if isinstance(value, type) and value.__module__ == module.__name__ and _record_kind(value):
-            _tq.register_item_class(value)

@@ -10,6 +10,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +92,100 @@ def test_own_runs_the_project_classes_only_where_a_suite_has_them(tmp_path, caps
     src, _ = _checkout(tmp_path, {"tests/unit_tests/test_channel.py": "def test_x():\n    pass\n"})
     conftest = (user_suites.prepare(own, src, tmp_path / "run") / "conftest.py").read_text()
     assert "TQ_COMPAT_REPORT" in conftest and "_module.Channel = _Channel" not in conftest
+
+
+# A test module shaped like RLinf's test_channel.py (written here, not RLinf's): its own dataclasses go
+# through a channel between worker processes that load the module by its name, as RLinf's Ray workers
+# load test_channel, with nothing registered and nothing pickled.
+_RLINF_SHAPED = '''
+import multiprocessing
+import pstats
+from dataclasses import dataclass
+
+import torch
+
+import tq_redis
+from tq_redis import Channel
+from tq_redis.codec.item_classes import REGISTERED
+from tq_redis.errors import ItemClassNotAllowed
+
+
+@dataclass
+class TensorMessage:
+    id: int
+    payload: torch.Tensor
+    note: str
+
+
+@dataclass
+class NestedMessage:
+    id: int
+    parts: list
+    by_name: dict
+    inner: TensorMessage
+
+
+def produce(name, url, ns):
+    ch = Channel.connect(name, redis_url=url, namespace=ns)
+    try:
+        ch.put(pstats.StatsProfile(0.5, {}), async_op=True)  # the standard library's: refused here
+        refused = "queued"
+    except ItemClassNotAllowed as exc:
+        refused = exc.path
+    ch.put(TensorMessage(1, torch.arange(3), "one"))
+    inner = TensorMessage(3, torch.arange(2), "inner")
+    ch.put(NestedMessage(2, [torch.ones(2)], {"a": torch.zeros(1)}, inner), async_op=True).wait()
+    ch.close()
+    return refused
+
+
+def consume(name, url, ns):
+    ch = Channel.connect(name, redis_url=url, namespace=ns)
+    got = [ch.get(timeout=120), ch.get(timeout=120)]
+    ch.close()
+    return [(type(x).__module__, type(x).__name__, x.id) for x in got], got[1].inner.payload.tolist()
+
+
+def test_module_dataclasses_cross_worker_processes_with_nothing_registered():
+    cfg = tq_redis.init()
+    try:
+        url, ns = cfg["redis"]["url"], cfg["namespace"]
+        Channel.create("items", redis_url=url, namespace=ns).close()
+        with multiprocessing.get_context("spawn").Pool(2) as pool:
+            waiting = pool.apply_async(consume, ("items", url, ns))  # a consumer waits before any put
+            refused = pool.apply(produce, ("items", url, ns))
+            got, inner = waiting.get(180)
+        assert refused == "pstats.StatsProfile"
+        assert got == [(__name__, "TensorMessage", 1), (__name__, "NestedMessage", 2)] and inner == [0, 1]
+        assert not REGISTERED.paths()
+    finally:
+        tq_redis.close()
+'''
+
+
+def test_a_test_modules_dataclasses_cross_worker_processes_on_the_default_codec(tmp_path):
+    """What RLinf's test_channel.py needs of the default codec, in CI (which has no RLinf checkout):
+    a test module's dataclasses, put and got by worker processes that import the module by name,
+    travel with nothing registered; a refused put raises in the producer and the waiting consumer
+    gets the next item. The RLinf conftest registers nothing either."""
+    assert "register_item_class" not in (user_suites._HERE / "rlinf_conftest.py").read_text()
+    src, head = _checkout(tmp_path, {"tests/unit_tests/test_like_rlinf.py": _RLINF_SHAPED})
+    suite = dataclasses.replace(SUITES["rlinf"], commit=head[:9], files=("tests/unit_tests/test_like_rlinf.py",),
+                                conftests=("alias_conftest.py",), env=(), ray_head_cpus=0)
+    result = user_suites.run(suite, src, tmp_path / "run")
+    node = "tests/unit_tests/test_like_rlinf.py::test_module_dataclasses_cross_worker_processes_with_nothing_registered"
+    assert result.outcomes == {node: "passed"}, result.output[-4000:]
+
+
+@pytest.mark.skipif(not os.environ.get("TQ_RLINF_SRC"),
+                    reason="needs a checkout of RLinf at the pinned commit in TQ_RLINF_SRC (no package CI can "
+                           "reach carries its tests; see SUITES['rlinf'].unreachable)")
+def test_rlinfs_own_test_channel_passes_unchanged_on_the_default_codec():
+    """RLinf's tests/unit_tests/test_channel.py, copied unchanged out of the checkout, with our Channel,
+    the default codec and nothing registered: no failure, no error."""
+    suite = SUITES["rlinf"]
+    src = Path(os.environ["TQ_RLINF_SRC"])
+    commit = user_suites.checked_commit(src, suite)
+    result = user_suites.run(suite, src, Path(tempfile.mkdtemp(prefix="tq-rlinf-")))
+    print(user_suites.summary(suite, result, commit))
+    assert result.outcomes and not result.failures(), result.output[-4000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
+import urllib.parse
 import warnings
 from typing import Any
 
@@ -628,8 +629,10 @@ def test_unsupported_object_names_field_type_and_escape_hatch() -> None:
         codec.encode_field("payload", [Opaque(1), Opaque(2)], 2)
     msg = str(err.value)
     assert "payload" in msg and "Opaque" in msg and "allow_pickle=True" in msg
-    with pytest.raises(UnsupportedValue, match="'t', sample 1.*Point"):
-        codec.encode_field("t", [(1, 2), Point(1, 2)], 2)  # a namedtuple is not silently flattened
+    with pytest.raises(UnsupportedValue, match="'t', sample 1.*SplitResult"):  # not the program's class, and
+        codec.encode_field("t", [(1, 2), urllib.parse.urlsplit("http://h/p")], 2)  # not silently flattened
+    _, per_sample = codec.encode_field("t", [(1, 2), Point(1, 2)], 2)  # the program's own namedtuple
+    assert [type(x) for x in codec.decode_field("t", [stored(s) for s in per_sample]).tolist()] == [tuple, Point]
 
 
 def test_allow_pickle_roundtrip_and_refusal_on_decode() -> None:

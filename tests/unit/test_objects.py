@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import pstats
 import struct
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -14,6 +19,7 @@ from hypothesis import given, settings
 
 from tests.rlinf_items import Rollout, Step, Tag, Unlisted
 from tests.unit.values import Opaque, Point, assert_same, python_objects
+from tq_redis.codec import item_classes as ic
 from tq_redis.codec import objects, wireformat
 from tq_redis.codec.item_classes import ItemClasses, class_path, register_item_class
 from tq_redis.errors import ItemClassNotAllowed, StorageError, UnsupportedValue
@@ -57,13 +63,15 @@ def test_unsupported_objects_name_their_type() -> None:
     with pytest.raises(UnsupportedValue, match="Opaque") as err:
         objects.encode_object({"deep": [Opaque(3)]})
     assert str(err.value).startswith("object:") and "allow_pickle=True" in str(err.value)
-    with pytest.raises(UnsupportedValue, match="Point"):
-        objects.encode_object(Point(1, 2))  # a namedtuple is not silently flattened to a tuple
+    with pytest.raises(ItemClassNotAllowed, match="SplitResult.*standard library"):
+        objects.encode_object(urllib.parse.urlsplit("http://h/p"))  # a namedtuple is not silently flattened
+    out = objects.decode_object(objects.encode_object(Point(1, 2)))  # the program's own: kept as its class
+    assert type(out) is Point and out == Point(1, 2)
 
 
 def test_allow_pickle_roundtrip_and_refusal_on_decode() -> None:
-    blob = objects.encode_object(Point(1, 2), allow_pickle=True)
-    assert objects.decode_object(blob, allow_pickle=True) == Point(1, 2)
+    blob = objects.encode_object(Opaque(1), allow_pickle=True)
+    assert objects.decode_object(blob, allow_pickle=True) == Opaque(1)
     with pytest.raises(UnsupportedValue, match="allow_pickle"):
         objects.decode_object(blob)
 
@@ -133,15 +141,103 @@ def test_allowed_dataclasses_and_namedtuples_round_trip_without_pickle() -> None
 
 def test_a_class_not_allowed_is_refused_on_both_sides() -> None:
     with pytest.raises(ItemClassNotAllowed, match="Unlisted.*register_item_class") as err:
-        objects.encode_object([Unlisted(1)], classes=ItemClasses([Rollout]))
+        objects.encode_object([Unlisted(1)], classes=ItemClasses([Rollout]))  # a strict list
     assert isinstance(err.value, UnsupportedValue) and err.value.path == "tests.rlinf_items.Unlisted"
-    with pytest.raises(ItemClassNotAllowed):
-        objects.encode_samples("f", [Tag("a", 1)])  # nothing registered in this process for Tag
-    blob = objects.encode_object(Tag("a", 1), classes=ItemClasses([Tag]))
-    with pytest.raises(ItemClassNotAllowed, match="tests.rlinf_items:Tag, which is not an allowed item class"):
+    with pytest.raises(ItemClassNotAllowed, match="StatsProfile.*installed package or the standard library"):
+        objects.encode_samples("f", [pstats.StatsProfile(0.5, {})])  # not the program's, not registered
+    blob = objects.encode_object(pstats.StatsProfile(0.5, {}), classes=ItemClasses([pstats.StatsProfile]))
+    with pytest.raises(ItemClassNotAllowed, match="pstats:StatsProfile, which is not an allowed item class"):
         objects.decode_object(blob)  # the reader has not allowed it
-    pickled = objects.encode_object(Unlisted(1), allow_pickle=True)
-    assert objects.decode_object(pickled, allow_pickle=True) == Unlisted(1)
+    pickled = objects.encode_object(pstats.StatsProfile(0.5, {}), allow_pickle=True)
+    assert objects.decode_object(pickled, allow_pickle=True) == pstats.StatsProfile(0.5, {})
+
+
+def test_classes_the_program_defines_round_trip_by_default() -> None:
+    item = [Unlisted(1), Step(2, _rollout(2), Tag("t", 1)), Point(3, 4)]  # registered nowhere
+    blob = objects.encode_object(item)
+    assert b"pickle" not in blob and b"tests.rlinf_items:Unlisted" in blob
+    out = objects.decode_object(blob)
+    assert [type(x) for x in out] == [Unlisted, Step, Point] and out[0] == Unlisted(1) and out[2] == Point(3, 4)
+    assert torch.equal(out[1].rollout.prompt_ids, item[1].rollout.prompt_ids) and out[1].tag == Tag("t", 1)
+    assert ic.program_class_path(Unlisted) == "tests.rlinf_items:Unlisted"
+    strict = ItemClasses()  # a list of its own allows only what it names
+    with pytest.raises(ItemClassNotAllowed, match="does not allow the program's own classes"):
+        objects.encode_object(Unlisted(1), classes=strict)
+    with pytest.raises(ItemClassNotAllowed, match="does not allow the program's own classes"):
+        objects.decode_object(blob, classes=strict)
+
+
+def test_the_rule_refuses_what_the_program_does_not_define() -> None:
+    @dataclasses.dataclass
+    class Local:
+        x: int
+
+    assert "inside a function" in ic.why_not_program(Local)
+    assert "standard library" in ic.why_not_program(pstats.StatsProfile)
+    import tensordict
+
+    records = [c for c in vars(tensordict).values() if isinstance(c, type) and ic.record_kind(c) is not None]
+    assert records
+    for cls in records:  # site-packages
+        assert "installed package" in ic.why_not_program(cls), cls
+    from tq_redis.ops.channel_rules import WeightedItem
+
+    assert ic.record_kind(WeightedItem) and ic.program_class_path(WeightedItem) is None  # tq-redis's own
+    # a class whose path leads to another class is refused: a reader would build that other one
+    impostor = dataclasses.make_dataclass("Unlisted", [("x", int)])
+    impostor.__module__ = "tests.rlinf_items"
+    assert "does not lead to it" in ic.why_not_program(impostor) and ic.program_class_path(Unlisted)
+    with pytest.raises(ItemClassNotAllowed, match="does not lead to it"):
+        objects.encode_object(impostor(1))
+
+
+def _record(path: str, values: object) -> bytes:
+    return msgpack.packb(msgpack.ExtType(objects._EXT_RECORD, msgpack.packb([path, values])))
+
+
+def test_a_reader_never_imports_a_module_a_stored_value_names(tmp_path) -> None:
+    """A stored record names its class's module; a reader resolves it only among the modules it has
+    loaded and only as a class the program defines, so bytes can never make it run a module's code."""
+    planted = tmp_path / "tq_planted_module.py"
+    marker = tmp_path / "ran"
+    planted.write_text("import dataclasses, pathlib\n"
+                       f"pathlib.Path({str(marker)!r}).write_text('imported')\n"
+                       "@dataclasses.dataclass\nclass X:\n    a: int\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for path in ("tq_planted_module:X", "os:system", "subprocess:Popen", "tests.rlinf_items:_import",
+                     "tests.rlinf_items:Rollout.__post_init__", "tests.rlinf_items:dataclasses",
+                     "torch:nn", "tensordict:TensorDict", "pstats:StatsProfile", ":X", "X"):
+            with pytest.raises(ItemClassNotAllowed, match="not an allowed item class"):
+                objects.decode_object(_record(path, {"a": 1}))
+        assert not marker.exists() and "tq_planted_module" not in sys.modules
+        with pytest.raises(ItemClassNotAllowed, match="not imported in this process.*imports no module"):
+            objects.decode_object(_record("tq_planted_module:X", {"a": 1}))
+        with pytest.raises(ItemClassNotAllowed):  # not a string path at all
+            objects.decode_object(_record(7, {"a": 1}))  # type: ignore[arg-type]
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert objects.decode_object(_record("tests.rlinf_items:Tag", {"name": "a", "version": 1})) == Tag("a", 1)
+
+
+def test_a_consumer_process_resolves_only_the_classes_it_has_loaded(tmp_path) -> None:
+    """Another process (a consumer) decodes the program's classes from modules it has imported, and
+    refuses, without importing it, one whose module it has not."""
+    blob = objects.encode_object([Tag("t", 2), Point(1, 2)])
+    script = (
+        "import sys\n"
+        "from tq_redis.codec import objects\n"
+        "from tq_redis.errors import ItemClassNotAllowed\n"
+        "blob = sys.stdin.buffer.read()\n"
+        "try:\n    objects.decode_object(blob)\nexcept ItemClassNotAllowed as e:\n"
+        "    print('refused', 'tests.rlinf_items' in sys.modules, 'not imported' in str(e))\n"
+        "import tests.rlinf_items, tests.unit.values\n"
+        "print(objects.decode_object(blob))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], input=blob, capture_output=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().splitlines() == ["refused False True", "[Tag(name='t', version=2), Point(x=1, y=2)]"]
 
 
 def test_registration_checks_the_class_and_allows_it_in_this_process() -> None:

@@ -27,7 +27,7 @@ are one key, as in a dict; see :func:`key_token`). Without a key, calls use RLin
 this process's memory and take any hashable key; see :meth:`Channel.create`.
 
 Items may be any value the safe object encoding (:func:`tq_redis.codec.objects.encode_object`) holds,
-dataclass and NamedTuple instances of the channel's item classes included (see
+dataclass and NamedTuple instances of allowed classes included (the program's own and the channel's; see
 :meth:`Channel.create` and :mod:`tq_redis.codec.item_classes`); pickle is used only with
 ``allow_pickle=True`` (it is not safe on a network). Items are encoded when the call is made, so
 changing an object after an async put does not change what lands. A ``torch.Tensor`` or
@@ -137,11 +137,13 @@ class Channel:
         ``distributed``, ``node_rank`` and ``disable_distributed_log`` are RLinf's placement
         options and have no effect: the channel is in Redis, reachable from every node.
 
-        Items that are dataclasses or NamedTuples travel without pickle when the channel allows
-        their class: every class registered in this process (``tq_redis.register_item_class``)
-        when it calls ``create``, and ``item_classes``. The list is kept with the channel, so
-        every process that uses it allows them too (a reader imports the class by its path);
-        another class's instance raises :class:`~tq_redis.errors.ItemClassNotAllowed` at ``put``.
+        Items that are dataclasses or NamedTuples travel without pickle when their class is
+        allowed: by default every class the program defines (:mod:`tq_redis.codec.item_classes`;
+        a reader finds it among the modules it has loaded), and on the channel's list every class
+        registered in this process (``tq_redis.register_item_class``) when it calls ``create``,
+        and ``item_classes``. The list is kept with the channel, so every process that uses it
+        allows them too (a reader imports a listed class by its path); another class's instance
+        raises :class:`~tq_redis.errors.ItemClassNotAllowed` at ``put``, before anything is queued.
 
         ``local=True`` makes a channel of this process only, as in RLinf: its queues live in this
         process's memory (no Redis needed), items are kept as the objects themselves (tensors stay

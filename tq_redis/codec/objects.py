@@ -55,6 +55,7 @@ _COMPLEX = struct.Struct("<dd")
 class _Unencodable(Exception):
     def __init__(self, obj: Any):
         super().__init__(obj)
+        self.cls = type(obj)
         self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
         self.record = record_kind(type(obj)) is not None
 
@@ -209,12 +210,14 @@ def _make_unpacker(allow_pickle: bool, classes: ItemClasses) -> Callable[[Buffer
             return wireformat.np_dtype(data, "<object>")
         if code == _EXT_RECORD:
             path, values = unpack(data)
-            cls = classes.resolve(path)
+            cls = classes.resolve(path) if isinstance(path, str) else None
             if cls is None:
                 raise ItemClassNotAllowed(
-                    f"the stored value holds an instance of {path}, which is not an allowed item class here; "
-                    f"allow it with tq_redis.register_item_class (a channel allows the classes its creator "
-                    f"registered, and Channel.create(..., item_classes=[...]))", path
+                    f"the stored value holds an instance of {path}, which is not an allowed item class here: "
+                    f"{classes.why_not_path(path) if isinstance(path, str) else 'the path is not a string'}. "
+                    f"A reader allows the classes its program defines and has imported, and those registered "
+                    f"with tq_redis.register_item_class (a channel also allows the classes its creator "
+                    f"registered, and Channel.create(..., item_classes=[...]))", str(path)
                 )
             return _rebuild(cls, values, path)
         if code == _EXT_PICKLE:
@@ -230,9 +233,8 @@ def _make_unpacker(allow_pickle: bool, classes: ItemClasses) -> Callable[[Buffer
     return unpack
 
 
-def _codec(allow_pickle: bool, classes: ItemClasses | None) -> tuple[Callable[[Any], bytes], Callable[[Buffer], Any]]:
+def _codec(allow_pickle: bool, classes: ItemClasses) -> tuple[Callable[[Any], bytes], Callable[[Buffer], Any]]:
     """The packer and unpacker for these options (made once per allow-list, kept on it)."""
-    classes = REGISTERED if classes is None else classes
     codec = classes.codecs.get(allow_pickle)
     if codec is None:
         codec = classes.codecs.setdefault(allow_pickle, (_make_packer(allow_pickle, classes),
@@ -240,13 +242,14 @@ def _codec(allow_pickle: bool, classes: ItemClasses | None) -> tuple[Callable[[A
     return codec
 
 
-def _unsupported(where: str, error: _Unencodable, detail: str = "") -> UnsupportedValue:
+def _unsupported(where: str, error: _Unencodable, classes: ItemClasses, detail: str = "") -> UnsupportedValue:
     if error.record:
         return ItemClassNotAllowed(
-            f"{where}: {error.type_name} is a dataclass/NamedTuple class that is not allowed here; allow it with "
-            f"tq_redis.register_item_class({error.type_name.rpartition('.')[2]}) in the processes that write and "
-            f"read it (a channel allows the classes its creator registered, and Channel.create(..., "
-            f"item_classes=[...])), or pass allow_pickle=True to pickle it (only if every reader trusts every writer)",
+            f"{where}: {error.type_name} is a dataclass/NamedTuple class that is not allowed here: "
+            f"{classes.why_not(error.cls)}. Allow it with tq_redis.register_item_class("
+            f"{error.type_name.rpartition('.')[2]}) in the processes that write and read it (a channel allows the "
+            f"classes its creator registered, and Channel.create(..., item_classes=[...])), or pass "
+            f"allow_pickle=True to pickle it (only if every reader trusts every writer)",
             error.type_name,
         )
     return _unsupported_type(where, error.type_name, detail)
@@ -272,13 +275,14 @@ def encode_samples(field: str, items: Iterable[Any], *, allow_pickle: bool = Fal
         UnsupportedValue: a value (or something inside it) has no safe encoding and
             ``allow_pickle`` is False.
     """
+    classes = REGISTERED if classes is None else classes
     pack = _codec(allow_pickle, classes)[0]
     out = []
     for i, item in enumerate(items):
         try:
             out.append(pack(item))
         except _Unencodable as e:
-            raise _unsupported(f"field {field!r}, sample {i}", e) from None
+            raise _unsupported(f"field {field!r}, sample {i}", e, classes) from None
         except (ValueError, OverflowError, RecursionError) as e:
             raise _unsupported_type(f"field {field!r}, sample {i}", what or type(item).__name__, f" ({e})") from e
     return out
@@ -290,8 +294,9 @@ def encode_object(obj: Any, *, allow_pickle: bool = False, classes: ItemClasses 
     Supports None, bool, int (any size), float (NaN/inf too), complex, str, bytes, list, tuple,
     dict (any encodable keys), set, frozenset, tensors (any dtype, nested too), numpy arrays and
     scalars, torch dtypes and sizes, and instances of the dataclasses and NamedTuples that
-    ``classes`` allows (default: this process's :data:`~tq_redis.codec.item_classes.REGISTERED`; a
-    given list includes it too). ``bytearray`` comes back as ``bytes`` and subclasses of
+    ``classes`` allows (default: this process's :data:`~tq_redis.codec.item_classes.REGISTERED`, which
+    allows the registered classes and those the program defines; a channel's list has it as parent).
+    ``bytearray`` comes back as ``bytes`` and subclasses of
     ``list``/``dict`` as their base type.
 
     Raises:
@@ -300,10 +305,11 @@ def encode_object(obj: Any, *, allow_pickle: bool = False, classes: ItemClasses 
         UnsupportedValue: the value (or something inside it) has no safe encoding and
             ``allow_pickle`` is False.
     """
+    classes = REGISTERED if classes is None else classes
     try:
         return _codec(allow_pickle, classes)[0](obj)
     except _Unencodable as e:
-        raise _unsupported("object", e) from None
+        raise _unsupported("object", e, classes) from None
     except (ValueError, OverflowError, RecursionError) as e:
         raise _unsupported_type("object", type(obj).__name__, f" ({e})") from e
 
@@ -313,13 +319,14 @@ def decode_object(buf: Buffer, *, allow_pickle: bool = False, classes: ItemClass
 
     Raises:
         ItemClassNotAllowed: the bytes hold a dataclass or NamedTuple whose class ``classes``
-            (default: this process's registered classes) does not allow, or that cannot be
-            imported here.
+            (default: :data:`~tq_redis.codec.item_classes.REGISTERED`) does not allow, or that
+            cannot be found here (a class allowed only as the program's must be in a module this
+            process has loaded: a reader never imports a module a stored value names).
         UnsupportedValue: the bytes hold a pickled object and ``allow_pickle`` is False.
         StorageError: the bytes are not a valid encoding (truncated or corrupt).
     """
     try:
-        return _codec(allow_pickle, classes)[1](buf)
+        return _codec(allow_pickle, REGISTERED if classes is None else classes)[1](buf)
     except TQError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, struct.error) as e:
