@@ -139,7 +139,75 @@ def test_alias_serves_the_modules_the_reference_recipes_import(clean_modules, mo
     assert effective["sampler"] == "SequentialSampler"
     assert hasattr(TransferQueueController, "options") and TransferQueueController is controller.TransferQueueController
     with pytest.raises(ModuleNotFoundError):
-        import transfer_queue.storage.simple_storage  # noqa: F401  - an internal of the reference
+        import transfer_queue.storage.simple_backend  # noqa: F401  - an internal of the reference
+
+
+def test_simple_storage_unit_takes_the_ray_options_nemo_rl_passes(clean_modules):
+    """NeMo-RL imports SimpleStorageUnit to wrap its .options with a runtime_env; the stand-in takes
+    any Ray option, starts nothing, and says how tq-redis starts storage if used as a unit."""
+    tq_redis.install_transfer_queue_alias()
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    original = SimpleStorageUnit.options
+
+    def patched(*args, **kwargs):  # NeMo-RL's wrapper, in shape
+        kwargs.setdefault("runtime_env", {"pip": ["transferqueue==0.1.11"]})
+        return original(*args, **kwargs)
+
+    SimpleStorageUnit.options = patched
+    try:
+        unit = SimpleStorageUnit.options(
+            num_cpus=4, resources={"node:10.0.0.1": 0.001}, name="TransferQueueStorageUnit#0",
+            scheduling_strategy=object(), runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}},
+        ).remote(storage_unit_size=128)
+    finally:
+        SimpleStorageUnit.options = original
+    assert unit.options["num_cpus"] == 4 and unit.options["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "2"}}
+    assert unit.kwargs == {"storage_unit_size": 128}
+    assert SimpleStorageUnit.remote(config={}).kwargs == {"config": {}}
+    with pytest.raises(ConfigError, match="tq-redis starts its storage nodes itself"):
+        unit.get_zmq_server_info.remote()
+    with pytest.raises(ConfigError, match="not instantiated directly"):
+        SimpleStorageUnit()
+
+
+def test_async_client_checkpoint_calls_of_the_reference(server, namespace, tmp_path):
+    """AsyncTransferQueueClient's four checkpoint coroutines run the same checkpoint code as the
+    blocking client's calls, off the event loop (the loop keeps running while one saves)."""
+    writer = make_client(server.url, namespace)
+    aclient = tq_redis.AsyncTransferQueueClient(server.url, namespace, nested_output=False)
+
+    async def scenario() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await aclient.async_save_storage_checkpoint(str(tmp_path / "storage"))
+        await aclient.async_save_controller_checkpoint(str(tmp_path / "controller"))
+        ticker.cancel()
+        writer.clear_partition("p")
+        assert await aclient.async_get_partition_list() == []
+        await aclient.async_load_storage_checkpoint(str(tmp_path / "storage"))
+        data = await aclient.async_get_data(meta)
+        assert torch.equal(data["x"], torch.arange(6).reshape(3, 2))
+        writer.clear_partition("p")
+        await aclient.async_load_controller_checkpoint(str(tmp_path / "controller"))
+        assert await aclient.async_get_partition_list() == ["p"]
+        await aclient.async_close()
+        return ticks
+
+    try:
+        meta = writer.put(TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3]), partition_id="p")
+        assert asyncio.run(scenario()) > 0
+        assert (tmp_path / "storage").is_dir() and (tmp_path / "controller").is_dir()
+    finally:
+        aclient.close()
+        writer.close()
 
 
 def test_client_checkpoint_calls_of_the_reference(server, namespace, tmp_path):

@@ -11,15 +11,15 @@ import asyncio
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
 
 from tq_redis import ops
-from tq_redis.client import liveness
-from tq_redis.client.driver import AsyncDriver
+from tq_redis.client import checkpoint, liveness
+from tq_redis.client.driver import AsyncDriver, SyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
@@ -49,6 +49,36 @@ def make_context(redis_url: str, namespace: str, options: dict[str, Any]) -> ops
         strict_schema=bool(options.get("strict_schema", False)),
         default_sampler=options.get("sampler"),
     )
+
+
+class _CheckpointView:
+    """What :mod:`tq_redis.client.checkpoint` needs of a client
+    (:class:`~tq_redis.client.checkpoint.CheckpointClient`), for the asyncio client: its namespace and
+    context (so its store), and a blocking driver of its own, opened for one checkpoint in the worker
+    thread that runs it and closed after (redis.asyncio connections cannot be used from there)."""
+
+    def __init__(self, client: AsyncTransferQueueClient) -> None:
+        self.namespace = client.namespace
+        self._ctx = client.context
+        self._driver = SyncDriver(client.redis_url)
+
+    @property
+    def redis(self) -> Any:
+        """The view's own redis-py client."""
+        return self._driver.redis
+
+    @property
+    def context(self) -> ops.Context:
+        """The client's context: its namespace, options and store."""
+        return self._ctx
+
+    def run(self, op: ops.Op[R]) -> R:
+        """Run an operation to its result, blocking."""
+        return self._driver.run(op)
+
+    def close(self) -> None:
+        """Close the view's Redis connections."""
+        self._driver.close()
 
 
 class AsyncTransferQueueClient:
@@ -285,6 +315,38 @@ class AsyncTransferQueueClient:
     async_complete_parts = awaiting(
         partial.complete_parts, doc="See :meth:`tq_redis.TransferQueueClient.complete_parts`."
     )
+
+    # -- the reference client's checkpoint calls (as in TransferQueueClient: with no controller state
+    # outside Redis, each writes or reads a whole checkpoint of the namespace; tq_redis.client.checkpoint).
+    # The checkpoint's I/O is blocking (Redis, the store, the files): it runs in a worker thread.
+
+    def _run_checkpoint(self, step: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run ``step`` (:func:`tq_redis.client.checkpoint.save` or ``load``) blocking, for this
+        client: with a blocking driver opened for it and closed after (the blocking client uses its own)."""
+        view = _CheckpointView(self)
+        try:
+            return step(view, *args, **kwargs)
+        finally:
+            view.close()
+
+    async def async_save_controller_checkpoint(self, path: str) -> None:
+        """Save the namespace's metadata to the directory ``path`` (a store's bytes left out where the
+        store allows), off the event loop. See :meth:`TransferQueueClient.save_controller_checkpoint`."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.save, path, include_storage=False)
+
+    async def async_load_controller_checkpoint(self, path: str) -> None:
+        """Replace the namespace's state with the checkpoint in ``path``, off the event loop."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, path)
+
+    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Save the namespace, its stored bytes included, to the directory ``checkpoint_dir``, off the
+        event loop. See :meth:`TransferQueueClient.save_storage_checkpoint`."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.save, checkpoint_dir)
+
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        """Replace the namespace's state (bytes included) with the checkpoint in ``checkpoint_dir``,
+        off the event loop."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, checkpoint_dir)
 
     async def async_close(self) -> None:
         """Close this event loop's Redis pool and the store connections."""

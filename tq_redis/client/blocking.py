@@ -6,8 +6,7 @@ client does), so the same object also offers every ``async_*`` coroutine.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -85,21 +84,9 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Replace the namespace's state (bytes included) with the checkpoint in ``checkpoint_dir``."""
         checkpoint.load(self, checkpoint_dir)
 
-    async def async_save_controller_checkpoint(self, path: str) -> None:
-        """:meth:`save_controller_checkpoint`, off the event loop."""
-        await asyncio.to_thread(self.save_controller_checkpoint, path)
-
-    async def async_load_controller_checkpoint(self, path: str) -> None:
-        """:meth:`load_controller_checkpoint`, off the event loop."""
-        await asyncio.to_thread(self.load_controller_checkpoint, path)
-
-    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        """:meth:`save_storage_checkpoint`, off the event loop."""
-        await asyncio.to_thread(self.save_storage_checkpoint, checkpoint_dir)
-
-    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        """:meth:`load_storage_checkpoint`, off the event loop."""
-        await asyncio.to_thread(self.load_storage_checkpoint, checkpoint_dir)
+    def _run_checkpoint(self, step: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """The ``async_*`` checkpoint calls (inherited) run ``step`` with this client's own driver."""
+        return step(self, *args, **kwargs)
 
     # the parameters and result types of get_meta, put and get_meta_and_data are their operations'
     # (written once, there; type checkers see them through blocking's ParamSpec)

@@ -103,6 +103,10 @@ ALIAS_MODULES: dict[str, dict[str, str]] = {
         "StreamingDataLoader": "tq_redis.integrations.dataloader:StreamingDataLoader",
     },
     "transfer_queue.storage": {"StorageKeyNotFoundError": "tq_redis.errors:StorageKeyNotFoundError"},
+    # NeMo-RL wraps its .options; a stand-in that starts nothing (tq_redis.integrations.simple_storage)
+    "transfer_queue.storage.simple_storage": {
+        "SimpleStorageUnit": "tq_redis.integrations.simple_storage:SimpleStorageUnit",
+    },
     "transfer_queue.utils": {},
     "transfer_queue.utils.logging_utils": {"get_logger": "tq_redis.logs:get_logger"},
     # the named actor's class (NeMo-RL's adapter sets its .options); the alias's init starts it
