@@ -32,6 +32,7 @@ _EXPORTS = {
     "Channel": "tq_redis.channel.channel",
     "DockMetrics": "tq_redis.dock.dock",
     "GRPOTransferDock": "tq_redis.dock.dock",
+    "MMGRPOTransferDock": "tq_redis.dock.multimodal",
     "TransferDock": "tq_redis.dock.dock",
     "StreamingDataLoader": "tq_redis.integrations.dataloader",
     "StreamingDataset": "tq_redis.integrations.dataloader",
@@ -66,6 +67,7 @@ __all__ = [
     "GRPOGroupNSampler",
     "GRPOTransferDock",
     "KVBatchMeta",
+    "MMGRPOTransferDock",
     "PrioritizedSampler",
     "REFERENCE_API_LEVEL",
     "RankAwareSampler",
@@ -164,6 +166,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tq_redis.client.blocking import TransferQueueClient
     from tq_redis.codec.item_classes import register_item_class
     from tq_redis.dock.dock import DockMetrics, GRPOTransferDock, TransferDock
+    from tq_redis.dock.multimodal import MMGRPOTransferDock
     from tq_redis.errors import StorageKeyNotFoundError
     from tq_redis.integrations.alias import REFERENCE_API_LEVEL, install_transfer_queue_alias
     from tq_redis.integrations.dataloader import StreamingDataLoader, StreamingDataset

@@ -162,6 +162,23 @@ def _open_monitor(command: str, url: str | None):
         return _one_line(command, _redis_failure(url, exc))
 
 
+_ALLOW_EMPTY = "; --allow-empty shows it anyway (a job not started yet)"
+
+
+def _check_namespace(command: str, r, args: argparse.Namespace) -> int | None:
+    """Exit status 1 with one line naming the known namespaces if ``args.namespace`` has no keys on the
+    server (unless ``--allow-empty``); None to go on."""
+    from tq_redis.monitor.known import unknown_namespace
+
+    if args.allow_empty:
+        return None
+    message = unknown_namespace(r, args.namespace, hint=_ALLOW_EMPTY)
+    if message is None:
+        return None
+    print(f"tq-redis {command}: {message}", file=sys.stderr)
+    return 1
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from tq_redis.monitor import status_view
     from tq_redis.monitor.status import rates, snapshot
@@ -172,6 +189,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return r
     previous = None
     try:
+        try:
+            refused = _check_namespace("status", r, args)
+        except redis.RedisError as exc:
+            return _one_line("status", _redis_failure(url, exc))
+        if refused is not None:
+            return refused
         while True:
             try:
                 snap = snapshot(r, args.namespace)
@@ -203,10 +226,13 @@ def _serve_view(command: str, args: argparse.Namespace, start) -> int:
         return r
     try:
         r.ping()
+        refused = _check_namespace(command, r, args)
     except redis.RedisError as exc:
         return _one_line(command, _redis_failure(url, exc))
     finally:
         r.close()
+    if refused is not None:
+        return refused
     server, address, reader = start(url)
     print(f"tq-redis {command}: namespace {args.namespace!r} at {address}", flush=True)
     stop = threading.Event()
@@ -336,10 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="embedded Valkey (or --cluster N) + DRAM storage nodes in the foreground, "
-                        "private to this user (a random password; see the README's Security section)")
+                        "private to this user (a random password; see docs/operations/security.md)")
     up.add_argument("--port", type=int, default=None, help="Redis port (a free one by default)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--namespace", default=settings.namespace or "tq")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address Redis listens on (default 127.0.0.1: this host only; 0.0.0.0: every "
+                         "interface, a trusted network only, there is no TLS)")
+    up.add_argument("--namespace", default=settings.namespace or "tq",
+                    help="the namespace the storage nodes serve and the attach file names "
+                         "(default: $TQ_NAMESPACE, else tq)")
     up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
     up.add_argument("--spill", default=None, metavar="URL",
@@ -359,12 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="per partition: claimable, progress, leases, waiters, poison; "
                             "where bytes live; the server's memory and policy")
     status.add_argument("--redis", default=None, help="Redis URL (default: $TQ_REDIS_URL)")
-    status.add_argument("--namespace", default=settings.namespace or "tq")
+    status.add_argument("--namespace", default=settings.namespace or "tq",
+                        help="the job's namespace (default: $TQ_NAMESPACE, else tq); an unknown one exits 1 "
+                             "naming the known ones")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", action="store_true",
                         help="refresh every --interval seconds until Ctrl-C, with rates since the last refresh")
     status.add_argument("--plain", action="store_true", help="plain text even where rich is installed")
-    status.add_argument("--interval", type=float, default=1.0)
+    status.add_argument("--interval", type=float, default=1.0, metavar="S",
+                        help="seconds between refreshes with --watch (default 1)")
+    status.add_argument("--allow-empty", action="store_true",
+                        help="go on when the namespace has no keys yet (a job not started yet) instead of "
+                             "exiting 1")
     status.set_defaults(func=_cmd_status)
 
     exporter = sub.add_parser("exporter", help="serve one namespace's Prometheus gauges at /metrics "
@@ -373,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--namespace", default=settings.namespace or "tq")
     exporter.add_argument("--port", type=int, default=9464, help="HTTP port (0: a free one)")
     exporter.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    exporter.add_argument("--allow-empty", action="store_true",
+                        help="go on when the namespace has no keys yet (a job not started yet) instead of "
+                             "exiting 1")
     exporter.set_defaults(func=_cmd_exporter)
 
     dash = sub.add_parser("dashboard", help="a live, read-only web page of one namespace at /")
@@ -381,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--port", type=int, default=8265, help="HTTP port (0: a free one)")
     dash.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     dash.add_argument("--refresh", type=float, default=2.0, help="seconds between the page's refreshes")
+    dash.add_argument("--allow-empty", action="store_true",
+                        help="go on when the namespace has no keys yet (a job not started yet) instead of "
+                             "exiting 1")
     dash.set_defaults(func=_cmd_dashboard)
 
     load = sub.add_parser("load-library", help="admin: load the Lua function library on every primary")
@@ -411,7 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `tq-redis status --json | head`: the reader left; exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so flushing stdout at exit raises nothing more
+        return 0
 
 
 if __name__ == "__main__":

@@ -63,6 +63,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unknown(url: str, ns: str) -> str | None:
+    """What to say when namespace ``ns`` has no keys on the server at ``url`` (None: it has)."""
+    from tq_redis.monitor.known import unknown_namespace
+    from tq_redis.server import connections
+
+    r = connections.sync_client(url)
+    try:
+        return unknown_namespace(r, ns)
+    finally:
+        r.close()
+
+
 def _cmd_drop(args: argparse.Namespace) -> int:
     from tq_redis.monitor import namespaces
 
@@ -70,6 +82,10 @@ def _cmd_drop(args: argparse.Namespace) -> int:
     if not url:
         return 2
     try:
+        unknown = _unknown(url, args.namespace)
+        if unknown is not None:
+            print(f"tq-redis namespace drop: {unknown}; nothing dropped", file=sys.stderr)
+            return 1
         info = namespaces.drop(url, args.namespace, force=args.force, say=lambda m: print(m, file=sys.stderr))
     except TQError as exc:
         print(f"tq-redis namespace drop: {exc}", file=sys.stderr)

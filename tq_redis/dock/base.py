@@ -207,9 +207,13 @@ class TransferDock:
 
     # -- writing and reading rows ------------------------------------------------------------
 
+    def _row_tags(self, row: int) -> dict[str, int]:
+        """The tags of row ``row``: its prompt (``uid``) and its row number (``dock_index``)."""
+        return {"uid": row // self.n_samples_per_prompt, "dock_index": row}
+
     def _write(self, columns: dict[str, list[Any]], rows: list[int]) -> None:
         fields = TensorDict({c: rows_to_field(c, r) for c, r in columns.items()}, batch_size=[len(rows)])
-        tags = [{"uid": i // self.n_samples_per_prompt, "dock_index": i} for i in rows]
+        tags = [self._row_tags(i) for i in rows]
         self._client.kv_batch_put([str(i) for i in rows], self.partition_id, fields, tags)
 
     def _put(self, experience_columns: Sequence[str], experience: Sequence[Sequence[Any]],

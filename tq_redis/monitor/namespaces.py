@@ -33,7 +33,7 @@ import redis
 
 from tq_redis import names
 from tq_redis.client import checkpoint, liveness
-from tq_redis.errors import InvalidName, NamespaceInUse, StorageError, TQError
+from tq_redis.errors import NamespaceInUse, StorageError, TQError
 from tq_redis.meta.keys import (
     ChannelKeys,
     by_slot,
@@ -47,15 +47,12 @@ from tq_redis.meta.keys import (
     storage_nodes_key,
     storage_rings_key,
 )
+from tq_redis.monitor.known import find
 from tq_redis.ops import channel as channel_ops
 from tq_redis.server import connections
 from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S, forget_nodes, forgettable
 
 __all__ = ["NamespaceInfo", "describe", "drop", "find", "gc"]
-
-#: namespace-level keys; a namespace with keys has at least one of them
-_MARKERS = ("config", "partitions", "partitions:kept", "channels", "clients", "storage:nodes")
-
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
@@ -64,19 +61,6 @@ def _text(value: Any) -> str:
 def _now_ms(r: Any) -> int:
     sec, usec = r.time()
     return int(sec) * 1000 + int(usec) // 1000
-
-
-def find(r: Any) -> list[str]:
-    """Every namespace that has keys on ``r``'s server (every primary of a cluster)."""
-    found: set[str] = set()
-    for marker in _MARKERS:
-        for key in r.scan_iter(match=f"*:{marker}", count=1000):
-            ns = _text(key)[: -len(marker) - 1]
-            try:
-                found.add(names.namespace(ns))
-            except InvalidName:  # some other application's key that happens to end like ours
-                continue
-    return sorted(found)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tq_redis import samplers
 from tq_redis.errors import InvalidArgument, LeaseLost, NotDurable
 from tq_redis.meta import BatchMeta
 from tq_redis.meta.keys import PartitionKeys, check_name, config_key
-from tq_redis.ops import arguments, encoding, script_budget, transitions
+from tq_redis.ops import arguments, encoding, script_budget, transitions, typos
 from tq_redis.ops.claim_plan import SamplerPlan, builtin_plan
 from tq_redis.ops.context import Context, Op, batchmeta_schema, check_fields, group_by_partition
 from tq_redis.ops.data import allocate
@@ -148,11 +148,15 @@ def fetch(
     deadline = time.monotonic() + timeout
     waiter = uuid.uuid4().hex if timeout > 0 else None
     user_registered = False  # whether the user-sampler path registered the waiter
+    typo_checked = False  # an empty claim checks once whether the partition and fields exist (ops.typos)
     wake: WaitToken | None = None  # the wait the next attempt runs first
     while True:
         wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
         meta, last_id, next_lapse, registered = yield from attempt(waiter, max(wait_ms, 0), wake)
         wake = None
+        if meta is None and not typo_checked:
+            typo_checked = True
+            yield from typos.warn_unknown(ctx, pk, fields)
         remaining = deadline - time.monotonic()
         if meta is not None or remaining <= 0:
             # Stop counting as a waiter, so no token is spent on us: the user-sampler path

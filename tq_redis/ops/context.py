@@ -51,6 +51,8 @@ class Context:
     # partition -> whether its last claim said it keeps values inline (get_data reads those with
     # read_inline first; a partition said not to goes to the store first)
     inline_partitions: dict[str, bool] = field(default_factory=dict)
+    # (partition, field) pairs an empty claim already checked for a typo (tq_redis.ops.typos)
+    checked_claims: set[tuple[str, str]] = field(default_factory=set)
     _keys: dict[str, PartitionKeys] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -131,13 +131,13 @@ def typed_error(url: str, exc: BaseException) -> TQError | None:
     where = redact(url)
     if isinstance(exc, redis.exceptions.NoPermissionError) or _denied_in_script(exc):
         return PermissionDenied(
-            f"Redis at {where} refused this client's user: {exc}. Its ACL rules do not allow it; a "
+            f"Redis at {where} refused this client's user: {str(exc).rstrip('.')}. Its ACL rules do not allow it; a "
             f"namespace's user may touch only the keys '<namespace>:*' of its own namespace and run "
             f"the commands `tq-redis acl NAMESPACE` lists (an administrator applies them with --apply)"
         )
     if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError):
         return PermissionDenied(
-            f"Redis at {where} refused the credentials: {exc}. Put the user and password in the URL "
+            f"Redis at {where} refused the credentials: {str(exc).rstrip('.')}. Put the user and password in the URL "
             f"(redis://USER:PASSWORD@host:port/0), or the password alone for the default user"
         )
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
