@@ -131,8 +131,8 @@ def test_no_other_module_defines_its_own_name_rules_or_scans_by_pattern():
                       if re.search(r"scan_iter\(|[\"']SCAN[\"']|[\"']MATCH[\"']|match=", text))
     # ``tq-redis namespace list|gc`` finds the namespaces themselves (no registry can list those of
     # jobs that died): an admin's look at the whole server, whose patterns hold no name, only the
-    # fixed namespace-level key kinds
-    assert scanners == ["monitor/namespaces.py"]
-    scanning = sources[ROOT / "tq_redis" / "monitor" / "namespaces.py"]
+    # fixed namespace-level key kinds (monitor/known.py's find, which namespaces.py calls)
+    assert scanners == ["monitor/known.py"]
+    scanning = sources[ROOT / "tq_redis" / "monitor" / "known.py"]
     assert re.findall(r"match=([^,)]*)", scanning) == ['f"*:{marker}"']
     assert re.search(r"for marker in _MARKERS:", scanning)

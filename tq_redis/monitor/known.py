@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from tq_redis import names
 from tq_redis.errors import InvalidName
 
@@ -32,12 +34,22 @@ def find(r: Any) -> list[str]:
     return sorted(found)
 
 
+def exists(r: Any, ns: str) -> bool:
+    """Whether namespace ``ns`` has keys on ``r``'s server: EXISTS of its namespace-level keys, which a
+    namespace's own ACL user may run (it may not SCAN)."""
+    return any(r.exists(f"{names.namespace(ns)}:{marker}") for marker in _MARKERS)
+
+
 def unknown_namespace(r: Any, ns: str, *, hint: str = "") -> str | None:
     """None when namespace ``ns`` has keys on ``r``'s server; else one line saying it has none and
-    naming the namespaces that do (``hint``: what to do if it is right, appended)."""
-    known = find(r)
-    if ns in known:
+    naming the namespaces that do (``hint``: what to do if it is right, appended). The listing needs
+    SCAN; a user refused it gets the line without the listing."""
+    if exists(r, ns):
         return None
+    try:
+        known = find(r)
+    except redis.exceptions.NoPermissionError:
+        return f"no namespace {ns!r} on this server; check --namespace or TQ_NAMESPACE{hint}"
     listed = ", ".join(repr(n) for n in known[:_SHOWN])
     if len(known) > _SHOWN:
         listed += f", ... ({len(known)} in all)"

@@ -148,15 +148,11 @@ def fetch(
     deadline = time.monotonic() + timeout
     waiter = uuid.uuid4().hex if timeout > 0 else None
     user_registered = False  # whether the user-sampler path registered the waiter
-    typo_checked = False  # an empty claim checks once whether the partition and fields exist (ops.typos)
     wake: WaitToken | None = None  # the wait the next attempt runs first
     while True:
         wait_ms = int((deadline - time.monotonic()) * 1000) if waiter else 0
         meta, last_id, next_lapse, registered = yield from attempt(waiter, max(wait_ms, 0), wake)
         wake = None
-        if meta is None and not typo_checked:
-            typo_checked = True
-            yield from typos.warn_unknown(ctx, pk, fields)
         remaining = deadline - time.monotonic()
         if meta is not None or remaining <= 0:
             # Stop counting as a waiter, so no token is spent on us: the user-sampler path
@@ -165,6 +161,9 @@ def fetch(
             if user_registered or registered:
                 yield Cmd(("ZREM", pk.waiters(task_name), waiter))
             if meta is None:
+                # only a get_meta about to come back empty checks for a typo (ops.typos): a
+                # consumer woken with its batch pays nothing, and its wait stays one round trip
+                yield from typos.warn_unknown(ctx, pk, fields)
                 if waiter:
                     log.debug("claim %s/%s: nothing ready after waiting %.1f s", pk.partition, task_name, timeout)
                 return BatchMeta.empty()

@@ -1,9 +1,10 @@
 """Typos say so: a claim of a partition that does not exist, or of a field no sample has, warns once.
 
 ``get_meta`` of a misspelt partition or field returns an empty batch (after its ``timeout``), as the
-reference's does, which looks like "no data yet". So the first time a claim of a (partition, field)
-comes back empty, :func:`warn_unknown` asks Redis (one pipelined round trip) whether the partition
-exists and which fields it knows (a field is known once a put or ``get_meta(mode="insert")`` named
+reference's does, which looks like "no data yet". So the first time a ``get_meta`` of a (partition,
+field) is about to return empty (at once with ``timeout=0``, else when its timeout ran out),
+:func:`warn_unknown` asks Redis (one pipelined round trip) whether the partition exists and which
+fields it knows (a field is known once a put or ``get_meta(mode="insert")`` named
 it: ``<p>:fields``), and logs ONE warning naming the known ones. Each (partition, field) is checked
 at most once per client context, whatever the answer, so a consumer polling an empty partition pays
 for it once; a claim that returns samples never pays at all. The return value stays empty.
