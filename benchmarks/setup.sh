@@ -65,7 +65,9 @@ fi
 # An editable install records the source path; reinstall if it points elsewhere or if
 # pyproject.toml, setup.py or a native module's source changed since the last install.
 STAMP="$VENV/.tq-redis-pyproject.sha256"
-want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/tq_redis/*.c | sha256sum | cut -d' ' -f1)"
+native_sources=()
+while IFS= read -r source; do native_sources+=("$source"); done < <(find "$ROOT/tq_redis" -name '*.c' | sort)
+want_stamp="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "${native_sources[@]}" | sha256sum | cut -d' ' -f1)"
 if { "$VENV/bin/python" -m pip show tq-redis 2>/dev/null || true; } | grep -q "Editable project location: $ROOT\$" \
     && [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
     say "tq-redis already installed editable from $ROOT (pyproject.toml, setup.py and native sources unchanged)"
