@@ -19,12 +19,22 @@ task name, channel name,        most 1024. ``:``, ``/``, ``.``, ``@``, ``*`` and
 tag name (custom meta key)      are fine (they sit inside or after the partition's ``{...}`` hash
                                 tag, so they cannot reach another partition's keys). Partition ids
                                 starting with ``__chan__`` are reserved: ``__chan__.<c>`` holds the
-                                bytes of channel ``c``'s tensor items.
+                                bytes of channel ``c``'s tensor items. Field and
+                                tag names may not hold ``~``: it marks tq-redis's own
+                                names (see *Reserved names* below).
 KV key                          any non-empty string without control characters (a KV key is a
                                 hash field, never part of a key name); at most 65536 characters.
 channel queue key               any ``str`` (and, canonicalised, other hashable keys: see
                                 :func:`tq_redis.ops.channel_rules.key_token`); it only ends a key name.
 ==============================  ================================================================
+
+Reserved names: partial rollout (:mod:`tq_redis.ops.partial`) keeps an appended field ``f`` as
+hidden fields ``f~0``, ``f~1``, ... (its parts), the per-sample tags ``f~parts`` and ``f~next`` (what
+the parts are and the next part index), and ``get_data`` adds the column ``f~version``. A user's
+field ``f~0`` would overwrite part 0 of ``f``, a tag ``f~parts`` would break the next append, so
+every name holding :data:`RESERVED_MARK` belongs to tq-redis: :func:`field_name` and :func:`tag_name`
+refuse it (before anything is written), and reads leave such tags out of ``custom_meta``
+(:func:`is_reserved`).
 
 Every validator returns the name unchanged (a plain ``str``) or raises ``InvalidName``.
 :data:`VALIDATORS` lists them by kind.
@@ -42,6 +52,11 @@ from tq_redis.errors import InvalidName
 #: partition ids with this prefix belong to tq-redis (a channel's hidden data partition)
 RESERVED_PARTITION_PREFIX = "__chan__"
 CHANNEL_DATA_PREFIX = RESERVED_PARTITION_PREFIX + "."
+
+#: field and tag names holding this character are tq-redis's own (partial rollout's ``<f>~<k>``,
+#: ``<f>~parts``, ``<f>~next``, ``<f>~version``): no user field or tag may hold it
+RESERVED_MARK = "~"
+RESERVED_SUFFIXES = ("~<k>", "~parts", "~next", "~version")
 
 NAMESPACE_MAX = 128
 NAME_MAX = 1024
@@ -119,9 +134,24 @@ def internal_partition_id(value: Any) -> str:
     return partition_id(value)
 
 
+def is_reserved(name: str) -> bool:
+    """Whether field or tag ``name`` is one of tq-redis's own (it holds :data:`RESERVED_MARK`)."""
+    return RESERVED_MARK in name
+
+
+def _not_reserved(kind: str, value: str) -> str:
+    if RESERVED_MARK in value:
+        forms = ", ".join(f"'<field>{s}'" for s in RESERVED_SUFFIXES)
+        raise InvalidName(
+            f"{kind} {value!r:.160} contains {RESERVED_MARK!r}, which is reserved: tq-redis names an appended "
+            f"field's parts, tags and version column {forms}; choose a {kind} without {RESERVED_MARK!r}"
+        )
+    return value
+
+
 def field_name(value: Any, kind: str = "field name") -> str:
-    """A field name (see :func:`key_part`)."""
-    return key_part(kind, value)
+    """A field name (see :func:`key_part`), without :data:`RESERVED_MARK`."""
+    return _not_reserved(kind, key_part(kind, value))
 
 
 def task_name(value: Any, kind: str = "task_name") -> str:
@@ -135,8 +165,8 @@ def channel_name(value: Any, kind: str = "channel name") -> str:
 
 
 def tag_name(value: Any, kind: str = "tag name") -> str:
-    """A per-sample tag (custom meta) name (see :func:`key_part`)."""
-    return key_part(kind, value)
+    """A per-sample tag (custom meta) name (see :func:`key_part`), without :data:`RESERVED_MARK`."""
+    return _not_reserved(kind, key_part(kind, value))
 
 
 def kv_key(value: Any, kind: str = "KV key") -> str:

@@ -136,3 +136,25 @@ def test_no_other_module_defines_its_own_name_rules_or_scans_by_pattern():
     scanning = sources[ROOT / "tq_redis" / "monitor" / "known.py"]
     assert re.findall(r"match=([^,)]*)", scanning) == ['f"*:{marker}"']
     assert re.search(r"for marker in _MARKERS:", scanning)
+
+
+@pytest.mark.parametrize("value", ["resp~0", "resp~12", "resp~parts", "resp~next", "resp~version", "~", "a~b"])
+@pytest.mark.parametrize("validator", [names.field_name, names.tag_name])
+def test_partial_rollouts_reserved_names_are_refused_as_fields_and_tags(validator, value):
+    """``~`` marks tq-redis's own names (an appended field's parts, tags and version column)."""
+    with pytest.raises(InvalidName, match=r"contains '~', which is reserved.*'<field>~parts'"):
+        validator(value)
+    assert names.is_reserved(value)
+
+
+@pytest.mark.parametrize("kind", ["custom meta key", "tag name", "field name", "field"])
+def test_reserved_names_are_refused_under_every_label(kind):
+    with pytest.raises(InvalidName, match=f"{kind} 'resp~parts' contains '~'"):
+        check_name(kind, "resp~parts")
+    with pytest.raises(InvalidName, match="reserved"):
+        check_fields(["prompt", "resp~version"])
+
+
+@pytest.mark.parametrize("validator", [names.partition_id, names.task_name, names.channel_name])
+def test_other_names_may_hold_a_tilde(validator):
+    assert validator("a~b") == "a~b"  # only fields and tags share a namespace with the hidden parts

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_redis import ops
+from tq_redis import names, ops
 from tq_redis.api.system import resolve_target
 from tq_redis.client.blocking import TransferQueueClient
 from tq_redis.dock.layout import check_layout, row_tensors, rows_to_field
@@ -119,7 +119,8 @@ class TransferDock:
         self.prompts_num = int_at_least("prompts_num", prompts_num, 1)
         self.n_samples_per_prompt = int_at_least("n_samples_per_prompt", n_samples_per_prompt, 1)
         self.max_len = self.prompts_num * self.n_samples_per_prompt
-        self.experience_columns = extend_names((), experience_columns)
+        # each column is a field of the dock's partition: checked (reserved names too) before anything is written
+        self.experience_columns = [names.field_name(c, "dock column") for c in extend_names((), experience_columns)]
         self.timeout = _seconds("timeout", timeout, DEFAULT_TIMEOUT_S)
         self.timeout_interval = _seconds("timeout_interval", timeout_interval, DEFAULT_TIMEOUT_INTERVAL_S)
         self.layout = check_layout(layout)

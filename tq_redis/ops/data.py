@@ -407,15 +407,16 @@ def with_fields(metadata: BatchMeta, schemas: dict[str, str]) -> BatchMeta:
 
 def _tag_rows(metadata: BatchMeta) -> dict[str, tuple[list[str], list[dict[str, Any]]]]:
     """Per partition, the tag names and the rows of ``metadata.custom_meta`` to store (in the
-    partition's order of samples); partitions without any tag are left out."""
+    partition's order of samples); partitions without any tag are left out. Every tag name is
+    checked here, before the caller writes anything (a rewrite stores its bytes before the tags)."""
     if len(metadata.custom_meta) != metadata.size:
         raise BatchSizeMismatch(f"custom_meta has {len(metadata.custom_meta)} entries for {metadata.size} samples")
     found = {}
     for pid, positions in group_by_partition(metadata).items():
         rows = [metadata.custom_meta[i] for i in positions]
-        names = sorted({k for row in rows for k in row})
-        if names:
-            found[pid] = (names, rows)
+        tag_names = sorted({k for row in rows for k in row})
+        if tag_names:
+            found[pid] = ([names.tag_name(t, "custom meta key") for t in tag_names], rows)
     return found
 
 

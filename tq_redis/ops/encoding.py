@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tq_redis import names
 from tq_redis.errors import UnsupportedValue
 
 __all__ = ["clock_ms", "encode_tag", "id_ranges", "schema_pairs", "tag_rows", "text"]
@@ -89,9 +90,13 @@ def tag_rows(flat: Sequence[Any], n: int) -> list[dict[str, Any]]:
     """Per-sample tag dicts from a reply's flat ``{name, [JSON or nil per sample], ...}``.
 
     Each tag column is decoded with one ``json.loads`` of the joined values (a batch of 1024
-    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls)."""
+    with a few tags would otherwise spend milliseconds in per-value ``json.loads`` calls). Tags of
+    tq-redis's own (:func:`tq_redis.names.is_reserved`: partial rollout's ``<f>~parts``, ``<f>~next``)
+    are left out: no user may write them, so a batch read and written back never carries them."""
     rows: list[dict[str, Any]] = [{} for _ in range(n)]
     for name, values in _pairs(flat):
+        if names.is_reserved(name):
+            continue
         present = [i for i, raw in enumerate(values) if raw is not None]
         if not present:
             continue

@@ -13,8 +13,9 @@ never copied.
 Storage (see ``lua/includes/parts.lua``): part ``k`` of a sample is the hidden field
 ``"<field>~<k>"``, stored like any value (inline in Redis when small, else in the store) and
 cleared with the sample; the per-sample tags ``"<field>~parts"`` (``[[policy_version, length, k],
-...]``) and ``"<field>~next"`` say what is there. Names ending in ``~...`` of an appended field are
-reserved for that.
+...]``) and ``"<field>~next"`` say what is there. Every field or tag name holding ``~`` is
+reserved for that (:mod:`tq_redis.names` refuses it as a user's field or tag, and reads leave these
+tags out of ``custom_meta``).
 
 Atomicity: small parts (at most ``storage.inline_max_bytes`` each) are stored and recorded by one
 script. Larger ones take two: ``part_alloc`` hands out fresh part indexes and registers their
@@ -49,7 +50,7 @@ from tq_redis.ops.effects import Offload
 from tq_redis.ops.transitions import PartSpec
 from tq_redis.storage.manager import KVStorageManager
 
-PART_MARK = "~"
+PART_MARK = names.RESERVED_MARK
 """Separates an appended field's name from its hidden parts and tags (``responses~0``,
 ``responses~parts``) and from the version column :func:`get_data` adds (``responses~version``)."""
 
@@ -70,12 +71,7 @@ def _policy_version(value: Any) -> int:
 
 
 def _field(name: Any) -> str:
-    names.field_name(name)
-    if PART_MARK in name:
-        raise InvalidArgument(
-            f"field {name!r} contains {PART_MARK!r}, which names the hidden parts of an appended field; rename it"
-        )
-    return name
+    return names.field_name(name)  # refuses PART_MARK: it names an appended field's hidden parts
 
 
 def _row_lengths(name: str, value: Any, n: int) -> list[int]:
