@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.records import without_records
 from tq_redis import AsyncTransferQueueClient, TransferQueueClient, errors
 from tq_redis.backends.dram.launcher import spawn_node
 from tq_redis.meta.keys import PartitionKeys, clients_key, config_key
@@ -21,7 +22,7 @@ def _state(client, partition: str) -> dict:
     client's liveness record, which its heartbeat rewrites on its own: tq_redis.client.liveness)."""
     out = {}
     life = (clients_key(client.namespace).encode(), config_key(client.namespace).encode())
-    for key in sorted(client.redis.scan_iter(f"{client.namespace}:*")):
+    for key in without_records(sorted(client.redis.scan_iter(f"{client.namespace}:*")), client.redis):
         if key == life[0]:
             continue
         if key == life[1]:

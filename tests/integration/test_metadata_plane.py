@@ -6,6 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tests.records import without_records
 from tq_redis import errors
 from tq_redis.meta.keys import PartitionKeys
 
@@ -106,7 +107,7 @@ def test_clear_frees_data_and_hides_samples(client):
     assert not client.redis.exists(pk.data(2, "input_ids"))
     assert "p" not in client.get_partition_list()
     # only the id counter (ids are never reused) and the short-lived event stream remain
-    left = set(client.redis.scan_iter(f"{client.namespace}:{{{client.namespace}/p}}:*"))
+    left = set(without_records(client.redis.scan_iter(f"{client.namespace}:{{{client.namespace}/p}}:*"), client.redis))
     assert left == {pk.seq.encode(), pk.events.encode()}
     assert 0 < client.redis.pttl(pk.events) <= 60000
 
@@ -120,7 +121,7 @@ def test_wait_bookkeeping_expires_and_goes_with_the_partition(client):
     assert client.redis.zcard(pk.waiters("t")) == 0
     assert 0 < client.redis.pttl(pk.waittasks) <= 60050
     client.clear_partition("w")
-    left = set(client.redis.scan_iter(pk.prefix + "*"))
+    left = set(without_records(client.redis.scan_iter(pk.prefix + "*"), client.redis))
     assert left == {pk.seq.encode(), pk.events.encode()}
 
 
@@ -181,7 +182,7 @@ def test_function_library_reloads_after_flush(client):
 def test_keys_share_one_hash_tag(client):
     client.put(_td(2), partition_id="step_7")
     client.get_meta(["input_ids"], 1, "step_7", task_name="t", lease_s=10)
-    keys = [k.decode() for k in client.redis.scan_iter(f"{client.namespace}:*")]
+    keys = [k.decode() for k in without_records(client.redis.scan_iter(f"{client.namespace}:*"), client.redis)]
     tag = f"{{{client.namespace}/step_7}}"  # the namespace inside the tag: jobs spread over slots
     part_keys = [k for k in keys if tag in k]
     assert len(part_keys) >= 6

@@ -8,13 +8,15 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.records import without_records
 from tq_redis import Channel, TransferQueueClient
 from tq_redis.errors import ChannelNotFound, InvalidName
 
 
 def _keys(client, ns: str) -> list[str]:
     # the test's own namespace is a plain uuid-ish word, so this pattern selects exactly it
-    return sorted(k.decode() for k in client.redis.scan_iter(match=f"{ns}:*", count=1000))
+    keys = without_records(client.redis.scan_iter(match=f"{ns}:*", count=1000), client.redis)
+    return sorted(k.decode() for k in keys)
 
 
 def _batch(n: int = 2, field: str = "x") -> TensorDict:

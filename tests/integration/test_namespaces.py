@@ -25,6 +25,7 @@ from tensordict import TensorDict
 
 import tq_redis as tq
 from tests.conftest import make_client
+from tests.records import without_records
 from tq_redis.backends.dram.launcher import spawn_node
 from tq_redis.backends.dram.store import DramStore
 from tq_redis.cli import main as cli
@@ -88,7 +89,7 @@ def _wait_until(condition, what: str, deadline_s: float = 60.0) -> None:
 
 
 def _keys(r, ns: str) -> list[bytes]:
-    return sorted(r.scan_iter(match=f"{ns}:*", count=1000))
+    return sorted(without_records(r.scan_iter(match=f"{ns}:*", count=1000), r))
 
 
 def _cli(*argv: str) -> tuple[int, str]:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.records import without_records
 from tq_redis import ops
 from tq_redis.backends.dram.launcher import spawn_node
 from tq_redis.backends.dram.pool import check_reply, run
@@ -342,6 +343,10 @@ def test_rewrites_racing_clears_in_another_process_leave_no_bytes(real_server, n
         client.close()
 
 
+def _partition_keys(client, namespace: str) -> list[bytes]:
+    return sorted(without_records(client.redis.keys(f"{namespace}:{{{namespace}/p}}:*"), client.redis))
+
+
 def test_a_put_into_a_sealed_and_cleared_partition_is_refused_until_reopened(real_server, namespace, nodes):
     nodes("n1")
     client = _client(real_server.url, namespace)
@@ -350,7 +355,7 @@ def test_a_put_into_a_sealed_and_cleared_partition_is_refused_until_reopened(rea
     client.seal_partition("p")
     client.clear_partition("p")
     pk = PartitionKeys(namespace, "p")
-    before = sorted(client.redis.keys(f"{namespace}:{{{namespace}/p}}:*"))
+    before = _partition_keys(client, namespace)
     for write in (
         lambda: client.put(_rows(0, 4), partition_id="p"),
         lambda: client.kv_put("k", "p", {"x": torch.ones(WIDTH)}),
@@ -359,7 +364,7 @@ def test_a_put_into_a_sealed_and_cleared_partition_is_refused_until_reopened(rea
         with pytest.raises(PartitionClosed, match=r"reopen_partition\('p'\)"):
             write()
     assert _keys_on(store, "n1") == 0
-    assert sorted(client.redis.keys(f"{namespace}:{{{namespace}/p}}:*")) == before  # nothing written
+    assert _partition_keys(client, namespace) == before  # nothing written
     assert client.redis.zscore(partitions_key(namespace), "p") is None
 
     assert client.reopen_partition("p") is True and not client.redis.exists(pk.closed)

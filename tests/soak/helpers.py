@@ -105,14 +105,15 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     marker, the registry listing them (``partitions:kept``), and
     while they still have an expiry its event stream (kept a minute so that readers following it
     see the partition go) and the wait bookkeeping of consumers that started waiting after the
-    clear (``waittasks``, ``waiters:*``, ``wake*:*``).
+    clear (``waittasks``, ``waiters:*``, ``wake*:*``), and the calls' request records (``rq:*``, two
+    minutes: ``lua/includes/requests.lua``).
     """
     # partitions:kept lists the cleared partitions whose seq stays (checkpoints find it there)
     allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace),
                clients_key(namespace), storage_rings_key(namespace)}
     allowed |= {f"{namespace}:{{{namespace}/{p}}}:{kind}" for p in partitions for kind in ("seq", "closed", "counters")}
     prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
-    expiring = ("events", "tagchanges", "waittasks", "waiters:", "waitneed:", "wake:", "wakebudget:")
+    expiring = ("events", "tagchanges", "waittasks", "waiters:", "waitneed:", "wake:", "wakebudget:", "rq:")
 
     def may_expire(key: str) -> bool:
         return key.startswith(prefixes) and key.split("}:", 1)[1].startswith(expiring)

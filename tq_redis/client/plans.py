@@ -11,10 +11,32 @@ the typed errors an operation is handed, the call and wait timings. The drivers 
 :mod:`tq_redis.client.driver` only carry the requests out, blocking or with asyncio (as psycopg 3's
 ``generators.py`` decides and its ``waiting.py`` only waits). A plan does no I/O and reads no global
 state of the process: what it needs is the driver's state (:class:`Plans`).
+
+**Retries, and why each is safe** (the one place this is written down; ``docs/operations/failures.md``
+says it for users). A call may be sent more than once: redis-py sends a command again after a
+``ConnectionError``/``TimeoutError`` with backoff (:func:`tq_redis.server.connections.connection_options`:
+a reply lost to a dropped connection, a Redis restarting), and re-sends a whole pipeline; a blocking
+client whose lane fails sends its command again the pool's way; this module sends a call again once
+after the server lost the library, and again after ``BUSY`` (which did not run it). So that none of
+these acts twice, :meth:`Plans.operation` gives every call of a script that writes one request id when
+the operation yields it (:func:`with_record`): its record key ``<prefix>rq:<id>`` goes last in its KEYS
+(:func:`tq_redis.server.library.record_key`), and the script records its reply there
+(``lua/includes/requests.lua``, two minutes); every resend of that call, by redis-py or by a plan, carries
+the same key and gets the recorded reply. A retried ``fetch`` claim returns the batch it claimed,
+a retried ``commit_group`` its first reply. Each yield of an effect is a new logical call with a new id
+(an operation that claims again after an empty batch asks anew). What is not recorded, and why it
+may run twice: the scripts of :data:`tq_redis.server.library.UNRECORDED` only read; the plain commands
+operations send are idempotent by nature (reads, ``ZADD NX``, ``SADD``/``SREM``/``ZREM``, ``HSETNX``, ``DEL``,
+``HSET`` of the same values), except ``INCRBY`` of a channel's data-plane id counter, whose repeat only
+skips ids (never reused), and ``reopen_partition``'s ``DEL``, whose repeat reports False for a partition it
+did reopen. A wake token ``BLPOP`` whose reply is lost is not re-sent on a blocking client's lane (the
+claim behind it goes out at once, :meth:`Plans._wait_then_call`); elsewhere redis-py's resend waits for
+the next token or the wait's timeout, and the claim after it finds what is ready: a sample is never lost.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -76,6 +98,30 @@ _CONNECTION_ERRORS = (
     redis.ConnectionError, redis.TimeoutError, OSError,
     redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
 )
+
+
+def request_id() -> str:
+    """A new request id: 16 random hex digits (a retry within the record's two minutes that met
+    another call's id by chance is a 1 in 2**64 event)."""
+    return os.urandom(8).hex()
+
+
+def _recorded(call: FCall) -> FCall:
+    if not call.keys or not scripts.records(call.name):
+        return call
+    return FCall(call.name, (*call.keys, scripts.record_key(call.keys[0], request_id())), call.args)
+
+
+def with_record(effect: Any) -> Any:
+    """``effect`` with a request record key added to each of its calls of a script that writes (see
+    the module docstring); every other effect as it is."""
+    if isinstance(effect, FCall):
+        return _recorded(effect)
+    if isinstance(effect, Pipe):
+        return Pipe(tuple(_recorded(c) if isinstance(c, FCall) else c for c in effect.calls))
+    if isinstance(effect, WaitThenCall):
+        return WaitThenCall(effect.wait, _recorded(effect.call))
+    return effect
 
 
 def _fcall_args(call: FCall) -> tuple:
@@ -310,7 +356,7 @@ class Plans:
                 instruments.ERRORS.labels(type(exc).__name__).inc()
                 raise
             try:
-                value, error = (yield from self._patiently(effect, notes)), None
+                value, error = (yield from self._patiently(with_record(effect), notes)), None
             except Exception as exc:  # handed to the operation, which decides
                 value, error = None, handed_over(self.url, effect, exc)
         if notes:
@@ -383,7 +429,9 @@ class Plans:
             yield from self._ensure_loaded(nodes=self._library.unchecked((call,)))
             with instruments.WAIT_SECONDS.time():
                 replies = yield Call("pipeline_on_lane", ([_blpop_args(effect.wait), _fcall_args(call)],))
-        if replies is None:  # the lane is busy or failed, or another kind of client: one after the other
+            if replies is connections.LANE_LOST:  # the wait may have taken its token: no second wait
+                return False, (yield from self._patiently(call, notes))
+        if replies is None:  # the lane is busy, or another kind of client: one after the other
             try:
                 popped = yield from self._attempt(effect.wait, notes)
             except redis.ResponseError as exc:
@@ -463,7 +511,7 @@ class Plans:
             yield from self._check_durable()
         elif self._lane:
             replies = yield Call("pipeline_on_lane", ([_as_args(call) for call in calls],))
-            if replies is not None:
+            if replies is not None and replies is not connections.LANE_LOST:
                 return replies
         commands = tuple(_as_args(call) for call in calls) + ((wait,) if wait is not None else ())
         return _durable_results(self.durable, list((yield Batch(commands))), wait, notes)

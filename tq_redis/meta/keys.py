@@ -89,15 +89,17 @@ key                                type    holds
 ``ns:chan:{c}:puts``               STREAM  one event per put (wakes blocked ``get``/``get_batch``)
 ``ns:chan:{c}:gets``               STREAM  one event per get of a bounded channel (wakes blocked ``put``)
 ``ns:{__chan__.c}:d:<id>:<field>`` STRING  bytes of tensor / TensorDict items of channel ``c`` (redis store)
+``ns:{p}:rq:<id>``                 STRING  a call's request record: its script's reply, returned to a
+``ns:chan:{c}:rq:<id>``                    retry of the call (``lua/includes/requests.lua``); 2 minutes
 =================================  ======  ===============================================
 
 Keys are found through registries, never by a ``SCAN`` pattern (checkpoints, ``Channel.delete``):
 the registries above (``partitions``, ``partitions:kept``, ``channels``), each partition's own sets
 (``fields``, ``tasks``, ``tagnames``, ``waittasks``, ``trashfields``) and each channel's ``meta`` (a
 ``w:<key>`` field per non-empty queue) name every key there is, except the sampler caches ``rank:`` /
-``bal:`` and the ``waiters`` of a partition never created, which expire by themselves. Every name in
-a key was checked by :mod:`tq_redis.names`; :func:`by_slot` groups keys for multi-key commands on a
-Redis Cluster.
+``bal:``, the calls' request records ``rq:`` and the ``waiters`` of a partition never created, which
+expire by themselves. Every name in a key was checked by :mod:`tq_redis.names`; :func:`by_slot` groups
+keys for multi-key commands on a Redis Cluster.
 """
 
 from __future__ import annotations

@@ -351,6 +351,9 @@ def cluster_failure(url: str, exc: BaseException) -> TQError:
 
 #: commands a :class:`SingleClient` sends on its lane (see there): our scripts' calls
 LANE_COMMANDS = frozenset({"FCALL", "FCALL_RO"})
+#: what :meth:`SingleClient.pipeline_on_lane` returns when the lane's connection failed after its write:
+#: the commands may have run (the caller resends only what is safe to resend)
+LANE_LOST: Any = object()
 
 
 def _packed(args: tuple[Any, ...]) -> bytes | None:
@@ -435,8 +438,9 @@ class SingleClient(redis.Redis):
         redis-py's pipeline object (its pool checkout and per-command bookkeeping). An error
         reply takes its command's place in the list, as ``execute(raise_on_error=False)`` puts it.
         Replies go through redis-py's response callbacks, as its pipeline's do. None when the
-        lane is taken by another thread or its connection fails: the caller then sends the
-        pipeline the pool's way (resending it whole, as redis-py's own retry does)."""
+        lane is taken by another thread, :data:`LANE_LOST` when its connection fails: the caller
+        then sends the pipeline the pool's way (resending it whole, as redis-py's own retry does,
+        which request records make safe for our scripts' calls)."""
         if self.connection is not None or not self._lane_lock.acquire(blocking=False):
             return None
         try:
@@ -452,7 +456,7 @@ class SingleClient(redis.Redis):
                         replies.append(exc)
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 self._leave_lane(conn)
-                return None
+                return LANE_LOST
             except BaseException:  # interrupted mid-way: replies may still be on their way
                 self._leave_lane(conn)
                 raise

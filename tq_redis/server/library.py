@@ -14,6 +14,12 @@ returns a hash of the source. A script whose header has a ``Flags:`` section is 
 those Redis function flags (one per line, its reason after it): ``allow-oom`` on the scripts that
 only delete or shrink (the clear path), so clearing still frees memory when Redis is full.
 
+Every script that is not ``no-writes`` is registered through ``recorded`` (``lua/includes/requests.lua``):
+a call may pass, as its last key, a request record ``<prefix of KEYS[1]>rq:<request id>``; the
+first run records its reply there for two minutes and a retry with the same key gets that reply
+instead of running again. The client passes one for every call of a script outside :data:`UNRECORDED`
+(:func:`records`, :func:`record_key`); the retry rule is written down in ``tq_redis/client/plans.py``.
+
 Whether a server runs *this* library is decided from its code, not from what ``tq_version``
 answers (any user allowed to ``FUNCTION LOAD`` could load a library whose ``tq_version`` lies):
 ``FUNCTION LIST LIBRARYNAME tq_redis WITHCODE`` must return exactly :func:`library`'s source
@@ -49,6 +55,13 @@ INCLUDE_LINE = re.compile(r"^--\s*@include\s+(\S+)\s*$", re.MULTILINE)
 FLAGS_SECTION = re.compile(r"^([ \t]*)Flags:[ \t]*\n((?:\1[ \t]+\S.*\n?)+)", re.MULTILINE)
 #: the Redis function flags a script may declare
 KNOWN_FLAGS = frozenset({"allow-oom", "no-writes", "allow-stale", "no-cluster", "allow-cross-slot-keys"})
+#: the include whose ``recorded`` wraps every script that writes (see the module docstring)
+RECORD_INCLUDE = "requests"
+#: scripts the client calls without a request record: they only read (``progress`` and ``ready_ids``
+#: also drop what has expired, which a second run does the same way), so running one twice is harmless
+UNRECORDED = frozenset({
+    "check_visible", "kv_list", "part_read", "progress", "read_inline", "read_registry", "ready_ids", "tag_changes",
+})
 
 
 class IncludeError(TQError, ValueError):
@@ -130,10 +143,9 @@ def include_graph() -> dict[str, list[str]]:
 def _resolved() -> tuple[dict[str, str], dict[str, str], list[str]]:
     """``(scripts, includes, load order of the includes)``."""
     scripts, found = _sources()
-    order = include_order(
-        {name: declared_includes(text) for name, text in scripts.items()},
-        {name: declared_includes(text) for name, text in found.items()},
-    )
+    wanted = {name: declared_includes(text) for name, text in scripts.items()}
+    wanted["(registrations)"] = [RECORD_INCLUDE]  # every registration of a script that writes uses it
+    order = include_order(wanted, {name: declared_includes(text) for name, text in found.items()})
     return scripts, found, order
 
 
@@ -175,10 +187,23 @@ def declared_flags(source: str, name: str = "script") -> list[str]:
 
 
 def _registration(name: str, flags: Sequence[str]) -> str:
+    # a script that writes runs through `recorded`, which answers a retried request from its record
+    callback = name if "no-writes" in flags else f"function(KEYS, ARGV) return recorded({name}, KEYS, ARGV) end"
     if not flags:
-        return f"redis.register_function('tq_{name}', {name})"
+        return f"redis.register_function('tq_{name}', {callback})"
     listed = ", ".join(f"'{f}'" for f in flags)
-    return f"redis.register_function{{function_name='tq_{name}', callback={name}, flags={{{listed}}}}}"
+    return f"redis.register_function{{function_name='tq_{name}', callback={callback}, flags={{{listed}}}}}"
+
+
+def records(name: str) -> bool:
+    """Whether the client passes a request record to script ``name`` (every script not in :data:`UNRECORDED`)."""
+    return name not in UNRECORDED
+
+
+def record_key(first_key: str, request_id: str) -> str:
+    """The request record of a call whose ``KEYS[1]`` is ``first_key`` (a ``...meta`` key): same prefix,
+    so same hash slot and namespace, ``rq:<request_id>`` in place of ``meta``."""
+    return f"{first_key[:-4]}rq:{request_id}"
 
 
 def function_flags() -> dict[str, list[str]]:
