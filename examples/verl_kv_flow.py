@@ -735,7 +735,9 @@ def step_load(flow: Flow) -> str:
     tq.kv_clear(keys=flow.batch.keys, partition_id=flow.batch.partition_id)  # what the step's cleanup does
     tq.kv_put(key="stray", partition_id="train", tag={"status": "noise"})
     assert tq.kv_list("train")["train"].keys().isdisjoint(flow.batch.keys)
-    tq.load_checkpoint(str(flow.ckpt_path))
+    # verl resumes into a fresh, empty system; this process loads over its live one, which a load
+    # refuses (NamespaceNotEmpty) unless asked to replace it (the old data's bytes leave the store too)
+    tq.load_checkpoint(str(flow.ckpt_path), replace=True)
     after = tq.kv_list()
     assert after == before, f"kv_list after load_checkpoint differs:\n{after}\nvs\n{before}"
     data = tq.kv_batch_get(keys=flow.batch.keys, partition_id="train", select_fields=["responses", "rm_scores"])

@@ -151,6 +151,27 @@ class DataMissing(StorageError, KeyError):
     """A key the metadata says exists is missing from its store."""
 
 
+class CheckpointNotFound(StorageError, FileNotFoundError):
+    """``load_checkpoint`` was given a directory that does not exist or holds no ``metadata.json``
+    (a ``FileNotFoundError``, as the reference raises)."""
+
+
+class CheckpointCorrupt(StorageError, ValueError):
+    """A checkpoint directory holds a file that is missing, truncated, altered or not what
+    ``save_checkpoint`` writes. ``file`` names it (relative to the directory). Found before the load
+    wrote anything: the namespace is as it was. Save the checkpoint again, or load another one."""
+
+    def __init__(self, message: str, file: str = "") -> None:
+        super().__init__(message)
+        self.file = file
+
+
+class NamespaceNotEmpty(TQError, RuntimeError):
+    """A checkpoint was to be loaded into a namespace that holds data (partitions, channels, docks),
+    which the load would delete. Nothing was changed: clear it first, load into a new namespace, or
+    pass ``replace=True`` (the old data's bytes are then deleted from every store)."""
+
+
 class BackendNotInstalled(ConfigError, ImportError):
     """A storage backend's (or the demo's) optional dependency is missing; the message names the
     extra or package to install. A ``ConfigError``: the configuration asks for what is not installed."""

@@ -220,7 +220,8 @@ def test_client_checkpoint_calls_of_the_reference(server, namespace, tmp_path):
         assert client.get_partition_list() == []
         client.load_storage_checkpoint(str(tmp_path / "storage"))
         assert torch.equal(client.get_data(meta)["x"], torch.arange(6).reshape(3, 2))
-        asyncio.run(client.async_load_controller_checkpoint(str(tmp_path / "controller.pkl")))
+        # "p" is back: loading over it is asked for (a namespace holding data is refused by default)
+        asyncio.run(client.async_load_controller_checkpoint(str(tmp_path / "controller.pkl"), replace=True))
         assert client.get_partition_list() == ["p"]
     finally:
         client.close()

@@ -41,7 +41,7 @@ def test_checkpoint_round_trip(tmp_path, namespace, backend):
         client.clear_partition("p")
         tq.kv_clear("k", "kvp")
         client.put(TensorDict({"x": torch.arange(2) + 100}, [2]), partition_id="after")
-        assert tq.load_checkpoint(tmp_path / "ckpt") == {"step": 4}
+        assert tq.load_checkpoint(tmp_path / "ckpt", replace=True) == {"step": 4}
         assert _state(client) == before
         assert "after" not in client.get_partition_list()  # state after the checkpoint is gone
         assert [r.tolist() for r in tq.kv_batch_get("k", "kvp")["y"].unbind()] == [[1.5, 2.5]]
@@ -61,7 +61,7 @@ def test_metadata_only_checkpoint_of_dram_still_saves_the_bytes(tmp_path, namesp
         tq.kv_batch_put(["a", "b"], "p", TensorDict({"x": torch.tensor([[5, 6], [7, 8]])}, [2]))
         tq.save_checkpoint(tmp_path / "ckpt", include_storage=False)
         tq.kv_clear(["a", "b"], "p")
-        tq.load_checkpoint(tmp_path / "ckpt")
+        tq.load_checkpoint(tmp_path / "ckpt", replace=True)  # "p" is still listed
         rows = tq.kv_batch_get(["a", "b"], "p")["x"].unbind()
         assert [r.tolist() for r in rows] == [[5, 6], [7, 8]]
     finally:
@@ -81,7 +81,7 @@ def test_load_checkpoint_leaves_a_namespace_sharing_its_prefix_alone(tmp_path, n
                    f"{namespace}:b:chan:{{c}}:meta": b"y", f"{namespace}:{{p}}x": b"z"}
         for key, value in foreign.items():
             r.set(key, value)
-        tq.load_checkpoint(tmp_path / "ckpt")
+        tq.load_checkpoint(tmp_path / "ckpt", replace=True)
         assert {key: r.get(key) for key in foreign} == foreign
         saved = tq_objects.decode_object((tmp_path / "ckpt" / "redis_keys.msgpack").read_bytes())
         assert not [suffix for suffix, *_ in saved if suffix.startswith("b:")]
@@ -137,7 +137,7 @@ def test_a_channels_tensor_items_come_back_from_a_dram_checkpoint(tmp_path, name
         chan.put(TensorDict({"a": torch.ones(2, 2)}, [2]), weight=1)
         tq.save_checkpoint(tmp_path / "ckpt")
         chan.get_batch(2)  # weights 1 + 1; consumed: the bytes are deleted from the nodes
-        tq.load_checkpoint(tmp_path / "ckpt")
+        tq.load_checkpoint(tmp_path / "ckpt", replace=True)  # the channel itself is still there
         first, second = tq.Channel.connect("tensors").get_batch(2)
         assert torch.equal(first, torch.arange(6).reshape(2, 3))
         assert torch.equal(second["a"], torch.ones(2, 2))

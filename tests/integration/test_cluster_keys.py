@@ -46,7 +46,7 @@ def test_checkpoint_round_trip_on_a_cluster(cluster, namespace, tmp_path):
         for p in range(5, 8):  # stale partitions on other slots: load deletes them per slot
             client.put(TensorDict({"x": torch.arange(3)}, [3]), partition_id=f"p{p}")
         client.clear_partition("p1")
-        tq.load_checkpoint(tmp_path / "ckpt")
+        tq.load_checkpoint(tmp_path / "ckpt", replace=True)
         assert client.get_partition_list() == [f"p{p}" for p in range(5)]
         meta = client.get_meta(["x"], 3, "p1", mode="force_fetch")
         assert client.get_data(meta)["x"].tolist() == [1, 2, 3]

@@ -156,3 +156,41 @@ def test_ack_nack_tags_and_clears_whose_replies_are_lost_act_once(via_proxy):
     assert proxy.dropped == 4
     assert _alive(direct) == [2, 3]
     assert [m["v"] for m in direct.get_meta(["x"], 0, "p", mode="force_fetch").get_all_custom_meta()] == [2, 3]
+
+
+@pytest.mark.parametrize("script", [b"tq_kv_resolve", b"tq_produce"])
+def test_a_kv_put_whose_reply_is_lost_maps_its_key_once(via_proxy, script):
+    client, proxy, direct = via_proxy
+    client.kv_put("a", "p", {"x": torch.tensor([1])})
+    proxy.drop_reply_after(script)
+    client.kv_put("b", "p", {"x": torch.tensor([2])})
+    assert proxy.dropped == 1, f"kv_put sent no {script!r}"
+    client.kv_put("a", "p", {"x": torch.tensor([3])})  # a rewrite of a's field, not a new sample
+    assert _alive(direct) == [0, 1]
+    got = direct.kv_batch_get(["a", "b"], "p")
+    assert got["x"].reshape(-1).tolist() == [3, 2]
+    proxy.drop_reply_after(b"tq_kv_unmap")
+    client.kv_clear(["a"], "p")
+    assert proxy.dropped == 2
+    assert _alive(direct) == [1]
+
+
+def test_a_channel_put_or_get_whose_reply_is_lost_acts_once(real_server, namespace):
+    from tq_redis import Channel
+
+    with FaultProxy.for_url(real_server.url) as proxy:
+        ch = Channel.create("c", redis_url=proxy.url(real_server.url), namespace=namespace)
+        watch = Channel.connect("c", redis_url=real_server.url, namespace=namespace)
+        try:
+            proxy.drop_reply_after(b"tq_channel_put")
+            ch.put("a", weight=1)
+            ch.put("b", weight=1)
+            assert watch.qsize() == 2  # not 3
+            proxy.drop_reply_after(b"tq_channel_pop")
+            assert ch.get() == "a"  # the item the lost reply carried, not lost
+            assert ch.get_nowait() == "b"
+            assert watch.empty()
+            assert proxy.dropped == 2
+        finally:
+            ch.close()
+            watch.close()

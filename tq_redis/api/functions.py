@@ -46,9 +46,15 @@ def save_checkpoint(checkpoint_dir: str | Path, *, metadata: dict[str, Any] | No
     checkpoint.save(_client(), checkpoint_dir, metadata=metadata, include_storage=include_storage)
 
 
-def load_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Replace the namespace's state with the checkpoint's; returns its user ``metadata``."""
-    return checkpoint.load(_client(), checkpoint_dir)
+def load_checkpoint(checkpoint_dir: str | Path, *, replace: bool = False) -> dict[str, Any]:
+    """Load the checkpoint in ``checkpoint_dir`` into the namespace; returns its user ``metadata``.
+
+    All or nothing: every file is read, checked against the checkpoint's manifest (sizes, SHA-256)
+    and decoded before the first write, and a bad one raises ``CheckpointCorrupt`` naming it. A
+    namespace that holds data raises ``NamespaceNotEmpty`` unless ``replace=True``, which clears that
+    data first (its bytes deleted from every store). See :func:`tq_redis.client.checkpoint.load`.
+    """
+    return checkpoint.load(_client(), checkpoint_dir, replace=replace)
 
 
 def kv_put(

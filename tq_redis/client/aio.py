@@ -334,19 +334,20 @@ class AsyncTransferQueueClient:
         store allows), off the event loop. See :meth:`TransferQueueClient.save_controller_checkpoint`."""
         await asyncio.to_thread(self._run_checkpoint, checkpoint.save, path, include_storage=False)
 
-    async def async_load_controller_checkpoint(self, path: str) -> None:
-        """Replace the namespace's state with the checkpoint in ``path``, off the event loop."""
-        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, path)
+    async def async_load_controller_checkpoint(self, path: str, *, replace: bool = False) -> None:
+        """Load the checkpoint in ``path`` into the namespace, off the event loop. See
+        :meth:`TransferQueueClient.load_controller_checkpoint` (``replace``)."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, path, replace=replace)
 
     async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
         """Save the namespace, its stored bytes included, to the directory ``checkpoint_dir``, off the
         event loop. See :meth:`TransferQueueClient.save_storage_checkpoint`."""
         await asyncio.to_thread(self._run_checkpoint, checkpoint.save, checkpoint_dir)
 
-    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        """Replace the namespace's state (bytes included) with the checkpoint in ``checkpoint_dir``,
-        off the event loop."""
-        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, checkpoint_dir)
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str, *, replace: bool = False) -> None:
+        """Load the checkpoint in ``checkpoint_dir`` (bytes included) into the namespace, off the
+        event loop. See :meth:`TransferQueueClient.load_controller_checkpoint` (``replace``)."""
+        await asyncio.to_thread(self._run_checkpoint, checkpoint.load, checkpoint_dir, replace=replace)
 
     async def async_close(self) -> None:
         """Close this event loop's Redis pool and the store connections."""

@@ -72,17 +72,20 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Save the namespace's metadata to the directory ``path`` (``include_storage=False``)."""
         checkpoint.save(self, path, include_storage=False)
 
-    def load_controller_checkpoint(self, path: str) -> None:
-        """Replace the namespace's state with the checkpoint in ``path``."""
-        checkpoint.load(self, path)
+    def load_controller_checkpoint(self, path: str, *, replace: bool = False) -> None:
+        """Load the checkpoint in ``path`` into the namespace (all or nothing: every file is checked
+        before the first write). A namespace holding data is refused with ``NamespaceNotEmpty``
+        unless ``replace=True``, which clears it first (its bytes leave every store)."""
+        checkpoint.load(self, path, replace=replace)
 
     def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
         """Save the namespace, its stored bytes included, to the directory ``checkpoint_dir``."""
         checkpoint.save(self, checkpoint_dir)
 
-    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        """Replace the namespace's state (bytes included) with the checkpoint in ``checkpoint_dir``."""
-        checkpoint.load(self, checkpoint_dir)
+    def load_storage_checkpoint(self, checkpoint_dir: str, *, replace: bool = False) -> None:
+        """Load the checkpoint in ``checkpoint_dir`` (bytes included) into the namespace; as
+        :meth:`load_controller_checkpoint` (``replace``)."""
+        checkpoint.load(self, checkpoint_dir, replace=replace)
 
     def _run_checkpoint(self, step: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """The ``async_*`` checkpoint calls (inherited) run ``step`` with this client's own driver."""

@@ -22,10 +22,13 @@ where the loading namespace's nodes are and records that instead), and, with a s
 ``redis``, tensor items still queued in a ``Channel``.
 
 Call both between steps, while no process writes to the namespace: the keys are read one by one,
-not as one snapshot. ``load_checkpoint`` replaces the namespace's state: keys not in the
-checkpoint are deleted; bytes are written to the store before the metadata that makes them
-visible. A checkpoint directory is replaced atomically (written aside, then renamed), as in
-TransferQueue 0.1.11, whose signatures these follow.
+not as one snapshot. ``save_checkpoint`` also writes ``manifest.json`` (every file with its size and
+SHA-256). ``load_checkpoint`` is all or nothing: it checks every file before its first write
+(:mod:`tq_redis.client.checkpoint_files`), refuses a namespace that holds data unless
+``replace=True`` (then that data is cleared, its bytes deleted from every store), deletes the keys
+not in the checkpoint, and writes bytes to the store before the metadata that makes them visible.
+A checkpoint directory is replaced atomically (written aside, then renamed), as in TransferQueue
+0.1.11, whose signatures these follow.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from tq_redis import names
+from tq_redis.client import checkpoint_files as files
 from tq_redis.codec import objects
-from tq_redis.errors import ConfigError, InvalidArgument
+from tq_redis.errors import ConfigError, NamespaceNotEmpty
 from tq_redis.meta import bitmaps
 from tq_redis.meta.keys import ChannelKeys, PartitionKeys, by_slot, channels_key, kept_partitions_key, partitions_key
 from tq_redis.meta.schemas import KIND_PARTS
 from tq_redis.ops import channel as channel_ops
+from tq_redis.ops import checkpoint_check as check
 from tq_redis.ops import data as ops_data
 from tq_redis.ops.checkpoint import (
     DATA_DIR,
@@ -226,7 +231,13 @@ def _write_key(pipe: Any, key: str, kind: str, value: Any, ttl_ms: int) -> None:
         pipe.pexpire(key, ttl_ms)
 
 
-def _save_data(client: CheckpointClient, store: Any, target: Path) -> int:
+def _write(root: Path, name: str, blob: bytes, entries: dict[str, tuple[int, str]]) -> None:
+    """Write file ``name`` (relative to ``root``) and note its size and checksum in ``entries``."""
+    (root / name).write_bytes(blob)
+    entries[name] = check.entry(blob)
+
+
+def _save_data(client: CheckpointClient, store: Any, root: Path, entries: dict[str, tuple[int, str]]) -> int:
     """Bytes of every produced (sample, field) of every partition, one file per partition, then
     the bytes of every channel's queued tensor items (they live in the channel's hidden
     partition, named by the queue entries rather than by bits)."""
@@ -249,13 +260,13 @@ def _save_data(client: CheckpointClient, store: Any, target: Path) -> int:
                 saved += len(ids)
         if columns:
             blob = objects.encode_object({"partition": pid, "columns": columns})
-            (target / f"{n:06d}.msgpack").write_bytes(blob)
+            _write(root, f"{DATA_DIR}/{n:06d}.msgpack", blob, entries)
     for k, name in enumerate(sorted(text(c) for c in r.smembers(channels_key(ns)))):
         ck = ChannelKeys(ns, name)
         columns = _channel_columns(r, store, ck)
         if columns:
             blob = objects.encode_object({"partition": ck.data_partition, "columns": columns})
-            (target / f"{n + 1 + k:06d}.msgpack").write_bytes(blob)
+            _write(root, f"{DATA_DIR}/{n + 1 + k:06d}.msgpack", blob, entries)
             saved += sum(len(c["ids"]) for c in columns.values())
     return saved
 
@@ -297,8 +308,9 @@ def save(client: CheckpointClient, checkpoint_dir: str | Path, *, metadata: dict
         if store.backend == "dram":
             include_storage = True
         saved = 0
+        entries: dict[str, tuple[int, str]] = {}  # every file written: the manifest's lines
         if include_storage and store.backend != "redis":
-            saved = _save_data(client, store, tmp / DATA_DIR)
+            saved = _save_data(client, store, tmp, entries)
         r, ns = client.redis, client.namespace
         keys = _namespace_keys(r, ns, with_data=store.backend == "redis")
         records = [
@@ -306,13 +318,14 @@ def save(client: CheckpointClient, checkpoint_dir: str | Path, *, metadata: dict
             for key, kind, value, ttl in _read_keys(r, keys)
             if not is_placement(key)
         ]
-        (tmp / KEYS_FILE).write_bytes(objects.encode_object(records))
+        _write(tmp, KEYS_FILE, objects.encode_object(records), entries)
         info = {
             "format": FORMAT, "namespace": ns, "backend": store.backend, "saved_at": time.time(),
             "storage_saved": include_storage or store.backend == "redis", "values_saved": saved,
-            "user_metadata": metadata or {},
+            "manifest": check.MANIFEST_FILE, "user_metadata": metadata or {},
         }
-        (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2))
+        _write(tmp, METADATA_FILE, json.dumps(info, indent=2).encode(), entries)
+        (tmp / check.MANIFEST_FILE).write_bytes(check.manifest(entries))
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -328,26 +341,44 @@ def save(client: CheckpointClient, checkpoint_dir: str | Path, *, metadata: dict
         raise
 
 
-def load(client: CheckpointClient, checkpoint_dir: str | Path) -> dict[str, Any]:
-    """Replace the state of ``client``'s namespace with the checkpoint's; returns its user
-    ``metadata`` (``tq_redis.load_checkpoint`` does it with ``init()``'s client)."""
+def load(client: CheckpointClient, checkpoint_dir: str | Path, *, replace: bool = False) -> dict[str, Any]:
+    """Load the checkpoint in ``checkpoint_dir`` into ``client``'s namespace; returns its user
+    ``metadata`` (``tq_redis.load_checkpoint`` does it with ``init()``'s client).
+
+    All or nothing: every file is read, checked against the manifest and decoded before the first
+    write (:mod:`tq_redis.client.checkpoint_files`). A namespace that holds data (partitions,
+    channels) is refused unless ``replace``; replacing clears that data first, its bytes deleted
+    from every store, and deletes every key of the namespace the checkpoint does not hold.
+
+    Raises:
+        CheckpointNotFound: no checkpoint in ``checkpoint_dir``.
+        CheckpointCorrupt: a file is missing, truncated, altered or malformed; nothing was written.
+        NamespaceNotEmpty: the namespace holds data and ``replace`` is False; nothing was written.
+        ConfigError: the checkpoint's bytes cannot go to this namespace's store.
+    """
     final = Path(checkpoint_dir)
     old = final.with_name(final.name + ".old")
     if not final.exists() and old.exists():  # a save died between its two renames
         old.rename(final)
-    if not (final / METADATA_FILE).exists():
-        raise FileNotFoundError(f"{final} is not a checkpoint ({METADATA_FILE} is missing)")
-    info = json.loads((final / METADATA_FILE).read_text())
-    if info.get("format") != FORMAT:
-        raise InvalidArgument(f"checkpoint format {info.get('format')!r} is not {FORMAT}")
+    checked = files.read_checked(final)
     r, ns = client.redis, client.namespace
     store = client.run(storage(client.context))
-    data_files = sorted((final / DATA_DIR).glob("*.msgpack"))
-    if data_files and store.backend == "redis":
-        raise ConfigError(f"the checkpoint holds {info['backend']} store data but this namespace uses the redis store")
+    if checked.data and store.backend == "redis":
+        raise ConfigError(
+            f"the checkpoint holds {checked.info['backend']} store data but this namespace uses the redis store"
+        )
+    present = files.held(r, ns)
+    if present and not replace:
+        raise NamespaceNotEmpty(
+            f"namespace {ns!r} holds {present}, which loading {final} would delete; nothing was changed: "
+            f"clear them first, load into a new namespace, or pass replace=True (their bytes are then "
+            f"deleted from every store too)"
+        )
+    if present:
+        files.clear_held(client, present)
     placements = []  # where a placing store put each partition's fields: recorded with the bits
-    for path in data_files:  # data first, then the bits that make it visible
-        part = objects.decode_object(path.read_bytes())
+    for name, sha in checked.data:  # data first, then the bits that make it visible
+        part = files.read_part(final, name, sha)
         pid = part["partition"]  # a channel's hidden partition carries the reserved prefix
         internal = pid.startswith(names.RESERVED_PARTITION_PREFIX)
         pk = PartitionKeys.internal(ns, pid) if internal else client.context.keys(pid)
@@ -356,7 +387,7 @@ def load(client: CheckpointClient, checkpoint_dir: str | Path) -> dict[str, Any]
             rings[field] = store.put(pk, column["ids"], {field: [[v] for v in column["values"]]}), column["ids"]
         if not internal:
             placements.append((pk, rings))
-    records = registries(ns, objects.decode_object((final / KEYS_FILE).read_bytes()))
+    records = registries(ns, checked.records)
     records = [[placed(suffix, ns), *rest] for suffix, *rest in records]
     keep = {f"{ns}:{suffix}" for suffix, *_ in records}
     _delete(r, [k for k in _namespace_keys(r, ns, with_data=store.backend == "redis") if k not in keep])
@@ -366,7 +397,7 @@ def load(client: CheckpointClient, checkpoint_dir: str | Path) -> dict[str, Any]
     for pk, rings in placements:
         _write_placement(pipe, pk, rings)
     pipe.execute()
-    return info["user_metadata"]
+    return checked.info.get("user_metadata") or {}
 
 
 def _write_placement(pipe: Any, pk: PartitionKeys, rings: dict[str, tuple[str | None, list[int]]]) -> None:

@@ -5,8 +5,9 @@ kept so that it loads into any namespace, and how records are made whole before 
 the directory, with these rules (its docstring says what is saved). A checkpoint directory holds
 :data:`METADATA_FILE` (JSON: format, namespace, store, user metadata), :data:`KEYS_FILE` (msgpack:
 one ``[suffix, type, value, ttl_ms]`` record per Redis key, the suffix being the key less ``<ns>:``,
-made :func:`portable`) and, for a store other than ``redis``, one msgpack file per partition in
-:data:`DATA_DIR`.
+made :func:`portable`), for a store other than ``redis`` one msgpack file per partition in
+:data:`DATA_DIR`, and a manifest of them all (:mod:`tq_redis.ops.checkpoint_check`, which also
+checks each file's contents before a load).
 """
 
 from __future__ import annotations
