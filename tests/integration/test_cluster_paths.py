@@ -372,7 +372,7 @@ def test_checkpoint_restores_leases_kv_and_data_on_every_shard(cluster, namespac
         dock.get_experience("actor_train", ["prompts"], 2)
         dock.clear()
         assert chan.get(key="side") == "text" and _plain(chan.get()) == [0, 1, 2, 3]
-        assert tq.load_checkpoint(tmp_path / "ckpt") == {"step": 7}
+        assert tq.load_checkpoint(tmp_path / "ckpt", replace=True) == {"step": 7}
 
         assert _node_keys(cluster, namespace) == keys_before  # every shard holds exactly what it held
         assert client.kv_list() == kv_before
