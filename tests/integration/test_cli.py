@@ -1,20 +1,27 @@
-"""The ``tq-redis`` command: ``up`` in the foreground, ``status`` (text and --json), ``--version``."""
+"""The ``tq-redis`` command: ``up`` in the foreground, ``status`` (text and --json), ``--version``; an
+unknown namespace refused by ``status`` / ``exporter`` / ``dashboard`` / ``namespace drop``
+(``--allow-empty``), ``status`` into a closed pipe, and the help texts."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
+from pathlib import Path
 
+import pytest
 import redis
 import torch
 from tensordict import TensorDict
 
 import tq_redis as tq
-from tests.conftest import make_client
+from tests.conftest import make_client, server_binary
 from tests.procs import up_attach
+from tq_redis.server.embedded import EmbeddedServer
 
 CLI = [sys.executable, "-m", "tq_redis.cli.main"]
 
@@ -87,3 +94,125 @@ def test_up_serves_until_interrupted():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ------------------------------------------------------------------ typos say so (issue 44)
+
+
+@pytest.fixture(params=["valkey", "redis7"])
+def own_server(request):
+    """A server of its own (each flavour), so the known namespaces it lists are exactly this test's."""
+    server = EmbeddedServer(binary=server_binary(request.param)).start()
+    yield server
+    server.stop()
+
+
+def _first_line(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    assert line, f"exited with {proc.wait(30)}: {proc.stderr.read()}"
+    return line
+
+
+def test_an_unknown_namespace_exits_1_naming_the_known_ones(own_server):
+    url = own_server.url
+    for ns in ("job_a", "job_b"):
+        client = make_client(url, ns)
+        client.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+        client.close()
+    for command in (["status"], ["status", "--json"], ["exporter", "--port", "0"], ["dashboard", "--port", "0"]):
+        out = subprocess.run(CLI + command + ["--redis", url, "--namespace", "job_c"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 1 and out.stdout == "", (command, out.stdout)
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(f"tq-redis {command[0]}: no namespace 'job_c' on this server"), line
+        assert "known namespaces: 'job_a', 'job_b'" in line and "--allow-empty" in line, line
+    # a namespace that exists is shown as before
+    out = subprocess.run(CLI + ["status", "--json", "--redis", url, "--namespace", "job_a"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and [p["id"] for p in json.loads(out.stdout)["partitions"]] == ["p"]
+
+
+def test_allow_empty_shows_a_namespace_not_started_yet(own_server):
+    url = own_server.url
+    out = subprocess.run(CLI + ["status", "--json", "--allow-empty", "--redis", url, "--namespace", "later"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    assert snap["namespace"] == "later" and snap["partitions"] == [] and snap["storage_nodes"] == []
+    for command, path in (("exporter", "metrics"), ("dashboard", "api/snapshot")):
+        proc = subprocess.Popen(CLI + [command, "--port", "0", "--allow-empty", "--redis", url, "--namespace",
+                                       "later"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = _first_line(proc)
+            m = re.search(r"at (http://\S+?)/?$", line.strip())
+            assert "namespace 'later'" in line and m, line
+            with urllib.request.urlopen(f"{m.group(1)}/{path}", timeout=60) as resp:
+                assert resp.status == 200
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def test_dropping_an_unknown_namespace_exits_1_and_drops_nothing(own_server):
+    url = own_server.url
+    client = make_client(url, "job_a")
+    client.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id="p")
+    r = redis.Redis.from_url(url)
+    before = sorted(r.keys("*"))
+    out = subprocess.run(CLI + ["namespace", "drop", "job_aa", "--redis", url], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "dropped namespace" not in out.stdout, out.stdout
+    (line,) = out.stderr.strip().splitlines()
+    assert "no namespace 'job_aa'" in line and "'job_a'" in line and line.endswith("nothing dropped"), line
+    assert sorted(r.keys("*")) == before  # not a key touched
+    assert client.get_data(client.get_meta(["x"], 3, "p", mode="force_fetch"))["x"].tolist() == [0, 1, 2]
+    # the namespace that exists is dropped as before
+    client.close()
+    out = subprocess.run(CLI + ["namespace", "drop", "job_a", "--force", "--redis", url], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "dropped namespace 'job_a'" in out.stdout, out.stderr
+    r.close()
+
+
+# ------------------------------------------------------------------ a closed pipe, help texts
+
+
+def test_status_into_a_closed_pipe_exits_quietly(real_server, namespace):
+    client = make_client(real_server.url, namespace)
+    for k in range(200):  # a --json snapshot far larger than a pipe's buffer, so the write meets the closed end
+        client.put(TensorDict({"x": torch.arange(1)}, batch_size=[1]), partition_id=f"partition-{k:04d}")
+    client.close()
+    status = [*CLI, "status", "--json", "--redis", real_server.url, "--namespace", namespace]
+    shell = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 10', "pipe", *status],
+                           capture_output=True, text=True, timeout=180)
+    assert len(shell.stdout) == 10 and shell.stdout.startswith("{"), shell.stdout
+    assert shell.returncode == 0 and shell.stderr == "", shell.stderr  # no BrokenPipeError traceback
+    # --watch keeps writing: the reader leaves after its first bytes
+    proc = subprocess.Popen([*status[:-4], "--watch", "--interval", "0.05", *status[-4:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 0 and err == "", err
+
+
+def test_up_and_status_help_explain_every_option():
+    wide = {**os.environ, "COLUMNS": "300"}  # argparse wraps help to the terminal
+    up = subprocess.run(CLI + ["up", "--help"], capture_output=True, text=True, env=wide, timeout=60, check=True)
+    status = subprocess.run(CLI + ["status", "--help"], capture_output=True, text=True, env=wide, timeout=60,
+                            check=True)
+    top = subprocess.run(CLI + ["--help"], capture_output=True, text=True, env=wide, timeout=60, check=True)
+    assert "docs/operations/security.md" in top.stdout + up.stdout
+    assert (Path(__file__).parents[2] / "docs" / "operations" / "security.md").is_file()
+    assert "README's Security section" not in top.stdout + up.stdout
+
+    def help_of(text: str, option: str) -> str:
+        """The help text of ``option`` (argparse may start it on the next line)."""
+        (entry,) = [e for e in re.split(r"\n  (?=-)", text) if e.startswith(option + " ")]
+        return " ".join(entry.split()[2:])
+
+    assert "address Redis listens on" in help_of(up.stdout, "--host")
+    assert "namespace" in help_of(up.stdout, "--namespace") and "TQ_NAMESPACE" in help_of(up.stdout, "--namespace")
+    assert "TQ_NAMESPACE" in help_of(status.stdout, "--namespace")
+    assert "seconds between refreshes" in help_of(status.stdout, "--interval")
+    assert "--allow-empty" in status.stdout
