@@ -212,3 +212,35 @@ def test_status_exporter_and_dashboard_on_a_cluster(cluster, namespace):  # noqa
         server.server_close()
         dashboard.close()
     client.close()
+
+
+def test_each_storage_node_is_named_once(valkey, namespace):
+    """A node named by its address (no --node-id) appears once, not as "id address"; a node with an
+    id of its own is shown with its address after it. Plain text, rich tables and the JSON."""
+    from rich.console import Console
+
+    from tq_redis.backends.dram.launcher import spawn_node, start_local_nodes
+
+    nodes = start_local_nodes(valkey.url, namespace, n=1, capacity="64MiB")
+    named = spawn_node(valkey.url, namespace, capacity="64MiB", node_id="gpu-host-7")
+    try:
+        snap = _status_json(valkey.url, namespace)
+        by_id = {n["id"]: n for n in snap["storage_nodes"]}
+        assert len(by_id) == 2 and "gpu-host-7" in by_id
+        (plain_id,) = [i for i in by_id if i != "gpu-host-7"]
+        assert by_id[plain_id]["address"] == plain_id  # a node without --node-id is named by its address
+        own_address = by_id["gpu-host-7"]["address"]
+        text = subprocess.run(CLI + ["status", "--plain", "--redis", valkey.url, "--namespace", namespace],
+                              capture_output=True, text=True, timeout=120, check=True).stdout
+        console = Console(record=True, width=220)
+        r = connections.sync_client(valkey.url)
+        for item in status_view.rich_renderables(snapshot(r, namespace)):
+            console.print(item)
+        r.close()
+        for shown in (text, console.export_text()):
+            assert shown.count(plain_id) == 1, shown
+            assert shown.count("gpu-host-7") == 1 and shown.count(own_address) == 1, shown
+        assert f"node gpu-host-7 at {own_address}:" in text and f"node {plain_id}:" in text
+    finally:
+        named.stop()
+        nodes.stop()

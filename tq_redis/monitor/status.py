@@ -411,6 +411,13 @@ def waiting_text(s: dict[str, Any]) -> str:
     return f"waiters {s['waiters']} (for {what})"
 
 
+def node_label(n: dict[str, Any]) -> str:
+    """A storage node as the views name it: its id, and its address only where it differs (a node
+    started without ``--node-id`` is named by its address)."""
+    address = n.get("address")
+    return n["id"] if address in (None, "", n["id"]) else f"{n['id']} at {address}"
+
+
 def lease_text(s: dict[str, Any]) -> str:
     if not s["in_flight"]:
         return "leases 0"
@@ -468,7 +475,7 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
         age = n.get("heartbeat_age_s")
         spilled = n.get("spilled_bytes") or 0
         lines.append(
-            f"  node {n['id']} {n.get('address', '?')}: {format_size(used)} / {format_size(cap)} used"
+            f"  node {node_label(n)}: {format_size(used)} / {format_size(cap)} used"
             + (f", {format_size(spilled)} spilled" if spilled else "")
             + (f", heartbeat {age:.1f}s ago" if age is not None else "")
         )

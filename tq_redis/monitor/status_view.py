@@ -15,6 +15,7 @@ from tq_redis.monitor.status import (
     age_text,
     counters_line,
     lease_text,
+    node_label,
     rate_limit_lines,
     render,
     server_line,
@@ -75,11 +76,11 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
     nodes = Table(title=f"bytes: {inline_size} inline in Redis ({b['inline_values']} values), "
                         f"{format_size(sum(b['nodes'].values()))} on {len(snap['storage_nodes'])} storage node(s), "
                         f"{format_size(b['spilled'])} spilled", title_justify="left")
-    for col in ("node", "address", "used", "capacity", "spilled", "heartbeat"):
-        nodes.add_column(col, justify="left" if col in ("node", "address") else "right")
+    for col in ("node", "used", "capacity", "spilled", "heartbeat"):
+        nodes.add_column(col, justify="left" if col == "node" else "right")
     for n in snap["storage_nodes"]:
         age = n.get("heartbeat_age_s")
-        nodes.add_row(n["id"], str(n.get("address", "?")), format_size(n.get("used", 0)),
+        nodes.add_row(node_label(n), format_size(n.get("used", 0)),
                       format_size(n.get("capacity", 0)), format_size(n.get("spilled_bytes") or 0),
                       f"{age:.1f}s ago" if age is not None else "?")
     out.append(nodes)
