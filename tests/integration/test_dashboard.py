@@ -5,6 +5,7 @@ screenshot is kept as an artifact (its path is printed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -69,7 +70,6 @@ def _row(dom: str, first_cell: str) -> list[str]:
 
 def _until_node_reports(url: str, namespace: str) -> int:
     """Wait (on the node's registration, a state, not a time) until the node reports bytes used; returns them."""
-    import json
     import time
 
     from tq_redis.meta.keys import storage_nodes_key
@@ -163,10 +163,24 @@ def test_dashboard_in_headless_chromium(tmp_path, namespace):
             assert PASSWORD not in body
         assert PASSWORD not in dom
 
-        # Redis goes away: the page says so in its errors, without the password
+        # Redis goes away: the page says "Redis unreachable" and keeps the last snapshot's numbers (a
+        # page opened now shows them too: the dashboard kept them), and its errors say what failed,
+        # without the password
+        assert "Redis unreachable" not in text
         server.stop()
         status, body = _get(page + "api/snapshot")
         assert status == 200 and "reading namespace" in body and PASSWORD not in body
+        reply = json.loads(body)
+        assert reply["live"] is False and reply["problem"] == "Redis unreachable"
+        assert reply["snapshot"]["partitions"][0]["id"] == "step_0" and reply["as_of"] > 0
+        dom = _rendered(page, profile)
+        text = _text(dom)
+        assert "Redis unreachable; showing the last snapshot, taken " in text, text[:2000]
+        assert "loading..." not in text and PASSWORD not in dom
+        assert "partition step_0: 8 samples" in text and _row(dom, "response")[1] == "8"
+        assert _row(dom, "train")[2] == "6" and _row(dom, "train")[3] == "75.0%"
+        assert f" {used / 1024:.1f} KiB 64.0 MiB " in _text(re.findall(r'<table id="node-table">(.*?)</table>',
+                                                                     dom, re.S)[0])
     finally:
         proc.terminate()
         proc.wait(30)

@@ -4,8 +4,11 @@
 every few seconds and redraws partitions (production per field, consumption per task, claimable,
 leases, redeliveries, poison, waiters, and the event counters), storage nodes and their bytes, the server's memory and
 recent errors. ``/api/snapshot`` is :func:`tq_redis.monitor.status.snapshot` as JSON, read from
-Redis once per request. The server is read-only (GET and HEAD only) and never sends the Redis URL
-or its credentials: the page and the JSON name the namespace, never where Redis is.
+Redis once per request. When Redis cannot be read (it stopped, the network is gone) the page says
+"Redis unreachable" and keeps showing the last snapshot read, with the time it was taken (the
+server keeps it, so a page opened afterwards shows it too). The server is read-only (GET and HEAD
+only) and never sends the Redis URL or its credentials: the page and the JSON name the namespace,
+never where Redis is.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ td:first-child,th:first-child{text-align:left} th{background:#f3f3f3}
 </style></head>
 <body>
 <h1>tq-redis namespace <span id="ns">__NS__</span></h1>
+<div id="reach" class="err" hidden></div>
 <div id="server" class="muted">loading...</div>
 <div id="counters" class="muted"></div>
 <div id="updated" class="muted"></div>
@@ -84,8 +88,9 @@ function draw(snap) {
     parts.appendChild(box);
   });
   const nodes = document.getElementById("nodes"); nodes.replaceChildren();
-  nodes.appendChild(table(["node", "address", "used", "capacity", "spilled", "heartbeat"],
-    snap.storage_nodes.map(n => [n.id, n.address || "?", size(n.used || 0), size(n.capacity || 0),
+  nodes.appendChild(table(["node", "used", "capacity", "spilled", "heartbeat"],
+    snap.storage_nodes.map(n => [n.address && n.address !== n.id ? n.id + " at " + n.address : n.id,
+      size(n.used || 0), size(n.capacity || 0),
       size(n.spilled_bytes || 0),
       n.heartbeat_age_s === undefined ? "?" : n.heartbeat_age_s + " s ago"]), "node-table"));
 }
@@ -94,11 +99,22 @@ function drawErrors(errors) {
   if (!errors.length) { box.appendChild(el("p", "none", "muted")); return; }
   errors.forEach(e => box.appendChild(el("div", new Date(e.time * 1000).toISOString() + " " + e.text, "err")));
 }
+function drawReach(body) {
+  // Redis gone: say so, and keep the last snapshot on the page (the server sends it again)
+  const reach = document.getElementById("reach");
+  reach.hidden = body.live !== false;
+  if (reach.hidden) return;
+  const taken = body.as_of ? new Date(body.as_of * 1000).toISOString() : null;
+  reach.textContent = body.problem + (taken ? "; showing the last snapshot, taken " + taken
+    : "; no snapshot read yet");
+  if (!body.snapshot) document.getElementById("server").textContent = body.problem;
+}
 async function refresh() {
   try {
     const resp = await fetch("api/snapshot", {cache: "no-store"});
     const body = await resp.json();
     if (body.snapshot) draw(body.snapshot);
+    drawReach(body);
     drawErrors(body.errors);
     document.getElementById("updated").textContent = "updated " + new Date().toISOString() + " (every "
       + REFRESH_MS / 1000 + " s)";
@@ -121,9 +137,13 @@ class Dashboard:
         self.namespace = namespace
         self.refresh_s = refresh_s
         self._url = redis_url
-        self._redis = connections.sync_client(redis_url, socket_timeout=5)
+        # one try per read: the page's next refresh is the retry, so a Redis that is gone is reported
+        # at once instead of after the reconnect backoff (seconds per request)
+        self._redis = connections.sync_client(redis_url, reconnect=False, socket_connect_timeout=3, socket_timeout=5)
         self._lock = threading.Lock()
         self.errors: deque[dict[str, Any]] = deque(maxlen=keep_errors)
+        self._last: dict[str, Any] | None = None  # the last snapshot read, and when
+        self._last_at: float | None = None
 
     def page(self) -> bytes:
         from html import escape
@@ -132,20 +152,34 @@ class Dashboard:
                 .replace("__REFRESH_MS__", str(int(self.refresh_s * 1000))).encode())
 
     def snapshot_json(self) -> bytes:
-        """``{"snapshot": ..., "errors": [...]}``; a failed read adds one line to the errors (the URL redacted)."""
+        """``{"snapshot", "as_of", "live", "problem", "errors"}``: the namespace now, or -- when the read
+        fails -- the last snapshot read (None before the first) with ``live`` false and ``problem``
+        saying what is wrong ("Redis unreachable" when it cannot be reached); a failed read also adds one
+        line to ``errors`` (the URL redacted)."""
         from tq_redis.monitor.status import snapshot
 
-        snap = None
+        problem = None
         with self._lock:  # one reader of the client at a time
             try:
-                snap = snapshot(self._redis, self.namespace)
+                self._last, self._last_at = snapshot(self._redis, self.namespace), time.time()
             except Exception as exc:  # the page says what failed; the server keeps serving
+                problem = "Redis unreachable" if _unreachable(exc) else "reading Redis failed"
                 text = " ".join(f"{type(exc).__name__}: {exc}".split()).replace(self._url, redact(self._url))
                 self.errors.append({"time": time.time(), "text": f"reading namespace {self.namespace!r}: {text}"})
-        return json.dumps({"snapshot": snap, "errors": list(self.errors)}).encode()
+            return json.dumps({"snapshot": self._last, "as_of": self._last_at, "live": problem is None,
+                               "problem": problem, "errors": list(self.errors)}).encode()
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a failed read means Redis cannot be reached (down, unreachable, timing out)."""
+    import redis
+
+    from tq_redis.errors import ConnectionFailed
+
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError | ConnectionFailed)
 
 
 def _handler(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
