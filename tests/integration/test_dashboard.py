@@ -188,3 +188,32 @@ def test_dashboard_in_headless_chromium(tmp_path, namespace):
         other.close()
         nodes.stop()
         server.stop()
+
+
+def test_the_snapshot_says_unreachable_keeps_the_last_one_and_goes_live_again(namespace):
+    """/api/snapshot while Redis is gone: live false, "Redis unreachable", the last snapshot and its
+    time; a server back on the same port is read live again at the next request."""
+    import json
+
+    from tq_redis.monitor.dashboard import Dashboard
+
+    port = free_port()
+    server = EmbeddedServer(port=port).start()
+    client = make_client(server.url, namespace)
+    client.put(TensorDict({"x": torch.arange(3)}, batch_size=[3]), partition_id="p")
+    client.close()
+    dashboard = Dashboard(server.url, namespace)
+    try:
+        first = json.loads(dashboard.snapshot_json())
+        assert first["live"] and first["problem"] is None and first["snapshot"]["partitions"][0]["samples"] == 3
+        server.stop()
+        gone = json.loads(dashboard.snapshot_json())
+        assert not gone["live"] and gone["problem"] == "Redis unreachable"
+        assert gone["snapshot"] == first["snapshot"] and gone["as_of"] == first["as_of"]
+        assert "reading namespace" in gone["errors"][-1]["text"]
+        server = EmbeddedServer(port=port).start()  # empty: the namespace is gone with the old server
+        back = json.loads(dashboard.snapshot_json())
+        assert back["live"] and back["snapshot"]["partitions"] == [] and back["as_of"] > first["as_of"]
+    finally:
+        dashboard.close()
+        server.stop()
