@@ -194,3 +194,42 @@ def test_a_channel_put_or_get_whose_reply_is_lost_acts_once(real_server, namespa
         finally:
             ch.close()
             watch.close()
+
+
+def test_a_storage_node_behind_the_proxy_delays_and_drops(real_server, namespace):
+    """Between a client and a DRAM storage node: delayed replies change nothing; a put whose reply
+    from the node is lost raises ``StorageUnavailable`` naming the node, makes nothing visible (data
+    first, then bits) and leaves no bytes once cleared; the program's next put goes through."""
+    from tests.soak.helpers import await_nodes_empty, use_store
+    from tq_redis import TransferQueueClient
+    from tq_redis.backends.dram.launcher import spawn_node
+    from tq_redis.errors import StorageUnavailable
+    from tq_redis.server.embedded import free_port
+
+    port = free_port()
+    proxy = FaultProxy(("127.0.0.1", port))
+    node = spawn_node(real_server.url, namespace, listen=f"127.0.0.1:{port}", capacity="64MiB", shm=False,
+                      extra_args=["--advertise", proxy.address])
+    use_store(real_server.url, namespace, "dram", {"shm": False})
+    client = TransferQueueClient(real_server.url, namespace, nested_output=False)
+    marker = 0x5A17_0D0E_C0DE_F00D
+    try:
+        proxy.delay_replies(0.02)
+        client.put(_rows(4), partition_id="p")
+        data = client.get_data(client.get_meta(["x"], 4, "p", task_name="t"))
+        assert data["x"].reshape(-1).tolist() == [0, 1, 2, 3]
+        proxy.delay_replies(0)
+        proxy.drop_reply_after(torch.tensor([marker]).numpy().tobytes())
+        with pytest.raises(StorageUnavailable, match=proxy.address):
+            client.put(TensorDict({"x": torch.full((2, 1), marker)}, batch_size=[2]), partition_id="p")
+        assert proxy.dropped == 1
+        assert _alive(client) == [0, 1, 2, 3]  # nothing of the failed put is visible
+        client.put(_rows(2, base=4), partition_id="p")
+        data = client.get_data(client.get_meta(["x"], 2, "p", task_name="t"))
+        assert data["x"].reshape(-1).tolist() == [4, 5]
+        client.clear_partition("p")
+        await_nodes_empty(real_server.url, namespace)
+    finally:
+        client.close()
+        node.stop()
+        proxy.close()

@@ -36,6 +36,7 @@ the next token or the wait's timeout, and the claim after it finds what is ready
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Generator
@@ -100,27 +101,38 @@ _CONNECTION_ERRORS = (
 )
 
 
-def request_id() -> str:
-    """A new request id: 16 random hex digits (a retry within the record's two minutes that met
-    another call's id by chance is a 1 in 2**64 event)."""
-    return os.urandom(8).hex()
+class RequestIds:
+    """Request ids of one driver: 16 random hex digits drawn once (again in a forked child, whose
+    driver copy must not repeat its parent's ids), then a counter: no system call per call. Two
+    drivers share a prefix by a 1 in 2**64 chance."""
+
+    def __init__(self) -> None:
+        self._pid = 0
+        self._prefix = ""
+        self._counter: Any = None
+
+    def __call__(self) -> str:
+        if self._pid != os.getpid():
+            self._prefix, self._counter, self._pid = os.urandom(8).hex(), itertools.count(), os.getpid()
+        return f"{self._prefix}{next(self._counter):x}"
 
 
-def _recorded(call: FCall) -> FCall:
-    if not call.keys or not scripts.records(call.name):
+def _recorded(call: FCall, new_id: Any) -> FCall:
+    # scripts.records / scripts.record_key, written out: this runs once per call of every operation
+    if call.name in scripts.UNRECORDED or not call.keys:
         return call
-    return FCall(call.name, (*call.keys, scripts.record_key(call.keys[0], request_id())), call.args)
+    return FCall(call.name, (*call.keys, f"{call.keys[0][:-4]}rq:{new_id()}"), call.args)
 
 
-def with_record(effect: Any) -> Any:
-    """``effect`` with a request record key added to each of its calls of a script that writes (see
-    the module docstring); every other effect as it is."""
+def with_record(effect: Any, new_id: Any) -> Any:
+    """``effect`` with a request record key (its id from ``new_id()``) added to each of its calls of a
+    script that writes (see the module docstring); every other effect as it is."""
     if isinstance(effect, FCall):
-        return _recorded(effect)
+        return _recorded(effect, new_id)
     if isinstance(effect, Pipe):
-        return Pipe(tuple(_recorded(c) if isinstance(c, FCall) else c for c in effect.calls))
+        return Pipe(tuple(_recorded(c, new_id) if isinstance(c, FCall) else c for c in effect.calls))
     if isinstance(effect, WaitThenCall):
-        return WaitThenCall(effect.wait, _recorded(effect.call))
+        return WaitThenCall(effect.wait, _recorded(effect.call, new_id))
     return effect
 
 
@@ -321,6 +333,7 @@ class Plans:
         self.durable = durability.for_url(url) if durable is None else durability.parse(durable)
         self.redis = self._client(url, cluster=cluster, **redis_kwargs)
         self._library = _Library(self.redis)
+        self._request_id = RequestIds()  # one per call of a script that writes (module docstring)
         # a blocking single-server client can send a round trip on its lane (connections.SingleClient)
         self._lane = isinstance(self.redis, connections.SingleClient)
         self._durable_checked = not self.durable.enabled
@@ -356,7 +369,7 @@ class Plans:
                 instruments.ERRORS.labels(type(exc).__name__).inc()
                 raise
             try:
-                value, error = (yield from self._patiently(with_record(effect), notes)), None
+                value, error = (yield from self._patiently(with_record(effect, self._request_id), notes)), None
             except Exception as exc:  # handed to the operation, which decides
                 value, error = None, handed_over(self.url, effect, exc)
         if notes:

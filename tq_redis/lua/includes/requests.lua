@@ -26,11 +26,14 @@
 -- one table, not seven locals: the library's chunk is near Lua's 200 locals
 local request_records = {ms = 120000}
 
--- whether the server has cmsgpack, asked at each record (a library may not call pcall while it
--- loads; a server without cmsgpack refuses even a read of the missing global)
+-- whether the server has cmsgpack, asked at the first record and remembered (a library may not call
+-- pcall while it loads; a server without cmsgpack refuses even a read of the missing global)
 function request_records.msgpack()
-  local ok, found = pcall(function() return cmsgpack end)
-  return ok and found ~= nil
+  if request_records.has_msgpack == nil then
+    local ok, found = pcall(function() return cmsgpack end)
+    request_records.has_msgpack = ok and found ~= nil
+  end
+  return request_records.has_msgpack
 end
 
 -- the record of a server without cmsgpack: tagged, length-prefixed (binary-safe; only test doubles)
