@@ -233,3 +233,24 @@ def test_a_storage_node_behind_the_proxy_delays_and_drops(real_server, namespace
         client.close()
         node.stop()
         proxy.close()
+
+
+def test_reserve_extend_abort_and_appends_whose_replies_are_lost_act_once(via_proxy):
+    client, proxy, direct = via_proxy
+    proxy.drop_reply_after(b"tq_group_reserve")
+    held = client.reserve_group("p", 4, lease_s=60)
+    assert held.global_indexes == [0, 1, 2, 3]
+    assert client.reserve_group("p", 2, lease_s=60).global_indexes == [4, 5]  # ids 0..3 reserved once
+    proxy.drop_reply_after(b"tq_group_extend")
+    extended = client.extend_reservation(held, 120)
+    assert extended.deadline_ms >= held.deadline_ms
+    proxy.drop_reply_after(b"tq_group_abort")
+    assert client.abort_group(held) is True  # the first run's answer, not "no longer held"
+    prompts = direct.put(TensorDict({"prompt": torch.tensor([[7], [8]])}, batch_size=[2]), partition_id="a")
+    proxy.drop_reply_after(b"tq_part_append")
+    client.append_parts(prompts, {"resp": torch.tensor([[1], [2]])}, policy_version=0)
+    proxy.drop_reply_after(b"tq_part_append")
+    client.append_parts(prompts, {"resp": torch.tensor([[3], [4]])}, policy_version=1, complete=True)
+    assert proxy.dropped == 5
+    data = direct.get_data(direct.get_meta(["prompt", "resp"], 2, "a", task_name="t"))
+    assert [r.reshape(-1).tolist() for r in data["resp"].unbind()] == [[1, 3], [2, 4]]  # each part once
