@@ -315,3 +315,13 @@ class NotDurable(TQError, RuntimeError):
 
 class DurabilityUnsupported(ConfigError):
     """The durable mode asked for cannot work with this server (no ``WAITAOF``, AOF off, a cluster)."""
+
+
+class ServerStateLost(TQError, RuntimeError):
+    """The Redis this client works with no longer holds the namespace it attached to: its
+    ``<ns>:config`` is gone or carries another ``epoch`` (the identity drawn when the namespace was
+    created). Redis restarted without persistence, a replica without the data was promoted, or
+    someone flushed or dropped the namespace. Nothing was sent: ids and metadata from before would
+    name rows that no longer exist or belong to someone else. Restore a checkpoint
+    (``tq_redis.load_checkpoint(dir)`` in a new process, or this client's ``load_*_checkpoint``),
+    or start over in a new namespace; the client refuses every call until then."""

@@ -454,7 +454,7 @@ def check_rows(ns: Namespace, pids: list[str], ids: list[int], fields: list[str]
 
 _GLOBAL = {
     "partitions", "partitions:kept", "channels", "config", "clients", "storage:nodes", "storage:rings",
-    "storage:pendingnodes",
+    "storage:pendingnodes", "storage:epoch",
 }  # fmt: skip
 _PLAIN = {
     "meta", "seq", "alive", "fields", "tasks", "tagnames", "groups", "groupidx", "kv", "kvkeys", "events",

@@ -50,7 +50,8 @@ def test_a_namespace_user_reaches_its_keys_only_and_no_admin_command():
     assert [r for r in node if r.startswith("~")] == [
         "~job-1:storage:nodes", "~job-1:storage:pending:*", "~job-1:storage:pendingnodes",
     ]  # its registration, and the deletes recorded for it while it was unreachable
-    assert {"+hset", "+hget", "+hdel", "+time", "+lpop"} <= set(node) and "+fcall" not in node
+    assert [r for r in node if r.startswith("%R~")] == ["%R~job-1:storage:epoch"]  # read only: the epoch
+    assert {"+hset", "+hget", "+hdel", "+get", "+time", "+lpop"} <= set(node) and "+fcall" not in node
 
 
 def test_setuser_line_starts_from_nothing_and_sets_the_password():

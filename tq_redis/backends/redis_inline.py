@@ -30,17 +30,22 @@ class RedisInlineStore:
 
     name = "redis"
 
-    def __init__(self, url: str, client: Any = None) -> None:
+    def __init__(self, url: str, client: Any = None, **options: Any) -> None:
         self.url = url
         # The project's client (single server or cluster), reconnecting with backoff across a Redis
         # restart as the metadata plane does: bytes put next to the metadata must stay reachable
-        # whenever the metadata is.
-        self._redis = client if client is not None else connections.sync_client(url)
+        # whenever the metadata is. ``options``: redis-py connection options.
+        self._redis = client if client is not None else connections.sync_client(url, **options)
         self._cluster = connections.is_cluster_client(self._redis)
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> RedisInlineStore:
-        return cls(options.get("url") or ctx.redis_url)
+        if options.get("url"):
+            return cls(options["url"])
+        # beside the metadata: each new connection checks the namespace's epoch as the client's do
+        # (tq_redis.server.identity), so metadata from before a loss never reads another's bytes
+        hook = ctx.extra.get("redis_connect_func")
+        return cls(ctx.redis_url, **({"redis_connect_func": hook} if hook is not None else {}))
 
     def _chunks(self, keys: Sequence[str]) -> list[list[int]]:
         """Positions of ``keys`` in the groups one command each takes."""

@@ -23,8 +23,9 @@ from tq_redis.client.driver import AsyncDriver, SyncDriver
 from tq_redis.client.methods import awaiting
 from tq_redis.errors import LeaseError
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import arguments, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
+from tq_redis.ops import arguments, identity, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
 from tq_redis.reprs import attrs_repr
+from tq_redis.server.identity import Identity
 
 R = TypeVar("R")
 
@@ -60,6 +61,7 @@ class _CheckpointView:
     def __init__(self, client: AsyncTransferQueueClient) -> None:
         self.namespace = client.namespace
         self._ctx = client.context
+        self._identity = client._identity
         self._driver = SyncDriver(client.redis_url)
 
     @property
@@ -75,6 +77,10 @@ class _CheckpointView:
     def run(self, op: ops.Op[R]) -> R:
         """Run an operation to its result, blocking."""
         return self._driver.run(op)
+
+    def _restore_identity(self) -> None:
+        """A checkpoint is loaded: the client takes up the namespace's epoch (drawn if it has none)."""
+        self._driver.run(identity.restore(self._identity))
 
     def close(self) -> None:
         """Close the view's Redis connections."""
@@ -119,10 +125,14 @@ class AsyncTransferQueueClient:
         self.redis_url = redis_url
         self.namespace = namespace
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
+        # the namespace's epoch, learned before the first call and checked on every new connection
+        # and heartbeat: a server that lost the namespace is refused (tq_redis.server.identity)
+        self._identity = Identity(redis_url, namespace)
         self._ctx = make_context(redis_url, namespace, {
             "allow_pickle": allow_pickle, "nested_output": nested_output, "strict_schema": strict_schema,
             "sampler": sampler,
         })
+        self._ctx.identity = self._identity
         # redis.asyncio connections belong to the loop that opened them: one driver per loop.
         self._async_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncDriver] = (
             weakref.WeakKeyDictionary()
@@ -152,6 +162,9 @@ class AsyncTransferQueueClient:
 
     async def arun(self, op: ops.Op[R]) -> R:
         """Run one operation (a generator of effects, see :mod:`tq_redis.client.driver`) on this loop."""
+        self._identity.check()
+        if self._identity.epoch is None:  # the first call learns the namespace's epoch first
+            op = identity.learned_first(self._identity, op)
         result = await self._async_driver().run(op)
         if self._unattached:
             self._attach()
@@ -163,13 +176,15 @@ class AsyncTransferQueueClient:
             if self._unattached:
                 self._unattached = False
                 self._attached = True
-                liveness.attach(self.redis_url, self.namespace)
+                liveness.attach(self.redis_url, self.namespace, self._identity)
 
     def _async_driver(self) -> AsyncDriver:
         loop = asyncio.get_running_loop()
         driver = self._async_drivers.get(loop)
         if driver is None:
-            driver = self._async_drivers[loop] = AsyncDriver(self.redis_url)
+            driver = self._async_drivers[loop] = AsyncDriver(
+                self.redis_url, redis_connect_func=self._identity.on_connect_async
+            )
         return driver
 
     # the parameters and result types of these are their operations' (written once, there)
@@ -371,4 +386,4 @@ class AsyncTransferQueueClient:
             self._unattached = False
             if self._attached:
                 self._attached = False
-                liveness.detach(self.redis_url, self.namespace)
+                liveness.detach(self.redis_url, self.namespace, self._identity)

@@ -18,7 +18,7 @@ from tq_redis.client.aio import AsyncTransferQueueClient, lease_task
 from tq_redis.client.driver import SyncDriver
 from tq_redis.client.methods import blocking
 from tq_redis.meta import BatchMeta, KVBatchMeta
-from tq_redis.ops import kv, partial, ratelimit, replay, reservations, shared, streaming, watch
+from tq_redis.ops import identity, kv, partial, ratelimit, replay, reservations, shared, streaming, watch
 
 R = TypeVar("R")
 
@@ -48,12 +48,16 @@ class TransferQueueClient(AsyncTransferQueueClient):
 
     def _open(self) -> None:
         """Open the blocking driver, shared by every thread."""
-        self._driver = SyncDriver(self.redis_url)
+        self._driver = SyncDriver(self.redis_url, redis_connect_func=self._identity.on_connect)
 
     def run(self, op: ops.Op[R]) -> R:
         """Run one operation (a generator of effects, see :mod:`tq_redis.client.driver`) to its result,
         blocking. Facades (dock, channel, data loader, checkpoints) build their own operations
-        on :attr:`context` and run them here."""
+        on :attr:`context` and run them here. Raises ``ServerStateLost`` once the server was found
+        to have lost the namespace (:mod:`tq_redis.server.identity`)."""
+        self._identity.check()
+        if self._identity.epoch is None:  # the first call learns the namespace's epoch first
+            op = identity.learned_first(self._identity, op)
         result = self._driver.run(op)
         if self._unattached:  # the first operation that succeeded: a live client from here on
             self._attach()
@@ -86,6 +90,11 @@ class TransferQueueClient(AsyncTransferQueueClient):
         """Load the checkpoint in ``checkpoint_dir`` (bytes included) into the namespace; as
         :meth:`load_controller_checkpoint` (``replace``)."""
         checkpoint.load(self, checkpoint_dir, replace=replace)
+
+    def _restore_identity(self) -> None:
+        """A checkpoint is loaded: this client takes up the namespace's epoch (drawn if it has none)
+        and stops refusing calls (:mod:`tq_redis.server.identity`)."""
+        self._driver.run(identity.restore(self._identity))
 
     def _run_checkpoint(self, step: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """The ``async_*`` checkpoint calls (inherited) run ``step`` with this client's own driver."""

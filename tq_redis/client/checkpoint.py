@@ -88,6 +88,9 @@ class CheckpointClient(Protocol):
     def run(self, op: Op[R]) -> R:
         """Run an operation to its result, blocking."""
 
+    def _restore_identity(self) -> None:
+        """Take up the namespace's epoch, drawn if it has none (:mod:`tq_redis.server.identity`)."""
+
 
 # ------------------------------------------------------------------ which keys the namespace has
 
@@ -362,6 +365,9 @@ def load(client: CheckpointClient, checkpoint_dir: str | Path, *, replace: bool 
         old.rename(final)
     checked = files.read_checked(final)
     r, ns = client.redis, client.namespace
+    # before the first call: a namespace Redis lost is taken up again, under an epoch (server.identity);
+    # on a namespace that has one this only reads it, so a refusal below leaves nothing changed
+    client._restore_identity()
     store = client.run(storage(client.context))
     if checked.data and store.backend == "redis":
         raise ConfigError(

@@ -242,10 +242,13 @@ def _restore_settings(cfg: DemoConfig, settings: dict[bytes, bytes]) -> None:
     assert cfg.redis_url is not None
     r = connections.sync_client(cfg.redis_url, socket_connect_timeout=5)
     try:
+        # the namespace's identity is no setting: it stays what the run found or drew (server.identity)
+        epoch = r.hget(config_key(cfg.namespace), "epoch")
         with r.pipeline() as pipe:
             pipe.delete(config_key(cfg.namespace))
-            if settings:
-                pipe.hset(config_key(cfg.namespace), mapping=settings)
+            if settings or epoch is not None:
+                pipe.hset(config_key(cfg.namespace),
+                          mapping={**settings, **({b"epoch": epoch} if epoch is not None else {})})
             pipe.execute()
     finally:
         r.close()

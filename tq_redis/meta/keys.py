@@ -14,10 +14,15 @@ key                                type    holds
                                            (a cleared partition keeps ``seq`` and its trash)
 ``ns:channels``                    SET     channel names (what ``Channel.create`` made)
 ``ns:config``                      HASH    namespace settings written by ``init`` (store, sampler,
-                                           ``ttl_s``) and its life: ``created_ms``, ``touched_ms``
+                                           ``ttl_s``), its life: ``created_ms``, ``touched_ms``, and its
+                                           identity: ``epoch``, 16 hex digits drawn when it is created
+                                           (a client finding it gone or changed raises
+                                           ``ServerStateLost``: :mod:`tq_redis.server.identity`)
 ``ns:clients``                     ZSET    live client processes: ``host:pid:id`` -> when it counts as
                                            gone (ms, Redis's clock); expires with the last one
-``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat)
+``ns:storage:nodes``               HASH    storage-node id -> JSON (address, capacity, used, heartbeat,
+                                           the ``epoch`` of the namespace the node serves)
+``ns:storage:epoch``               STRING  a copy of ``config``'s ``epoch`` the storage nodes may read
 ``ns:storage:rings``               HASH    ring id -> JSON list of [node id, address]: every set of
                                            DRAM nodes a value was put under (see ``<p>:rings``)
 ``ns:storage:pending:<node>``      LIST    deletes a DRAM node missed while unreachable (newline-
@@ -133,6 +138,7 @@ def channels_key(ns: str) -> str:
 
 
 def config_key(ns: str) -> str:
+    """HASH of the namespace's settings, life and identity (``epoch``)."""
     return f"{names.namespace(ns)}:config"
 
 
@@ -144,6 +150,11 @@ def clients_key(ns: str) -> str:
 def storage_nodes_key(ns: str) -> str:
     """HASH of registered storage nodes: node id -> JSON description (see ``backends/dram``)."""
     return f"{names.namespace(ns)}:storage:nodes"
+
+
+def storage_epoch_key(ns: str) -> str:
+    """STRING: the namespace's epoch, copied from :func:`config_key` for its storage nodes to read."""
+    return f"{names.namespace(ns)}:storage:epoch"
 
 
 def storage_rings_key(ns: str) -> str:

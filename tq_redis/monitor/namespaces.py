@@ -44,6 +44,7 @@ from tq_redis.meta.keys import (
     partitions_key,
     pending_deletes_key,
     pending_nodes_key,
+    storage_epoch_key,
     storage_nodes_key,
     storage_rings_key,
 )
@@ -99,7 +100,8 @@ def namespace_keys(r: Any, ns: str) -> list[str]:
     storage = _storage_backend(r, ns)
     keys = checkpoint.namespace_keys(r, ns, with_data=storage == "redis")
     pending = [_text(n) for n in r.smembers(pending_nodes_key(ns))]
-    keys += [config_key(ns), clients_key(ns), storage_nodes_key(ns), storage_rings_key(ns), pending_nodes_key(ns)]
+    keys += [config_key(ns), clients_key(ns), storage_nodes_key(ns), storage_rings_key(ns), pending_nodes_key(ns),
+             storage_epoch_key(ns)]
     keys += [pending_deletes_key(ns, n) for n in pending]
     return list(dict.fromkeys(keys))
 

@@ -45,6 +45,9 @@ class Context:
     default_sampler: Any = None
     resolved_sampler: samplers.BaseSampler | None = None
     storage: KVStorageManager | None = None
+    # the client's namespace identity (tq_redis.server.identity.Identity), whose check of every new
+    # connection guards the redis store's connections too; None: no check
+    identity: Any = None
     # the namespace's staleness bound (max_lag, batch_size) from init's config, once read (None: none)
     namespace_bound: tuple[int, int] | None = None
     namespace_bound_read: bool = False
@@ -84,8 +87,9 @@ def storage(ctx: Context) -> Op:
     if ctx.storage is None:
         raw = yield Cmd(("HGET", config_key(ctx.namespace), "storage"))
         spec = json.loads(raw) if raw else {"backend": "redis", "options": {}}
+        extra = {} if ctx.identity is None else {"redis_connect_func": ctx.identity.on_connect}
         ctx.storage = KVStorageManager(
-            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace),
+            spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace, extra),
             inline_max_bytes=int(spec.get("inline_max_bytes", DEFAULT_INLINE_MAX_BYTES)),
         )
     return ctx.storage

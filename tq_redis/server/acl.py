@@ -14,7 +14,8 @@ another namespace's.
 
 A storage node (``tq-redis storage-unit``) only registers itself and runs the deletes recorded for
 it: role ``storage-node`` may read and write the key ``<ns>:storage:nodes`` (``HSET``/``HGET``/
-``HDEL``, ``TIME`` for the heartbeat) and take its entries off ``<ns>:storage:pending:*`` (``LPOP``,
+``HDEL``, ``TIME`` for the heartbeat), read the namespace's epoch ``<ns>:storage:epoch`` (``GET``;
+:mod:`tq_redis.server.identity`) and take its entries off ``<ns>:storage:pending:*`` (``LPOP``,
 and ``DEL``/``SREM`` of them and ``<ns>:storage:pendingnodes`` when it stops).
 
 ``tq-redis acl NAMESPACE`` prints the ``ACL SETUSER`` line; ``--apply --redis URL`` (as an admin
@@ -66,7 +67,9 @@ CONNECTION_COMMANDS: tuple[str, ...] = (
 CLIENT_COMMANDS: tuple[str, ...] = CLIENT_DATA_COMMANDS + CONNECTION_COMMANDS
 
 #: a storage node: its registration in ``<ns>:storage:nodes``
-STORAGE_NODE_COMMANDS: tuple[str, ...] = ("hset", "hget", "hdel", "lpop", "del", "srem", *CONNECTION_COMMANDS)
+STORAGE_NODE_COMMANDS: tuple[str, ...] = (
+    "hset", "hget", "hdel", "get", "lpop", "del", "srem", *CONNECTION_COMMANDS,
+)
 
 #: never granted to a namespace's user (the unit tests check none slips in)
 FORBIDDEN: frozenset[str] = frozenset({
@@ -86,7 +89,8 @@ def key_patterns(namespace: str, role: str = "client") -> list[str]:
     if role == "client":
         return [f"~{ns}:*"]
     if role == "storage-node":
-        return [f"~{ns}:storage:nodes", f"~{ns}:storage:pending:*", f"~{ns}:storage:pendingnodes"]
+        return [f"~{ns}:storage:nodes", f"~{ns}:storage:pending:*", f"~{ns}:storage:pendingnodes",
+                f"%R~{ns}:storage:epoch"]
     raise ConfigError(f"ACL role {role!r} is not known: use one of {', '.join(ROLES)}")
 
 

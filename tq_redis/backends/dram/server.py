@@ -56,9 +56,10 @@ import redis
 from tq_redis.backends.dram.node import StorageNode
 from tq_redis.backends.dram.protocol import MAX_HEADER, PROTOCOL_VERSION
 from tq_redis.backends.dram.session import Admission, Limits, Session
-from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_nodes_key
+from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_epoch_key, storage_nodes_key
 from tq_redis.redact import redact
 from tq_redis.server import connections
+from tq_redis.server import identity as ns_identity
 from tq_redis.settings import settings
 from tq_redis.units import format_size, parse_size
 
@@ -118,6 +119,11 @@ class _Server:
         self.key = storage_nodes_key(args.namespace)
         self.started = time.time()
         self.registered = False
+        # the epoch of the namespace this node serves (tq_redis.server.identity): followed while the
+        # namespace has one, kept while it has none (Redis lost it: the registration says so)
+        self.epoch: str | None = None
+        self._epoch_unreadable = False
+        self._epoch_missing = False
         self._drain_failed = False
         self._sessions: dict[Session, threading.Thread] = {}
         self._sessions_lock = threading.Lock()
@@ -151,7 +157,10 @@ class _Server:
         """Write the registration (with Redis's clock, so clients on other hosts agree on staleness),
         then run the deletes recorded for this node while it was unreachable."""
         sec, usec = self.redis.time()
+        self._follow_epoch()
         info = self.info(sec + usec / 1e6)
+        if self.epoch is not None:
+            info[ns_identity.FIELD] = self.epoch
         self.redis.hset(self.key, self.node.node_id, json.dumps(info))
         self.registered = True
         try:
@@ -162,6 +171,28 @@ class _Server:
                             "values stay in memory until it restarts", exc)
             self._drain_failed = True
         return info
+
+    def _follow_epoch(self) -> None:
+        """Take the namespace's epoch from ``<ns>:storage:epoch`` when it has one (a checkpoint
+        loaded after a loss gives it a new one); none there: keep the last one known."""
+        try:
+            epoch = ns_identity.text(self.redis.get(storage_epoch_key(self.args.namespace)))
+        except redis.ResponseError as exc:  # an ACL user from before the epoch: register without it
+            if not self._epoch_unreadable:
+                log.warning("cannot read the namespace's epoch (%s); this node registers without it", exc)
+            self._epoch_unreadable = True
+            return
+        if epoch is None:
+            if self.epoch is not None and self.registered and not self._epoch_missing:
+                self._epoch_missing = True
+                log.warning("namespace %r has no epoch in Redis any more (its state was lost?): this node keeps "
+                            "registering under epoch %s, so clients that attach are refused", self.args.namespace,
+                            self.epoch)
+            return
+        self._epoch_missing = False
+        if self.epoch is not None and epoch != self.epoch:
+            log.warning("namespace %r has a new epoch %s (was %s): serving it", self.args.namespace, epoch, self.epoch)
+        self.epoch = epoch
 
     def drain_pending(self) -> int:
         """Delete the keys clients could not delete here while this node was unreachable; returns
