@@ -10,7 +10,8 @@ lost, nothing duplicated, nothing raised. The first round is the object's first 
 data plane, so lazy set-up (the store, its connections) happens under the 100 threads too.
 
 Run on both real servers with the Redis store, and on ``tq_redis.init()``'s own system (embedded
-Valkey and DRAM storage nodes, nothing inline) as a MindSpeed actor finds it.
+Valkey and DRAM storage nodes, nothing inline) as a MindSpeed actor finds it; and once as Ray
+actors declared as MindSpeed declares them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 import tq_redis as tq
 from tests.conftest import _server, make_client
+from tests.ray_start import init_local_ray
 from tq_redis import GRPOTransferDock, MMGRPOTransferDock
 
 CALLS = 100  # MindSpeed's max_concurrency
@@ -252,3 +254,63 @@ def test_multimodal_dock_takes_100_concurrent_calls(place):
         dock.close()
     figures = _counts(calls_made, errors_seen, put_prompts, got, ROUNDS, prompts_total)
     _report("MMGRPOTransferDock, 100 threads", figures)
+
+
+# ------------------------------------------------------------------ the same, as Ray actors
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_both_docks_as_ray_actors_with_max_concurrency_100(ray_local, valkey, namespace):
+    """MindSpeed's declaration itself: ``ray.remote(max_concurrency=100)`` actors of both docks, each
+    sent 100 calls at once (the claims or reads of three consumers first, then the puts of every
+    prompt they wait for: all in flight together), two rounds with a clear between; every row each
+    consumer got, once."""
+    ray = ray_local
+    make_client(valkey.url, namespace).close()
+    env = {"env_vars": {"TQ_REDIS_URL": valkey.url, "TQ_NAMESPACE": namespace}}
+    grpo = ray.remote(max_concurrency=CALLS)(GRPOTransferDock).options(runtime_env=env).remote(PROMPTS, N)
+    mm = ray.remote(max_concurrency=CALLS)(MMGRPOTransferDock).options(runtime_env=env).remote(CALLS, 2)
+    rows_total = PROMPTS * N
+    try:
+        for round_no in range(2):
+            prompts = [list(range(p * N, (p + 1) * N)) for p in range(PROMPTS)]
+            # the claims are sent first: only an actor that runs them on threads gets to the puts
+            calls = [grpo.get_experience.remote(c, ["prompts"], N, timeout=CALL_TIMEOUT_S)
+                     for c in GRPO_CONSUMERS for _ in range(PROMPTS)]
+            calls += [grpo.put_experience.remote(_grpo_rows(rows, round_no), rows) for rows in prompts]
+            results = ray.get(calls, timeout=2 * CALL_TIMEOUT_S)
+            written = [r for rows in results[-PROMPTS:] for r in rows]
+            assert sorted(written) == list(range(rows_total))
+            for k, consumer in enumerate(GRPO_CONSUMERS):
+                claims = results[PROMPTS * k:PROMPTS * (k + 1)]
+                assert all(rows is not None for _, rows in claims), consumer  # none came back empty
+                got = [r for _, rows in claims for r in rows]
+                assert sorted(got) == list(range(rows_total)), consumer  # each row once
+                for td, rows in claims:
+                    assert td["prompts"].tolist() == [[r, round_no] for r in rows]
+            ray.get(grpo.clear.remote())
+
+            blocks = [list(range(b * BLOCK, (b + 1) * BLOCK)) for b in range(CALLS // BLOCK)]
+            samples = [[p * 2 + j for p in b for j in range(2)] for b in blocks]  # n = 2 samples a prompt
+            calls = [mm.get_experience_dict.remote(["labels", "image_num"], s, True, timeout=CALL_TIMEOUT_S)
+                     for _ in MM_CONSUMERS for s in samples]
+            calls += [mm.put_experience.remote(_mm_batch(b, round_no), b) for b in blocks]
+            results = ray.get(calls, timeout=2 * CALL_TIMEOUT_S)
+            for k, _consumer in enumerate(MM_CONSUMERS):
+                reads = results[len(blocks) * k:len(blocks) * (k + 1)]
+                labels = [label for read in reads for label in read["labels"]]
+                assert labels == [f"r{round_no}-p{p}" for p in range(CALLS)]  # every prompt once, in order
+            ray.get(mm.clear.remote())
+    finally:
+        ray.kill(grpo)
+        ray.kill(mm)

@@ -221,6 +221,14 @@ class _AsyncReconnect(AsyncRetry):
         return await super().call_with_retry(do, fail_or_give_up, *args, **kwargs)
 
 
+#: The most connections one client's pool opens (per node on a cluster). redis-py 8 caps a pool at
+#: 100 by default, and a client shared by more callers than that -- a dock in a Ray actor with
+#: max_concurrency=100, each waiting call holding a connection on its blocking read, the lane one
+#: more; or as many coroutines of one asyncio client -- then failed with "Too many connections".
+#: Pools open connections only as callers need them; this is the number a server admits by default.
+POOL_MAX_CONNECTIONS = 10_000
+
+
 def connection_options(*, asyncio: bool = False, reconnect: bool = True, unix: bool = False) -> dict[str, Any]:
     """Options every client gets: reconnect with backoff across a Redis restart (~6 s in all) before
     giving up, at once where no reconnect can help (:func:`unfixable_by_reconnecting`);
@@ -517,6 +525,7 @@ def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **opti
     """
     check_url(url)
     base = connection_options(reconnect=reconnect, unix=is_unix_url(url))
+    options.setdefault("max_connections", POOL_MAX_CONNECTIONS)
     if cluster_mode(url, cluster):
         retry = options.pop("retry", base["retry"])
         options.setdefault("socket_timeout", None)  # see connection_options
@@ -549,8 +558,7 @@ def async_client(
     base = connection_options(asyncio=True, reconnect=reconnect, unix=is_unix_url(url))
     if cluster_mode(url, cluster):
         merged = {**base, **options}
-        if max_connections is not None:
-            merged["max_connections"] = max_connections
+        merged["max_connections"] = POOL_MAX_CONNECTIONS if max_connections is None else max_connections
         allowed = _async_cluster_parameters()
         kept = {k: v for k, v in merged.items() if k in allowed and k != "health_check_interval"}
         try:
@@ -559,8 +567,9 @@ def async_client(
             raise ConfigError(f"cannot use {redact(url)!r} as a Redis Cluster: {exc}") from exc
     merged = {**base, **options}
     if sentinel.is_sentinel_url(url):
-        client = sentinel.async_client(url, AsyncSingleClient, merged, max_connections=max_connections,
-                                       wait_for_connection=wait_for_connection)
+        bound = POOL_MAX_CONNECTIONS if max_connections is None else max_connections
+        client = sentinel.async_client(url, AsyncSingleClient, merged, max_connections=bound,
+                                       wait_for_connection=wait_for_connection and max_connections is not None)
     elif max_connections is not None:
         pool_class = aioredis.BlockingConnectionPool if wait_for_connection else aioredis.ConnectionPool
         extra = {"timeout": None} if wait_for_connection else {}
@@ -568,7 +577,7 @@ def async_client(
         client = AsyncSingleClient(connection_pool=pool)
         client.auto_close_connection_pool = True
     else:
-        client = AsyncSingleClient.from_url(url, **merged)
+        client = AsyncSingleClient.from_url(url, max_connections=POOL_MAX_CONNECTIONS, **merged)
     client.tq_url = url
     return client
 
