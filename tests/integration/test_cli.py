@@ -216,3 +216,20 @@ def test_up_and_status_help_explain_every_option():
     assert "TQ_NAMESPACE" in help_of(status.stdout, "--namespace")
     assert "seconds between refreshes" in help_of(status.stdout, "--interval")
     assert "--allow-empty" in status.stdout
+
+
+@pytest.mark.parametrize("flavour", ["valkey", "redis7"])
+def test_a_wrong_password_is_one_line_without_a_doubled_full_stop(flavour):
+    """The server's own sentence ("... or user is disabled.") is quoted without its full stop, so the
+    line does not read "disabled.." before what to do."""
+    server = EmbeddedServer(password="right-pw-4d2f", binary=server_binary(flavour)).start()
+    try:
+        wrong = f"redis://:wrong-pw-9c1a@{server.host}:{server.port}/0"
+        for command in (["status"], ["namespace", "drop", "x"]):
+            out = subprocess.run(CLI + command + ["--redis", wrong], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            (line,) = out.stderr.strip().splitlines()
+            assert "refused the credentials" in line and "disabled" in line, line
+            assert ".." not in line and "wrong-pw-9c1a" not in line, line
+    finally:
+        server.stop()

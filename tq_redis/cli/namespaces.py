@@ -64,13 +64,21 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _unknown(url: str, ns: str) -> str | None:
-    """What to say when namespace ``ns`` has no keys on the server at ``url`` (None: it has)."""
+    """What to say when namespace ``ns`` has no keys on the server at ``url`` (None: it has). A server
+    that refuses or cannot be reached raises a typed error (the one ``status`` prints)."""
+    import redis
+
+    from tq_redis.cli.main import _redis_failure
     from tq_redis.monitor.known import unknown_namespace
     from tq_redis.server import connections
+    from tq_redis.server import policy as server_policy
 
     r = connections.sync_client(url)
     try:
         return unknown_namespace(r, ns)
+    except redis.RedisError as exc:
+        failure = _redis_failure(url, exc)
+        raise (failure if isinstance(failure, TQError) else server_policy.unexpected_reply(url, exc)) from exc
     finally:
         r.close()
 
