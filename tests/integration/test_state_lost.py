@@ -233,3 +233,20 @@ def test_loading_a_checkpoint_after_the_loss_takes_the_namespace_up_again(tmp_pa
     finally:
         client.close()
         server.stop()
+
+
+def test_on_a_cluster_a_namespace_that_lost_its_config_is_refused(monkeypatch, cluster, namespace):
+    """``<ns>:config`` lives in one slot; the heartbeat reads it there (the cluster is shared by the
+    session, so the loss is the namespace's own keys deleted, not a flush of every node)."""
+    monkeypatch.setattr(liveness, "BEAT_S", 0.1)
+    client = make_client(cluster.url, namespace)
+    try:
+        assert client.put(_rows(4), partition_id="p").global_indexes == [0, 1, 2, 3]
+        assert client.redis.hget(config_key(namespace), "epoch") is not None
+        client.redis.delete(config_key(namespace), f"{namespace}:{{{namespace}/p}}:seq")
+        assert client._identity.lost_event.wait(30), "the heartbeat did not notice"
+        with pytest.raises(ServerStateLost):
+            client.put(_rows(4), partition_id="p")
+        assert not client.redis.exists(f"{namespace}:{{{namespace}/p}}:seq")  # no id handed out again
+    finally:
+        client.close()

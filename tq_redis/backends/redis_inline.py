@@ -34,7 +34,7 @@ class RedisInlineStore:
         self.url = url
         # The project's client (single server or cluster), reconnecting with backoff across a Redis
         # restart as the metadata plane does: bytes put next to the metadata must stay reachable
-        # whenever the metadata is. ``options``: redis-py connection options.
+        # whenever the metadata is. ``options``: those of connections.sync_client.
         self._redis = client if client is not None else connections.sync_client(url, **options)
         self._cluster = connections.is_cluster_client(self._redis)
 
@@ -44,8 +44,7 @@ class RedisInlineStore:
             return cls(options["url"])
         # beside the metadata: each new connection checks the namespace's epoch as the client's do
         # (tq_redis.server.identity), so metadata from before a loss never reads another's bytes
-        hook = ctx.extra.get("redis_connect_func")
-        return cls(ctx.redis_url, **({"redis_connect_func": hook} if hook is not None else {}))
+        return cls(ctx.redis_url, on_connect=ctx.extra.get("on_connect"))
 
     def _chunks(self, keys: Sequence[str]) -> list[list[int]]:
         """Positions of ``keys`` in the groups one command each takes."""

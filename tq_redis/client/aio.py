@@ -183,7 +183,7 @@ class AsyncTransferQueueClient:
         driver = self._async_drivers.get(loop)
         if driver is None:
             driver = self._async_drivers[loop] = AsyncDriver(
-                self.redis_url, redis_connect_func=self._identity.on_connect_async
+                self.redis_url, on_connect=self._identity.check_connection_async
             )
         return driver
 

@@ -48,7 +48,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
 
     def _open(self) -> None:
         """Open the blocking driver, shared by every thread."""
-        self._driver = SyncDriver(self.redis_url, redis_connect_func=self._identity.on_connect)
+        self._driver = SyncDriver(self.redis_url, on_connect=self._identity.check_connection)
 
     def run(self, op: ops.Op[R]) -> R:
         """Run one operation (a generator of effects, see :mod:`tq_redis.client.driver`) to its result,

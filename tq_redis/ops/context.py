@@ -87,7 +87,7 @@ def storage(ctx: Context) -> Op:
     if ctx.storage is None:
         raw = yield Cmd(("HGET", config_key(ctx.namespace), "storage"))
         spec = json.loads(raw) if raw else {"backend": "redis", "options": {}}
-        extra = {} if ctx.identity is None else {"redis_connect_func": ctx.identity.on_connect}
+        extra = {} if ctx.identity is None else {"on_connect": ctx.identity.check_connection}
         ctx.storage = KVStorageManager(
             spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace, extra),
             inline_max_bytes=int(spec.get("inline_max_bytes", DEFAULT_INLINE_MAX_BYTES)),

@@ -517,14 +517,41 @@ class AsyncSingleClient(aioredis.Redis):
 # ---------------------------------------------------------------------------------------------
 
 
-def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **options: Any) -> redis.Redis | RedisCluster:
+def _after_handshake(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    """redis-py's ``redis_connect_func`` for a single server: the usual handshake, then ``check``."""
+
+    def connect(connection: Any) -> None:
+        connection.on_connect()
+        check(connection)
+
+    return connect
+
+
+def _after_handshake_async(check: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """:func:`_after_handshake` for ``redis.asyncio`` connections."""
+
+    async def connect(connection: Any) -> None:
+        await connection.on_connect()
+        await check(connection)
+
+    return connect
+
+
+def sync_client(
+    url: str, *, cluster: Any = None, reconnect: bool = True, on_connect: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> redis.Redis | RedisCluster:
     """A blocking client of ``url``: :class:`SingleClient` or, on a cluster, :class:`ClusterClient`.
 
     ``options`` are redis-py connection options (``socket_timeout``, ``client_name`` ...); they
-    override :func:`connection_options`. Raises :class:`ConfigError` for a URL redis-py cannot use.
+    override :func:`connection_options`. ``on_connect(connection)`` runs on every new connection
+    after its handshake, before its first command (the namespace's epoch check,
+    :mod:`tq_redis.server.identity`). Raises :class:`ConfigError` for a URL redis-py cannot use.
     """
     check_url(url)
     base = connection_options(reconnect=reconnect, unix=is_unix_url(url))
+    if on_connect is not None:  # a cluster client runs its handshake itself before the function it is given
+        options["redis_connect_func"] = on_connect if cluster_mode(url, cluster) else _after_handshake(on_connect)
     options.setdefault("max_connections", POOL_MAX_CONNECTIONS)
     if cluster_mode(url, cluster):
         retry = options.pop("retry", base["retry"])
@@ -546,16 +573,20 @@ def sync_client(url: str, *, cluster: Any = None, reconnect: bool = True, **opti
 
 def async_client(
     url: str, *, cluster: Any = None, reconnect: bool = True, max_connections: int | None = None,
-    wait_for_connection: bool = False, **options: Any,
+    wait_for_connection: bool = False, on_connect: Callable[[Any], Awaitable[None]] | None = None, **options: Any,
 ) -> aioredis.Redis | AsyncRedisCluster:
     """An asyncio client of ``url``: :class:`AsyncSingleClient` or, on a cluster, :class:`AsyncClusterClient`.
 
     ``max_connections`` bounds the pool (per node on a cluster); with ``wait_for_connection`` a
     single-server client waits for a free connection instead of failing (a cluster client always
     fails fast: callers that need a bound there hold a semaphore). The client connects on first use.
+    ``on_connect``: as :func:`sync_client`'s, a coroutine function; redis.asyncio's cluster client has
+    no such hook, so it runs none there.
     """
     check_url(url)
     base = connection_options(asyncio=True, reconnect=reconnect, unix=is_unix_url(url))
+    if on_connect is not None and not cluster_mode(url, cluster):
+        options["redis_connect_func"] = _after_handshake_async(on_connect)
     if cluster_mode(url, cluster):
         merged = {**base, **options}
         merged["max_connections"] = POOL_MAX_CONNECTIONS if max_connections is None else max_connections

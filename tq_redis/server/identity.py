@@ -11,7 +11,7 @@ a process attaching afterwards finds no ``<ns>:config`` and quietly uses other s
   with storage nodes has it copied in ``<ns>:storage:epoch``, the one key of it a storage node may
   read besides its registry (``<ns>:config`` may hold a store's credentials).
 * Every client learns it before its first call (:class:`Identity`, :func:`tq_redis.ops.identity.learn`)
-  and checks it again on every new Redis connection (:meth:`Identity.on_connect`, before the
+  and checks it again on every new Redis connection (:meth:`Identity.check_connection`, before the
   connection's first command: a reconnect after a restart is when a server that lost its state is
   met) and in the liveness heartbeat (:mod:`tq_redis.client.liveness`). A missing or different epoch
   raises :class:`~tq_redis.errors.ServerStateLost`, and every later call of that client raises it
@@ -152,11 +152,10 @@ class Identity:
             raise self.refuse(f"'{self.key}' has no epoch any more ({where})")
         raise self.refuse(f"'{self.key}' holds epoch {found}, this client attached to epoch {self.epoch} ({where})")
 
-    # -- the checks on every new connection (redis-py's ``redis_connect_func``) ---------------------
+    # -- the check of every new connection (connections.sync_client's / async_client's ``on_connect``) --
 
-    def on_connect(self, connection: Any) -> None:
-        """A new blocking connection: the usual handshake, then the epoch, before its first command."""
-        connection.on_connect()
+    def check_connection(self, connection: Any) -> None:
+        """A new blocking connection, its handshake done: the epoch, before its first command."""
         if self._unchecked():
             return
         connection.send_command("HGET", self.key, FIELD)
@@ -170,9 +169,8 @@ class Identity:
             connection.disconnect()  # redis-py keeps a connection whose hook failed otherwise
             raise
 
-    async def on_connect_async(self, connection: Any) -> None:
-        """:meth:`on_connect` for a ``redis.asyncio`` connection."""
-        await connection.on_connect()
+    async def check_connection_async(self, connection: Any) -> None:
+        """:meth:`check_connection` for a ``redis.asyncio`` connection."""
         if self._unchecked():
             return
         await connection.send_command("HGET", self.key, FIELD)
