@@ -233,3 +233,8 @@ def test_a_wrong_password_is_one_line_without_a_doubled_full_stop(flavour):
             assert ".." not in line and "wrong-pw-9c1a" not in line, line
     finally:
         server.stop()
+    gone = subprocess.run(CLI + ["namespace", "drop", "x", "--redis", wrong], capture_output=True, text=True,
+                          timeout=120)  # the server is gone now
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr, gone.stderr
+    (line,) = gone.stderr.strip().splitlines()
+    assert "cannot reach Redis" in line and "wrong-pw-9c1a" not in line, line

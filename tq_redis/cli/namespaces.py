@@ -68,17 +68,21 @@ def _unknown(url: str, ns: str) -> str | None:
     that refuses or cannot be reached raises a typed error (the one ``status`` prints)."""
     import redis
 
-    from tq_redis.cli.main import _redis_failure
+    from tq_redis.errors import ConnectionFailed
     from tq_redis.monitor.known import unknown_namespace
+    from tq_redis.redact import redact
     from tq_redis.server import connections
     from tq_redis.server import policy as server_policy
 
-    r = connections.sync_client(url)
+    r = connections.sync_client(url, reconnect=False, socket_connect_timeout=3)  # one try, as status makes
     try:
         return unknown_namespace(r, ns)
     except redis.RedisError as exc:
-        failure = _redis_failure(url, exc)
-        raise (failure if isinstance(failure, TQError) else server_policy.unexpected_reply(url, exc)) from exc
+        typed = server_policy.typed_error(url, exc)  # a refusal: credentials, ACL
+        if typed is None and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            typed = ConnectionFailed(f"cannot reach Redis at {redact(url)} ({exc}); check that the server is "
+                                     f"running and the URL is right")
+        raise (typed or server_policy.unexpected_reply(url, exc)) from exc
     finally:
         r.close()
 
