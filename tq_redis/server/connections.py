@@ -550,10 +550,11 @@ def sync_client(
     """
     check_url(url)
     base = connection_options(reconnect=reconnect, unix=is_unix_url(url))
+    in_cluster = cluster_mode(url, cluster)  # once: a server that refuses the probe is asked again each time
     if on_connect is not None:  # a cluster client runs its handshake itself before the function it is given
-        options["redis_connect_func"] = on_connect if cluster_mode(url, cluster) else _after_handshake(on_connect)
+        options["redis_connect_func"] = on_connect if in_cluster else _after_handshake(on_connect)
     options.setdefault("max_connections", POOL_MAX_CONNECTIONS)
-    if cluster_mode(url, cluster):
+    if in_cluster:
         retry = options.pop("retry", base["retry"])
         options.setdefault("socket_timeout", None)  # see connection_options
         options.setdefault("socket_keepalive", True)
@@ -585,9 +586,10 @@ def async_client(
     """
     check_url(url)
     base = connection_options(asyncio=True, reconnect=reconnect, unix=is_unix_url(url))
-    if on_connect is not None and not cluster_mode(url, cluster):
+    in_cluster = cluster_mode(url, cluster)  # once, as in sync_client
+    if on_connect is not None and not in_cluster:
         options["redis_connect_func"] = _after_handshake_async(on_connect)
-    if cluster_mode(url, cluster):
+    if in_cluster:
         merged = {**base, **options}
         merged["max_connections"] = POOL_MAX_CONNECTIONS if max_connections is None else max_connections
         allowed = _async_cluster_parameters()
