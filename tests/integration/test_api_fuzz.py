@@ -38,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tests.conftest import _server, make_client
+from tests.records import without_records
 from tq_redis import errors
 from tq_redis.meta import BatchMeta, bitmaps
 from tq_redis.meta.keys import PartitionKeys
@@ -486,6 +487,9 @@ def audit(ns: Namespace) -> None:
         owner, _, pid = tag.partition("/")  # the tag is {<namespace>/<partition>}
         assert owner == ns.client.namespace, f"key {raw!r}: its hash tag does not name this namespace"
         assert pid in ns.ever, f"key {raw!r} of partition {pid!r}, which no call created"
+        if suffix.startswith("rq:"):  # a call's request record (tests/records.py): it must expire
+            assert not without_records([raw], r)
+            continue
         d = _DATA_KEY.fullmatch(suffix)
         if d:
             data_keys.setdefault(pid, set()).add((int(d.group(1)), d.group(2)))

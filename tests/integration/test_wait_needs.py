@@ -180,6 +180,7 @@ def test_a_blocked_consumer_sleeps_through_small_puts_and_gets_its_batch(real_se
     """End to end on a real server: a consumer blocked for a batch of 8 sends no claim while seven
     single-sample puts land, and gets the batch when the eighth does."""
     producer, consumer = make_client(real_server.url, namespace), make_client(real_server.url, namespace)
+    consumer.get_partition_list()  # a client's first call learns the namespace's epoch (server.identity) first
     sent: list[list[str]] = []
     real_pipeline = consumer.redis.pipeline_on_lane
 

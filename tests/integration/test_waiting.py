@@ -191,6 +191,7 @@ def test_a_woken_consumer_claims_in_the_round_trip_of_its_wait(real_server, name
     write on the lane (the server runs the claim as the wait ends): no BLPOP of its own."""
     producer = make_client(real_server.url, namespace)
     consumer = make_client(real_server.url, namespace)
+    consumer.get_partition_list()  # a client's first call learns the namespace's epoch (server.identity) first
     lane = consumer.redis
     sent: list[list[str]] = []
     real_pipeline = lane.pipeline_on_lane

@@ -144,7 +144,17 @@ def _as_args(call: Cmd | FCall) -> tuple:
     return _fcall_args(call) if isinstance(call, FCall) else call.args
 
 
+#: redis-py's "Too many connections" (a pool at its cap); a class of its own since redis-py 5.1
+_POOL_FULL = getattr(redis.exceptions, "MaxConnectionsError", ())
+
+
 def _connection_failed(url: str, exc: BaseException) -> ConnectionFailed:
+    if isinstance(exc, _POOL_FULL) or str(exc) == "Too many connections":
+        return ConnectionFailed(
+            f"this client's connection pool to Redis at {server_policy.redact(url)} is full ({exc}): more "
+            f"calls were in flight at once than its {connections.POOL_MAX_CONNECTIONS} connections (the server "
+            f"is reachable); share fewer callers per client, or use one client per worker"
+        )
     return ConnectionFailed(
         f"cannot reach Redis at {server_policy.redact(url)} ({exc}); check that the server is running and the "
         f"URL is right "
