@@ -12,8 +12,8 @@ the typed errors an operation is handed, the call and wait timings. The drivers 
 ``generators.py`` decides and its ``waiting.py`` only waits). A plan does no I/O and reads no global
 state of the process: what it needs is the driver's state (:class:`Plans`).
 
-**Retries, and why each is safe** (the one place this is written down; ``docs/operations/failures.md``
-says it for users). A call may be sent more than once: redis-py sends a command again after a
+**Retries, and why each is safe** (the one place this is written down; ``docs/operations/failover.md``,
+"Lost replies", says it for users). A call may be sent more than once: redis-py sends a command again after a
 ``ConnectionError``/``TimeoutError`` with backoff (:func:`tq_redis.server.connections.connection_options`:
 a reply lost to a dropped connection, a Redis restarting), and re-sends a whole pipeline; a blocking
 client whose lane fails sends its command again the pool's way; this module sends a call again once
@@ -40,7 +40,7 @@ import itertools
 import os
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -121,7 +121,7 @@ def _recorded(call: FCall, new_id: Any) -> FCall:
     # scripts.records / scripts.record_key, written out: this runs once per call of every operation
     if call.name in scripts.UNRECORDED or not call.keys:
         return call
-    return FCall(call.name, (*call.keys, f"{call.keys[0][:-4]}rq:{new_id()}"), call.args)
+    return replace(call, keys=(*call.keys, f"{call.keys[0][:-4]}rq:{new_id()}"))  # the same script, one key more
 
 
 def with_record(effect: Any, new_id: Any) -> Any:
