@@ -93,12 +93,11 @@ local function recorded(fn, KEYS, ARGV)
     return redis.error_reply('ERR tq_redis: the last key must be the request record ' .. prefix .. 'rq:<id>')
   end
   KEYS[n] = nil
-  local key = prefix .. 'rq:' .. string.sub(record, #prefix + 4)
-  local seen = redis.call('GET', key)
+  local seen = redis.call('GET', record)
   if seen then return request_records.unpack(seen) end
   local reply = fn(KEYS, ARGV)
   if type(reply) ~= 'table' or reply.err == nil then
-    redis.call('SET', key, request_records.pack(reply), 'PX', request_records.ms)
+    redis.call('SET', record, request_records.pack(reply), 'PX', request_records.ms)
   end
   return reply
 end
