@@ -176,13 +176,20 @@ def _producer(url: str, ns: str, rank: int, go) -> None:
     client.close()
 
 
-def _consumer(url: str, ns: str, combined: bool, go, producers_done, out) -> None:
+def _consumer(url: str, ns: str, combined: bool, go, producers_done, out, first_claims) -> None:
+    """Claims until the task is done. So that both paths surely take part whoever the scheduler
+    favours, the plain consumer starts once a combined one has claimed, and each combined one goes on
+    after its first claim once the plain one has claimed (``first_claims``: (combined, plain) events)."""
     from tq_redis import TransferQueueClient
 
     client = TransferQueueClient(url, ns, nested_output=False)
     go.wait()
+    mine, other = first_claims if combined else first_claims[::-1]
+    if not combined:
+        other.wait(60)
     seen: list[int] = []
     bad = 0
+    claimed = False
     while True:
         if combined:
             meta, data = client.get_meta_and_data(["origin", "rows"], 4, "train", task_name="t", timeout=0.5)
@@ -195,6 +202,11 @@ def _consumer(url: str, ns: str, combined: bool, go, producers_done, out) -> Non
                 row = data["rows"][i]
                 bad += int(not torch.equal(row, _rows(torch.tensor([origin]), big=len(row) == 2048)[0]))
                 seen.append(int(sample))
+            if not claimed:
+                claimed = True
+                mine.set()
+                if combined:
+                    other.wait(60)
         elif producers_done.is_set() and client.check_consumption_status("t", "train"):
             break
     out.put((combined, seen, bad))
@@ -204,10 +216,11 @@ def _consumer(url: str, ns: str, combined: bool, go, producers_done, out) -> Non
 def test_consumers_mixing_both_paths_share_a_task_without_duplicates_or_losses(real_server, namespace):
     make_client(real_server.url, namespace, inline_max_bytes=LIMIT).close()  # inline values on
     ctx = mp_context()
-    go, producers_done, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    go, producers_done, out, first_claims = ctx.Event(), ctx.Event(), ctx.Queue(), (ctx.Event(), ctx.Event())
     producers = [ctx.Process(target=_producer, args=(real_server.url, namespace, r, go)) for r in range(PRODUCERS)]
     consumers = [
-        ctx.Process(target=_consumer, args=(real_server.url, namespace, combined, go, producers_done, out))
+        ctx.Process(target=_consumer, args=(real_server.url, namespace, combined, go, producers_done, out,
+                                            first_claims))  # fmt: skip
         for combined in (True, True, True, False)
     ]
     results = drain(producers, consumers, go, producers_done, out)
@@ -216,6 +229,7 @@ def test_consumers_mixing_both_paths_share_a_task_without_duplicates_or_losses(r
     assert sorted(counts) == list(range(TOTAL)), "samples lost"
     assert sum(bad for _, _, bad in results) == 0, "a row did not match its sample"
     assert any(seen for combined, seen, _ in results if combined), "the combined path claimed nothing"
+    assert any(seen for combined, seen, _ in results if not combined), "the plain path claimed nothing"
 
 
 # ------------------------------------------------------------------ the streaming loader
