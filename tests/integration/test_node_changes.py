@@ -91,6 +91,11 @@ def _stopped(node) -> None:
     assert os.WIFSTOPPED(os.waitpid(node.proc.pid, os.WUNTRACED)[1])
 
 
+#: a client's dead_after_s where a test needs a paused node to look dead: three of a node's 1 s
+#: heartbeats, so a live node that a loaded machine schedules late does not look dead too
+DEAD_AFTER_S = 3.0
+
+
 def _looks_dead(client, node_id: str, dead_after_s: float) -> bool:
     """Whether ``node_id``'s heartbeat is older than ``dead_after_s`` by Redis's clock."""
     raw = client.redis.hget(f"{client.namespace}:storage:nodes", node_id)
@@ -151,10 +156,11 @@ def test_a_rewrite_after_nodes_joined_is_never_read_from_the_stale_copy(real_ser
     assert on_new > 0
 
     # n2 and n3 pause: a reader's live ring is n1 alone, which still holds the stale copies
-    reader = _client(real_server.url, namespace, dead_after_s=1.0, timeout_s=1.0)
+    reader = _client(real_server.url, namespace, dead_after_s=DEAD_AFTER_S, timeout_s=1.0)
     _stopped(n2)
     _stopped(n3)
-    _wait_until(lambda: _looks_dead(reader, "n2", 1.0) and _looks_dead(reader, "n3", 1.0), "n2, n3 look dead")
+    _wait_until(lambda: _looks_dead(reader, "n2", DEAD_AFTER_S) and _looks_dead(reader, "n3", DEAD_AFTER_S),
+                "n2, n3 look dead")
     with pytest.raises(StorageUnavailable, match=r"'n[23]'.*\(reading .*:d:\d+:[xy]"):
         reader.get_data(meta)
     os.kill(n2.proc.pid, signal.SIGCONT)
@@ -181,9 +187,9 @@ def test_a_holder_that_left_is_named_with_its_address_and_keys(real_server, name
     else:
         n2.proc.kill()
         n2.proc.wait()
-        _wait_until(lambda: _looks_dead(client, "n2", 1.0), "n2 looks dead")
+        _wait_until(lambda: _looks_dead(client, "n2", DEAD_AFTER_S), "n2 looks dead")
     with pytest.raises(DataMissing) as caught:
-        _client(real_server.url, namespace, dead_after_s=1.0).get_data(meta)
+        _client(real_server.url, namespace, dead_after_s=DEAD_AFTER_S).get_data(meta)
     message = str(caught.value)
     assert "'n2'" in message and n2.address in message and "has left" in message
     assert f"{namespace}:{{{namespace}/p}}:d:" in message  # the keys it held
@@ -194,7 +200,7 @@ def test_a_holder_that_left_is_named_with_its_address_and_keys(real_server, name
 
 
 @pytest.mark.parametrize(
-    "dead_after_s", [pytest.param(1.0, id="looks-dead"), pytest.param(60.0, id="heartbeat-fresh")]
+    "dead_after_s", [pytest.param(DEAD_AFTER_S, id="looks-dead"), pytest.param(60.0, id="heartbeat-fresh")]
 )
 def test_a_node_paused_during_a_clear_deletes_the_cleared_values_when_it_is_back(
     real_server, namespace, nodes, dead_after_s
