@@ -11,7 +11,14 @@ import redis
 
 from tq_redis.backends.dram.launcher import NodeProcess, spawn_node
 from tq_redis.backends.dram.store import DramStore
-from tq_redis.meta.keys import clients_key, config_key, kept_partitions_key, storage_nodes_key, storage_rings_key
+from tq_redis.meta.keys import (
+    clients_key,
+    config_key,
+    kept_partitions_key,
+    storage_epoch_key,
+    storage_nodes_key,
+    storage_rings_key,
+)
 
 #: node options for leak checks: slabs are released as soon as they are empty (no warm cache)
 LEAN_NODE_ARGS = ("--keep-warm", "0", "--slab-size", "4MiB")
@@ -99,8 +106,9 @@ def namespace_keys(url: str, namespace: str) -> set[str]:
 def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[str]:
     """Keys of the namespace that must not outlive a clear of ``partitions``.
 
-    Allowed to remain: the namespace config, its live clients' heartbeats, the storage-node
-    registry and the table of node rings values were put under, each partition's id counter (ids
+    Allowed to remain: the namespace config and the copy of its epoch its storage nodes read
+    (``storage:epoch``: a namespace's identity outlives its partitions), its live clients'
+    heartbeats, the storage-node registry and the table of node rings values were put under, each partition's id counter (ids
     are never reused) and event counters (they never go down), a sealed partition's closed
     marker, the registry listing them (``partitions:kept``), and
     while they still have an expiry its event stream (kept a minute so that readers following it
@@ -110,7 +118,7 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
     """
     # partitions:kept lists the cleared partitions whose seq stays (checkpoints find it there)
     allowed = {config_key(namespace), storage_nodes_key(namespace), kept_partitions_key(namespace),
-               clients_key(namespace), storage_rings_key(namespace)}
+               clients_key(namespace), storage_rings_key(namespace), storage_epoch_key(namespace)}
     allowed |= {f"{namespace}:{{{namespace}/{p}}}:{kind}" for p in partitions for kind in ("seq", "closed", "counters")}
     prefixes = tuple(f"{namespace}:{{{namespace}/{p}}}:" for p in partitions)
     expiring = ("events", "tagchanges", "waittasks", "waiters:", "waitneed:", "wake:", "wakebudget:", "rq:")
