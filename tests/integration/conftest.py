@@ -1,5 +1,8 @@
 """Fixtures of the integration tests beyond ``tests/conftest.py``: the Redis Cluster ones (tests/cluster.py),
-and clients that keep small values inline (``test_inline.py``, ``test_meta_and_data.py``)."""
+clients that keep small values inline (``test_inline.py``, ``test_meta_and_data.py``), a client of a real
+server with a snapshot of its namespace's keys, and a local Ray for a test module."""
+
+import os
 
 import pytest
 import torch
@@ -7,6 +10,35 @@ from tensordict import TensorDict
 
 from tests.cluster import cluster, cluster_client  # noqa: F401  (registered as fixtures here)
 from tests.conftest import make_client
+from tests.ray_start import init_local_ray
+from tq_redis.client.checkpoint import namespace_keys
+
+
+@pytest.fixture
+def rclient(real_server, namespace):
+    """A client of a real server (both flavours)."""
+    c = make_client(real_server.url, namespace)
+    yield c
+    c.close()
+
+
+def key_snapshot(client) -> dict[str, bytes]:
+    """Every key of the client's namespace (the redis store's values included) with its serialized value."""
+    r = client.redis
+    return {k: r.dump(k) for k in namespace_keys(r, client.namespace, with_data=True) if r.exists(k)}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for the test module (left running if something else started it)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
+    yield ray
+    if started:
+        ray.shutdown()
 
 INLINE_LIMIT = 4096
 """``storage.inline_max_bytes`` of the inline clients below."""

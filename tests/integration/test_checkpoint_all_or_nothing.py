@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.integration.conftest import key_snapshot
 from tq_redis.backends.dram.launcher import start_local_nodes
 from tq_redis.client import checkpoint
 from tq_redis.codec import objects
@@ -31,19 +32,6 @@ from tq_redis.errors import (
 
 KEYS = "redis_keys.msgpack"
 META = "metadata.json"
-
-
-@pytest.fixture
-def rclient(real_server, namespace):
-    c = make_client(real_server.url, namespace)
-    yield c
-    c.close()
-
-
-def _snapshot(client) -> dict[str, bytes]:
-    r = client.redis
-    keys = checkpoint.namespace_keys(r, client.namespace, with_data=True)
-    return {k: r.dump(k) for k in keys if r.exists(k)}
 
 
 def _x(client) -> list[float]:
@@ -89,11 +77,11 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_written(rclient, tmp
     name, spoil, said = DAMAGES[damage]
     _saved_then_changed(rclient, tmp_path / "ckpt")
     spoil(tmp_path / "ckpt" / name)
-    before = _snapshot(rclient)
+    before = key_snapshot(rclient)
     with pytest.raises(CheckpointCorrupt, match=f"checkpoint file {name} ({said})") as err:
         checkpoint.load(rclient, tmp_path / "ckpt", replace=True)
     assert err.value.file == name and isinstance(err.value, StorageError | ValueError)
-    assert _snapshot(rclient) == before
+    assert key_snapshot(rclient) == before
     assert _x(rclient) == [2.0, 2.0]  # was overwritten with the checkpoint's 1.0
 
 
@@ -119,11 +107,11 @@ def test_a_checkpoint_without_a_manifest_is_decoded_and_checked_before_any_write
     _saved_then_changed(rclient, tmp_path / "ckpt")
     _legacy(tmp_path / "ckpt")
     spoil(tmp_path / "ckpt" / name)
-    before = _snapshot(rclient)
+    before = key_snapshot(rclient)
     with pytest.raises(CheckpointCorrupt, match=f"checkpoint file {name} ({said})") as err:
         checkpoint.load(rclient, tmp_path / "ckpt", replace=True)
     assert err.value.file == name
-    assert _snapshot(rclient) == before
+    assert key_snapshot(rclient) == before
     assert _x(rclient) == [2.0, 2.0]
 
 
@@ -149,10 +137,10 @@ def test_a_manifest_lists_every_file_with_its_size_and_checksum(rclient, tmp_pat
 def test_loading_into_a_namespace_that_holds_data_is_refused(rclient, tmp_path):
     _saved_then_changed(rclient, tmp_path / "ckpt")
     rclient.put(TensorDict({"y": torch.arange(3)}, [3]), partition_id="other")
-    before = _snapshot(rclient)
+    before = key_snapshot(rclient)
     with pytest.raises(NamespaceNotEmpty, match=r"holds partitions \['p', 'other'\].*replace=True"):
         checkpoint.load(rclient, tmp_path / "ckpt")
-    assert _snapshot(rclient) == before
+    assert key_snapshot(rclient) == before
     rclient.clear_partition("p")
     rclient.clear_partition("other")
     checkpoint.load(rclient, tmp_path / "ckpt")  # a cleared namespace is empty: no replace needed
@@ -182,14 +170,14 @@ def test_replacing_frees_the_old_bytes_on_the_dram_nodes(real_server, namespace,
         (tmp_path / "bad").mkdir()
         checkpoint.save(client, tmp_path / "bad" / "ckpt")
         _truncate(next((tmp_path / "bad" / "ckpt" / "data").glob("*.msgpack")))
-        before = _snapshot(client)
+        before = key_snapshot(client)
         with pytest.raises(CheckpointCorrupt, match=r"checkpoint file data/\d+\.msgpack has"):
             checkpoint.load(client, tmp_path / "bad" / "ckpt", replace=True)
-        assert _snapshot(client) == before and _used(client) == live
+        assert key_snapshot(client) == before and _used(client) == live
 
         with pytest.raises(NamespaceNotEmpty):
             checkpoint.load(client, tmp_path / "ckpt")
-        assert _snapshot(client) == before and _used(client) == live
+        assert key_snapshot(client) == before and _used(client) == live
 
         checkpoint.load(client, tmp_path / "ckpt", replace=True)
         assert _used(client) == saved  # the replaced data's bytes left the nodes: nothing leaked

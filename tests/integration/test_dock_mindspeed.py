@@ -8,7 +8,6 @@ actor built with ``ray.remote(GRPOTransferDock)`` exactly as MindSpeed builds it
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,7 +17,6 @@ from tensordict import TensorDict
 from examples.transfer_dock import pad, unpad  # MindSpeed-RL's padded layout, as its callers build it
 from tests.conftest import make_client
 from tests.procs import gather, mp_context
-from tests.ray_start import init_local_ray
 from tq_redis import GRPOTransferDock
 from tq_redis.dock.dock import DockMetrics, TransferDock
 from tq_redis.errors import BatchSizeMismatch, ConfigError, InvalidArgument
@@ -294,18 +292,6 @@ def test_base_class_api(target):
 
 
 # ------------------------------------------------------------------ as a Ray actor
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def test_ray_remote_dock_with_mindspeed_arguments(ray_local, valkey, namespace):

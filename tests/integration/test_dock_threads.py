@@ -27,7 +27,6 @@ import torch
 
 import tq_redis as tq
 from tests.conftest import _server, make_client
-from tests.ray_start import init_local_ray
 from tq_redis import GRPOTransferDock, MMGRPOTransferDock
 
 CALLS = 100  # MindSpeed's max_concurrency
@@ -257,17 +256,6 @@ def test_multimodal_dock_takes_100_concurrent_calls(place):
 
 
 # ------------------------------------------------------------------ the same, as Ray actors
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def test_both_docks_as_ray_actors_with_max_concurrency_100(ray_local, valkey, namespace):

@@ -14,24 +14,11 @@ import torch
 from tensordict import TensorDict
 
 from tests.conftest import make_client
+from tests.integration.conftest import key_snapshot
 from tq_redis import GRPOTransferDock
-from tq_redis.client.checkpoint import namespace_keys
 from tq_redis.errors import InvalidName
 
 RESERVED = ["resp~0", "resp~version", "resp~parts", "resp~next"]
-
-
-@pytest.fixture
-def rclient(real_server, namespace):
-    c = make_client(real_server.url, namespace)
-    yield c
-    c.close()
-
-
-def _snapshot(client) -> dict[str, bytes]:
-    """Every key of the namespace (the redis store's values included) with its serialized value."""
-    r = client.redis
-    return {k: r.dump(k) for k in namespace_keys(r, client.namespace, with_data=True) if r.exists(k)}
 
 
 def _appended(client):
@@ -44,14 +31,14 @@ def _appended(client):
 @pytest.mark.parametrize("name", ["resp~0", "resp~version"])
 def test_a_plain_field_with_a_reserved_name_is_refused_and_nothing_is_written(rclient, name):
     meta = _appended(rclient)
-    before = _snapshot(rclient)
+    before = key_snapshot(rclient)
     with pytest.raises(InvalidName, match=rf"field name '{name}' contains '~', which is reserved"):
         rclient.put(TensorDict({name: torch.tensor([[9, 9], [9, 9]])}, [2]), metadata=meta)
     with pytest.raises(InvalidName, match="reserved"):  # nor as a new sample's field
         rclient.put(TensorDict({"prompt": torch.ones(2, 1), name: torch.ones(2, 1)}, [2]), partition_id="p")
     with pytest.raises(InvalidName, match="reserved"):  # nor allocated for a later put
         rclient.get_meta(["prompt", name], 2, "p", mode="insert")
-    assert _snapshot(rclient) == before
+    assert key_snapshot(rclient) == before
     rclient.append_parts(meta, {"resp": torch.tensor([[5], [6]])}, 1, complete=True)
     data = rclient.get_data(rclient.get_meta(["resp"], 2, "p", task_name="t"))
     assert data["resp"].tolist() == [[1, 2, 5], [3, 4, 6]]  # part 0 is what was appended
@@ -61,7 +48,7 @@ def test_a_plain_field_with_a_reserved_name_is_refused_and_nothing_is_written(rc
 @pytest.mark.parametrize("name", ["resp~parts", "resp~next"])
 def test_reserved_tags_are_refused_and_the_rollout_goes_on(rclient, name):
     meta = _appended(rclient)
-    before = _snapshot(rclient)
+    before = key_snapshot(rclient)
     meta.update_custom_meta([{name: 7, "score": 1}, {name: 8, "score": 2}])
     with pytest.raises(InvalidName, match=rf"custom meta key '{name}' contains '~', which is reserved"):
         rclient.set_custom_meta(meta)
@@ -69,7 +56,7 @@ def test_reserved_tags_are_refused_and_the_rollout_goes_on(rclient, name):
         rclient.put(TensorDict({"reward": torch.ones(2)}, [2]), metadata=meta)
     with pytest.raises(InvalidName, match="reserved"):
         rclient.kv_put("k", "p", {"x": torch.ones(1)}, tag={name: 1})
-    assert _snapshot(rclient) == before
+    assert key_snapshot(rclient) == before
     done = rclient.append_parts(meta, {"resp": torch.tensor([[5], [6]])}, 1, complete=True)
     assert list(done.production_status) == [1, 1]
     assert rclient.get_data(rclient.get_meta(["resp"], 2, "p", task_name="t"))["resp"].tolist() == [[1, 2, 5],
@@ -96,6 +83,6 @@ def test_a_dock_column_with_a_reserved_name_is_refused_before_the_dock_exists(re
         with pytest.raises(InvalidName, match=r"dock column 'responses~version' contains '~'"):
             GRPOTransferDock(1, 2, addition_columns=["responses~version"], redis_url=real_server.url,
                              namespace=namespace, name="d")
-        assert before.get_partition_list() == [] and _snapshot(before) == {}
+        assert before.get_partition_list() == [] and key_snapshot(before) == {}
     finally:
         before.close()

@@ -108,8 +108,8 @@ def leftover_keys(url: str, namespace: str, partitions: Sequence[str]) -> set[st
 
     Allowed to remain: the namespace config and the copy of its epoch its storage nodes read
     (``storage:epoch``: a namespace's identity outlives its partitions), its live clients'
-    heartbeats, the storage-node registry and the table of node rings values were put under, each partition's id counter (ids
-    are never reused) and event counters (they never go down), a sealed partition's closed
+    heartbeats, the storage-node registry and the table of node rings values were put under, each
+    partition's id counter (ids are never reused) and event counters (they never go down), a sealed partition's closed
     marker, the registry listing them (``partitions:kept``), and
     while they still have an expiry its event stream (kept a minute so that readers following it
     see the partition go) and the wait bookkeeping of consumers that started waiting after the
