@@ -384,5 +384,7 @@ def preload_modules(name: str) -> list[str]:
     if name == "reference":
         return [*common, "transfer_queue"]
     if name == "tq_redis":
-        return [*common, "tq_redis"]
+        # ``import tq_redis`` is lazy (it imports nothing more until a name is used): preload the
+        # client stack that init() and TransferQueueClient use, as transfer_queue's import does its own
+        return [*common, "tq_redis.preload"]
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
