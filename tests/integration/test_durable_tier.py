@@ -362,3 +362,62 @@ def test_a_job_killed_whole_resumes_with_every_committed_sample(flavour, namespa
         for node in old_nodes + new_nodes:
             node.stop()
         (restarted or server).stop()
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+CLI = [sys.executable, "-m", "tq_redis.cli.main"]
+
+
+def test_up_with_durable_records_the_tier_for_every_rank(tmp_path):
+    from tests.procs import up_attach
+
+    root = tmp_path / "tier"
+    proc = subprocess.Popen(CLI + ["up", "--units", "1", "--capacity", "64MiB", "--namespace", "durns",
+                                   "--durable", f"file://{root}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _, url = up_attach(proc)
+        client = TransferQueueClient(url, "durns", nested_output=False)
+        meta = client.put(_rows(0, 4), partition_id="p")
+        assert len(_files(root)) == 8
+        assert torch.equal(client.get_data(meta)["x"], _expected(torch.arange(4)))
+        client.clear_partition("p")
+        assert _files(root) == []
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+def test_up_refuses_a_bad_durable_url_before_starting_anything():
+    done = subprocess.run(CLI + ["up", "--units", "1", "--durable", "relative/dir"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--durable" in done.stderr and "absolute path" in done.stderr
+
+
+def test_values_a_killed_put_never_made_visible_go_with_the_partition(real_server, namespace, nodes, tmp_path):
+    """A producer SIGKILLed after its bytes were written but before its insert: no bit points at
+    them, and the partition's clear still deletes them from the tier (ids below its sequence)."""
+    from tq_redis import ops
+
+    nodes("n1")
+    root = tmp_path / "durable"
+    client = _client(real_server.url, namespace, {"url": f"file://{root}"})
+    try:
+        client.put(_rows(0, 4), partition_id="p")
+        store = client.run(ops.storage(client.context))
+        pk = client.context.keys("p")
+        end = client.redis.incrby(pk.seq, 3)  # what reserve.lua does; the insert never comes
+        orphans = list(range(end - 3, end))
+        store.put(pk, orphans, {"x": [[b"\x01" * 8192]] * 3})
+        assert len(_files(root)) == 4 * 2 + 3
+        client.clear_partition("p")
+        assert _files(root) == []
+        later = client.put(_rows(10, 2), partition_id="p")  # the partition again: new ids, kept
+        assert later.global_indexes == [end, end + 1] and len(_files(root)) == 4
+        client.clear_partition("p")
+        assert _files(root) == []
+    finally:
+        client.close()
