@@ -92,6 +92,7 @@ def test_every_value_is_written_through_and_cleared_with_its_samples(real_server
         assert torch.equal(data["x"], _expected(torch.arange(100, 112)))
         client.clear_partition("p")
         assert _files(root) == [], "a cleared partition leaves no durable file behind"
+        assert list(root.iterdir()) == [], "nor its (empty) directory"
     finally:
         client.close()
 

@@ -21,6 +21,7 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +30,7 @@ from tq_redis.meta.keys import PartitionKeys
 from tq_redis.redact import redact
 from tq_redis.storage.base import Buffer, Segments, StoreContext, create_store
 
-__all__ = ["DurableTier", "check_durable", "durable_spec"]
+__all__ = ["WRITERS", "DurableTier", "Writes", "check_durable", "durable_spec"]
 
 _KEYS = frozenset({"url", "storage_options"})
 _PROBE_PREFIX = "tq-durable-probe:"
@@ -64,6 +65,27 @@ def durable_spec(value: Any) -> dict[str, Any] | None:
     return {"url": url, "storage_options": dict(options)}
 
 
+WRITERS = 1
+"""Threads writing one put's durable copies (each a share of its values)."""
+
+
+class Writes:
+    """The durable writes of one put, started by :meth:`DurableTier.put_async`."""
+
+    def __init__(self, parts: list[Future[None]]) -> None:
+        self._parts = parts
+
+    def wait(self) -> None:
+        """Wait until every part is done, whatever it raised."""
+        futures.wait(self._parts)
+
+    def result(self) -> None:
+        """Wait for every part, then raise the first one's error, if any."""
+        self.wait()
+        for part in self._parts:
+            part.result()
+
+
 def check_durable(spec: Mapping[str, Any], ctx: StoreContext) -> None:
     """Refuse a durable tier that cannot be written now (``init`` asks before recording it):
     ``ConfigError`` / ``BackendNotInstalled`` for a URL fsspec cannot open, ``StorageUnavailable``
@@ -79,10 +101,10 @@ class DurableTier:
     """Every value of the namespace's store, kept on an fsspec filesystem too (write-through).
 
     Values of one partition live under a directory (prefix) of their own,
-    ``<url>/<escaped partition prefix>/``, named by sample id first (``<id>:<field>``, escaped by
-    the fsspec store), so that :meth:`drop` can delete everything a partition's ids below a bound
-    left there, values no bit ever pointed at included (a producer killed between its write and
-    its insert).
+    ``<url>/<escaped partition prefix>/``, flat (no shard directories), named by sample id first
+    (``<id>:<field>``, escaped by the fsspec store), so that :meth:`drop` can delete everything a
+    partition's ids below a bound left there, values no bit ever pointed at included (a producer
+    killed between its write and its insert).
 
     Args:
         spec: what :func:`durable_spec` returns.
@@ -95,15 +117,16 @@ class DurableTier:
         self._ctx = ctx
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
-        # one writer thread: a put's durable copy is written while the store takes the values
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tq-durable")
+        # a put's durable copy is written by these threads while the store takes the values
+        self._writer = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="tq-durable")
 
     def _store(self, directory: str) -> Any:
         with self._lock:
             store = self._stores.get(directory)
             if store is None:
                 url = f"{self.url}/{directory}" if directory else self.url
-                store = create_store("fsspec", {"url": url, "storage_options": self._options}, self._ctx)
+                options = {"url": url, "storage_options": self._options, "flat": True}
+                store = create_store("fsspec", options, self._ctx)
                 self._stores[directory] = store
             return store
 
@@ -116,9 +139,15 @@ class DurableTier:
         skip = len(pk.prefix) + 2
         return [k[skip:] for k in keys]
 
-    def put_async(self, pk: PartitionKeys, keys: Sequence[str], values: Sequence[Segments]) -> Future[None]:
-        """Start writing ``values`` under ``keys``; the future raises what the write raised."""
-        return self._writer.submit(self.put, pk, keys, values)
+    def put_async(self, pk: PartitionKeys, keys: Sequence[str], values: Sequence[Segments]) -> Writes:
+        """Start writing ``values`` under ``keys`` (in up to :data:`WRITERS` parts at once: file
+        writes release the GIL); :meth:`Writes.result` raises what a write raised."""
+        n = len(keys)
+        parts = min(WRITERS, max(1, n // 8))
+        bounds = [n * k // parts for k in range(parts + 1)]
+        return Writes([
+            self._writer.submit(self.put, pk, keys[a:b], values[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a
+        ])
 
     def put(self, pk: PartitionKeys, keys: Sequence[str], values: Sequence[Segments]) -> None:
         """Write every value (overwriting); raises ``StorageError`` saying the durable tier failed."""
@@ -157,6 +186,10 @@ class DurableTier:
                             store.fs.rm_file(path)
                 except Exception as exc:
                     raise StorageError(f"cannot delete ({type(exc).__name__}: {exc})") from exc
+            if len(doomed) == len(paths) and store.fs.isdir(store.root):
+                # an empty directory (local disk) goes too; a later write of the partition makes it again
+                with contextlib.suppress(OSError):
+                    store.fs.rmdir(store.root)
         return len(doomed)
 
     @contextlib.contextmanager

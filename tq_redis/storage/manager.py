@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent import futures
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -166,7 +165,7 @@ class KVStorageManager:
             try:
                 ring = self.store.put(keys, values)
             except BaseException:
-                futures.wait([copy])  # the values' memory is the caller's again only once both are done
+                copy.wait()  # the values' memory is the caller's again only once both are done
                 raise
             copy.result()  # raises the tier's error (the caller deletes what either wrote)
         self._record("put", pk, started, len(keys), total_bytes(values))
