@@ -23,6 +23,7 @@ EXAMPLES = {
     "watch_replay_buffer.py": "watch_replay_buffer OK",
     "async_grpo.py": "async_grpo OK",
     "rate_limited_replay.py": "rate_limited_replay OK",
+    "durable_resume.py": "durable_resume OK",
 }
 # Examples that start a local Ray (~20 s here) run in CI's "soak or slow" step.
 SLOW = {"ray_placement.py"}

@@ -46,7 +46,7 @@ def test_reference_shape_is_mapped():
     )
     assert cfg["sampler"] == "GRPOGroupNSampler"
     assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "spill": None, "options": {},
-                              "inline_max_bytes": 4096}
+                              "inline_max_bytes": 4096, "durable": None}
     assert cfg["metrics"] == {"enabled": True, "port": 9000}
 
 
@@ -162,3 +162,23 @@ def test_inline_max_bytes_is_a_size_and_zero_turns_it_off(given, bytes_):
 def test_inline_max_bytes_refuses_what_is_not_a_size():
     with pytest.raises(ConfigError, match="inline|size"):
         config.load({"storage": {"inline_max_bytes": "lots"}})
+
+
+@pytest.mark.parametrize(
+    ("given", "recorded"),
+    [
+        (None, None),
+        ("file:///data/tq", {"url": "file:///data/tq", "storage_options": {}}),
+        ("/data/tq", {"url": "/data/tq", "storage_options": {}}),
+        ({"url": "s3://b/p", "storage_options": {"endpoint_url": "http://x"}},
+         {"url": "s3://b/p", "storage_options": {"endpoint_url": "http://x"}}),
+    ],
+)
+def test_storage_durable_is_a_url_or_a_url_with_options(given, recorded):
+    assert config.load({"storage": {"durable": given}})["storage"]["durable"] == recorded
+
+
+def test_storage_durable_comes_from_the_environment_when_not_given(monkeypatch):
+    monkeypatch.setenv("TQ_STORAGE_DURABLE", "file:///from/env")
+    assert config.load()["storage"]["durable"]["url"] == "file:///from/env"
+    assert config.load({"storage": {"durable": "file:///given"}})["storage"]["durable"]["url"] == "file:///given"

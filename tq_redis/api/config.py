@@ -19,7 +19,10 @@ Our own shape (every key optional)::
     namespace_ttl: null                  # seconds: `tq-redis namespace gc` drops the namespace once no
                                          #   client has touched it for that long (null: never)
     storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {},
-                inline_max_bytes: 4KiB}  # spill: fsspec URL the embedded nodes overflow to
+                inline_max_bytes: 4KiB,  # spill: fsspec URL the embedded nodes overflow to
+                durable: null}           # fsspec URL (or {url, storage_options}) every store value is
+                                         #   also written to before a put returns (TQ_STORAGE_DURABLE;
+                                         #   see tq_redis.storage.durable)
                                          # inline_max_bytes: a put whose every value is at most this
                                          #   keeps them in Redis with the bits (one round trip); 0: never
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
@@ -53,6 +56,7 @@ from tq_redis.server import durability, sentinel
 from tq_redis.server import policy as server_policy
 from tq_redis.server.connections import check_url, parse_cluster_flag
 from tq_redis.settings import settings
+from tq_redis.storage.durable import durable_spec
 from tq_redis.units import parse_size
 
 DEFAULTS: dict[str, Any] = {
@@ -61,7 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "namespace": "tq",
     "namespace_ttl": None,
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {},
-                "inline_max_bytes": "4KiB"},
+                "inline_max_bytes": "4KiB", "durable": None},
     "sampler": "SequentialSampler",
     "staleness": {"max_lag": None, "batch_size": 1},
     "compat": {"nested_output": True, "strict_schema": False},
@@ -152,7 +156,8 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
 
 def load(conf: Any = None) -> dict[str, Any]:
     """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``, ``TQ_REDIS_CLUSTER``,
-    ``TQ_REDIS_ON_EVICTION``, ``TQ_REDIS_LOAD_LIBRARY``, ``TQ_REDIS_DURABLE[_TIMEOUT_MS]``) and ``conf``."""
+    ``TQ_REDIS_ON_EVICTION``, ``TQ_REDIS_LOAD_LIBRARY``, ``TQ_REDIS_DURABLE[_TIMEOUT_MS]``,
+    ``TQ_STORAGE_DURABLE``) and ``conf``."""
     given = to_plain(conf)
     known = _OUR_SECTIONS | _REFERENCE_SECTIONS
     unknown = sorted(str(k) for k in set(given) - known)
@@ -169,6 +174,8 @@ def load(conf: Any = None) -> dict[str, Any]:
         out["namespace"] = settings.namespace
     if settings.redis_cluster is not None:
         out["redis"]["cluster"] = settings.redis_cluster
+    if settings.storage_durable:
+        out["storage"]["durable"] = settings.storage_durable
     _from_reference(given, out)
     for section in _OUR_SECTIONS & set(given):
         value = given[section]
@@ -186,6 +193,7 @@ def load(conf: Any = None) -> dict[str, Any]:
     if out["redis"]["url"] is not None:
         check_url(out["redis"]["url"])
     out["storage"]["inline_max_bytes"] = parse_size(out["storage"]["inline_max_bytes"], allow_zero=True)
+    out["storage"]["durable"] = durable_spec(out["storage"].get("durable"))
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
     _check_staleness(out["staleness"])

@@ -32,6 +32,8 @@ from tq_redis.server import acl, connections, durability, leftovers, ray_discove
 from tq_redis.server import policy as server_policy
 from tq_redis.server.embedded import EmbeddedServer
 from tq_redis.settings import settings
+from tq_redis.storage.base import StoreContext
+from tq_redis.storage.durable import check_durable
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -53,6 +55,8 @@ def init(conf: Any = None) -> dict[str, Any]:
         if _state:
             return _state["config"]
         cfg = config_mod.load(conf)
+        if cfg["storage"]["durable"] is not None:  # a tier no put could write is refused now
+            check_durable(cfg["storage"]["durable"], StoreContext(cfg["redis"]["url"] or "", cfg["namespace"]))
         explicit_storage = isinstance(conf, dict) and ("storage" in conf or "backend" in conf)
         if cfg["redis"]["url"] is None:
             _attach_to_ray_job_system(cfg, conf)
@@ -106,6 +110,7 @@ def _record_settings(client: TransferQueueClient, cfg: dict[str, Any], conf: Any
     spec = json.dumps({
         "backend": cfg["storage"]["backend"], "options": cfg["storage"].get("options") or {},
         "inline_max_bytes": cfg["storage"]["inline_max_bytes"],
+        **({"durable": cfg["storage"]["durable"]} if cfg["storage"].get("durable") else {}),
     })
     key = config_key(cfg["namespace"])
     sampler = json.dumps(sampler_spec(cfg["sampler"]))

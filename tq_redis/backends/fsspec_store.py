@@ -65,7 +65,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 _ESCAPE = re.compile(r"~([0-9A-F]{2})")
 _MAX_NAME = 200  # file names longer than this are shortened (most filesystems allow 255 bytes)
 _SHOWN = 10  # missing keys named in a DataMissing message
-_OPTIONS = frozenset({"url", "storage_options"})
+_OPTIONS = frozenset({"url", "storage_options", "flat"})
 
 
 def _escape_run(match: re.Match[str]) -> str:
@@ -105,11 +105,15 @@ class FsspecStore:
     Args:
         url: root of the store, e.g. ``file:///data/tq`` or ``s3://bucket/prefix``.
         storage_options: keyword arguments of the fsspec filesystem (credentials, endpoint ...).
+        flat: store values directly under ``url``, without the 256 shard directories.
     """
 
     name = "fsspec"
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, flat: bool = False) -> None:
+        # flat: every value directly under the root, no shard directories (the durable tier's
+        # per-partition directories, where a fresh partition would otherwise make one per value)
+        self.flat = bool(flat)
         if not isinstance(url, str) or not url:
             raise ConfigError("the fsspec store needs a 'url' option, e.g. 'file:///data/tq' or 's3://bucket/prefix'")
         self.url = url
@@ -135,10 +139,15 @@ class FsspecStore:
         storage_options = options.get("storage_options") or {}
         if not isinstance(storage_options, dict):
             raise ConfigError("the fsspec store's 'storage_options' must be a mapping")
-        return cls(options.get("url", ""), storage_options)
+        flat = options.get("flat", False)
+        if not isinstance(flat, bool):
+            raise ConfigError(f"the fsspec store's 'flat' option must be true or false, got {flat!r}")
+        return cls(options.get("url", ""), storage_options, flat=flat)
 
     def path(self, key: str) -> str:
         """Where ``key``'s value is stored (a path of ``self.fs``, without the protocol)."""
+        if self.flat:
+            return f"{self.root}/{key_to_name(key)}"
         return f"{self.root}/{_shard(key)}/{key_to_name(key)}"
 
     # ------------------------------------------------------------------ put

@@ -87,6 +87,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
               file=sys.stderr)
         return 2
+    durable = None
+    if args.durable is not None:  # storage.durable: checked and probed before anything starts, as init does
+        from tq_redis.errors import TQError
+        from tq_redis.storage.base import StoreContext
+        from tq_redis.storage.durable import check_durable, durable_spec
+
+        try:
+            durable = durable_spec(args.durable)
+            check_durable(durable, StoreContext("", args.namespace))
+        except TQError as exc:
+            print(f"tq-redis up: --durable: {exc}", file=sys.stderr)
+            return 2
     server = _start_redis(args, acl.new_password())
     private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
     nodes = None
@@ -97,9 +109,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if args.units > 0:
             nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
                                       token=args.token, spill=args.spill)
+        spec: dict = {"backend": "dram" if args.units else "redis", "options": {}}
+        if durable is not None:
+            spec["durable"] = durable
         r = connections.sync_client(server.url)
-        r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
-                                                                   "options": {}}))
+        r.hset(f"{args.namespace}:config", "storage", json.dumps(spec))
         r.close()
         _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
         _clean_up_after_killed_jobs(args, server.url)
@@ -374,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
     up.add_argument("--spill", default=None, metavar="URL",
                     help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
+    up.add_argument("--durable", default=settings.storage_durable, metavar="URL",
+                    help="storage.durable: fsspec URL (file:///dir, s3://bucket/prefix) every stored value is "
+                         "also written to before a put returns, read when its node is gone "
+                         "(default: $TQ_STORAGE_DURABLE)")
     up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
     up.add_argument("--appendonly", action="store_true", help="turn on AOF persistence")
     up.add_argument("--token", default=settings.storage_token, help="storage-node auth token")

@@ -68,9 +68,12 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     # The partition leaves the list, but its seq (ids are never reused) and trash stay: the
     # ``partitions:kept`` registry keeps them findable (checkpoints) without a key pattern.
     keep = Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id))
+    # The sequence read before the drop bounds the ids of the partition as it was (ids are never
+    # reused): the durable tier (storage.durable) deletes what those left, whatever the bits say.
+    seq = Cmd(("GET", pk.seq))
     try:
-        _, dropped, _ = yield from transitions.pipeline(
-            keep, transitions.drop_partition(pk, now_ms=int(time.time() * 1000)),
+        below, _, dropped, _ = yield from transitions.pipeline(
+            seq, keep, transitions.drop_partition(pk, now_ms=int(time.time() * 1000)),
             Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
         )
     except RedisOutOfMemory:
@@ -82,10 +85,12 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
         return
     if dropped.older:
         yield from empty_trash(store, pk)
-        return
-    ids = dropped.alive_ids() if dropped.in_store else []  # inline values went with the partition
-    if ids:
-        yield from delete_bytes(store, pk, ids, dropped.fields, dropped.rings)
+    else:
+        ids = dropped.alive_ids() if dropped.in_store else []  # inline values went with the partition
+        if ids:
+            yield from delete_bytes(store, pk, ids, dropped.fields, dropped.rings)
+    if below is not None and store.durable_spec is not None:
+        yield Offload(store.drop, (pk, int(text(below))))
 
 
 def delete_bytes(

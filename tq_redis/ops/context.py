@@ -91,6 +91,7 @@ def storage(ctx: Context) -> Op:
         ctx.storage = KVStorageManager(
             spec["backend"], spec.get("options") or {}, StoreContext(ctx.redis_url, ctx.namespace, extra),
             inline_max_bytes=int(spec.get("inline_max_bytes", DEFAULT_INLINE_MAX_BYTES)),
+            durable=spec.get("durable"),
         )
     return ctx.storage
 

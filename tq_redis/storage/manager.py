@@ -9,6 +9,10 @@ A store that places keys itself (``places_keys``: the DRAM store hashes keys ove
 says which ring a put used; the operations record it with the bits, and reads and deletes take
 that record back (:class:`Placement`), so a value is found on the node it
 was put on whatever nodes joined or left since. Other stores ignore it.
+
+With a durable tier (``storage.durable``, :mod:`tq_redis.storage.durable`) every value the store
+takes is written there too before ``put`` returns, reads fall back to it where the store lost a
+value or cannot be reached, and deletes remove it there as well.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import numpy as np
 
 from tq_redis import instruments
 from tq_redis.codec.batches import ValueChain, ValueTable, total_bytes
-from tq_redis.errors import DataMissing
+from tq_redis.errors import DataMissing, StorageUnavailable
 from tq_redis.meta.keys import PartitionKeys
 from tq_redis.storage.base import Buffer, Segments, StorageClient, StoreContext, create_store
+from tq_redis.storage.durable import DurableTier
 from tq_redis.units import format_size
 
 log = logging.getLogger(__name__)
@@ -70,9 +75,13 @@ class KVStorageManager:
     created lazily on first use."""
 
     def __init__(
-        self, backend: str, options: dict[str, Any], ctx: StoreContext, *, inline_max_bytes: int = 0
+        self, backend: str, options: dict[str, Any], ctx: StoreContext, *, inline_max_bytes: int = 0,
+        durable: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
+        # storage.durable (tq_redis.storage.durable.durable_spec): a write-through copy of every value
+        self.durable_spec = durable
+        self._durable: DurableTier | None = None
         # values of at most this many bytes travel in the metadata plane (``ns:{p}:inline``)
         self.inline_max_bytes = inline_max_bytes
         self.options = dict(options)
@@ -118,6 +127,15 @@ class KVStorageManager:
                     self._store = create_store(self.backend, self.options, self.ctx)
         return self._store
 
+    @property
+    def durable(self) -> DurableTier | None:
+        """The namespace's durable tier (``storage.durable``), or None."""
+        if self._durable is None and self.durable_spec is not None:
+            with self._lock:
+                if self._durable is None:
+                    self._durable = DurableTier(self.durable_spec, self.ctx)
+        return self._durable
+
     @staticmethod
     def keys_for(pk: PartitionKeys, ids: Sequence[int], fields: Iterable[str]) -> list[str]:
         """Data keys of every (sample, field) pair, field-major."""
@@ -139,7 +157,17 @@ class KVStorageManager:
         started = time.perf_counter()
         keys = self.keys_for(pk, ids, encoded)
         values = ValueChain(list(encoded.values()))  # keeps the codec's row blocks visible to the store
-        ring = self.store.put(keys, values)
+        durable = self.durable
+        if durable is None:
+            ring = self.store.put(keys, values)
+        else:  # write-through: the durable copy is written while the store takes the values
+            copy = durable.put_async(pk, keys, values)
+            try:
+                ring = self.store.put(keys, values)
+            except BaseException:
+                copy.wait()  # the values' memory is the caller's again only once both are done
+                raise
+            copy.result()  # raises the tier's error (the caller deletes what either wrote)
         self._record("put", pk, started, len(keys), total_bytes(values))
         return ring if isinstance(ring, str) else None
 
@@ -153,10 +181,13 @@ class KVStorageManager:
         """
         started = time.perf_counter()
         keys = self.keys_for(pk, ids, fields)
-        if placement is not None and placement.rings and self.places_keys:
-            raw = self.store.get_placed(keys, placement.rings, key_rings(ids, fields, placement))
-        else:
-            raw = self.store.get(keys)
+        try:
+            if placement is not None and placement.rings and self.places_keys:
+                raw = self.store.get_placed(keys, placement.rings, key_rings(ids, fields, placement))
+            else:
+                raw = self.store.get(keys)
+        except (DataMissing, StorageUnavailable) as exc:
+            raw = self._from_durable(pk, keys, exc)
         self._record("get", pk, started, len(raw), total_bytes(raw))
         return by_field(raw, fields, len(ids))
 
@@ -167,7 +198,13 @@ class KVStorageManager:
         started = time.perf_counter()
         keys = self.keys_for(pk, ids, fields)
         if self.places_keys:
-            raw, ring, missing = self.store.read(keys)
+            try:
+                raw, ring, missing = self.store.read(keys)
+            except StorageUnavailable:
+                if self.durable is None:
+                    raise
+                # no node is live: every value is read where it was put, or from the durable tier
+                return StoreRead([b""] * len(keys), None, np.arange(len(keys)))
         else:
             try:
                 raw, ring, missing = self.store.get(keys), None, np.empty(0, np.intp)
@@ -194,17 +231,27 @@ class KVStorageManager:
         Raises the store's ``DataMissing`` (naming keys, node and cause) for values no longer there.
         """
         if first.error is not None:
-            raise first.error
+            if self.durable is None:
+                raise first.error
+            keys = self.keys_for(pk, ids, fields)
+            return by_field(self._from_durable(pk, keys, first.error), fields, len(ids))
         if placement is None or not placement.rings:
             # nothing recorded (put before placement was recorded): the store's own look-up
             return self.get(pk, ids, fields) if len(first.missing) else by_field(first.values, fields, len(ids))
         keys = self.keys_for(pk, ids, fields)
         index = key_rings(ids, fields, placement)
-        redo = np.union1d(first.missing, self.store.misplaced(keys, first.ring, placement.rings, index))
+        if first.ring is None:  # no live ring was read (read() found no node live)
+            redo = np.arange(len(keys))
+        else:
+            redo = np.union1d(first.missing, self.store.misplaced(keys, first.ring, placement.rings, index))
         if not len(redo):
             return by_field(first.values, fields, len(ids))
         started = time.perf_counter()
-        again = self.store.get_placed([keys[p] for p in redo.tolist()], placement.rings, index[redo])
+        redo_keys = [keys[p] for p in redo.tolist()]
+        try:
+            again = self.store.get_placed(redo_keys, placement.rings, index[redo])
+        except (DataMissing, StorageUnavailable) as exc:
+            again = self._from_durable(pk, redo_keys, exc)
         self._record("get", pk, started, len(again), total_bytes(again))
         return by_field(replaced(first.values, redo, again), fields, len(ids))
 
@@ -213,16 +260,45 @@ class KVStorageManager:
         if ids and fields:
             started = time.perf_counter()
             keys = self.keys_for(pk, ids, fields)
-            if self.places_keys:
-                self.store.delete(keys, rings)
-            else:
-                self.store.delete(keys)
+            durable = self.durable
+            try:
+                if self.places_keys:
+                    self.store.delete(keys, rings)
+                else:
+                    self.store.delete(keys)
+            finally:  # the durable copies go too, whatever the store said (deletes are idempotent)
+                if durable is not None:
+                    durable.delete(pk, keys)
             self._record("delete", pk, started, len(keys), 0)
+
+    def drop(self, pk: PartitionKeys, below: int) -> None:
+        """After a partition was dropped with its sequence at ``below``: delete whatever its ids
+        below that left in the durable tier (values of puts that never flipped their bits too)."""
+        durable = self.durable
+        if durable is not None:
+            durable.drop(pk, below)
+
+    def _from_durable(
+        self, pk: PartitionKeys, keys: list[str], exc: DataMissing | StorageUnavailable
+    ) -> Sequence[Buffer]:
+        """``keys``' values from the durable tier, where the store lost them or cannot be reached
+        (``exc``, raised as it is when there is no tier; noted on the tier's own ``DataMissing``)."""
+        durable = self.durable
+        if durable is None:
+            raise exc
+        try:
+            return durable.get(pk, keys)
+        except DataMissing as missing:
+            missing.add_note(f"the store could not give them either: {exc}")
+            raise
 
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._durable is not None:
+            self._durable.close()
+            self._durable = None
 
 
 def by_field(raw: Sequence[Buffer], fields: Sequence[str], n: int) -> dict[str, Sequence[Buffer]]:
