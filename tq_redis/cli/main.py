@@ -76,6 +76,13 @@ def _clean_up_after_killed_jobs(args: argparse.Namespace, url: str) -> None:
             print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", flush=True)
 
 
+def _replicas(text: str) -> int:
+    """``--replicas``: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (copies of each value), got {text!r}")
+    return int(text)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
@@ -85,6 +92,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     if args.cluster and args.port is not None:
         print("tq-redis up: --port is for the single server; the nodes of --cluster take free ports",
+              file=sys.stderr)
+        return 2
+    if args.replicas > max(args.units, 1):
+        print(f"tq-redis up: --replicas {args.replicas} needs at least that many --units (got {args.units})",
               file=sys.stderr)
         return 2
     server = _start_redis(args, acl.new_password())
@@ -98,8 +109,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             nodes = start_local_nodes(server.url, args.namespace, n=args.units, capacity=args.capacity,
                                       token=args.token, spill=args.spill)
         r = connections.sync_client(server.url)
+        options = {"replicas": args.replicas} if args.units and args.replicas > 1 else {}
         r.hset(f"{args.namespace}:config", "storage", json.dumps({"backend": "dram" if args.units else "redis",
-                                                                   "options": {}}))
+                                                                   "options": options}))
         r.close()
         _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
         _clean_up_after_killed_jobs(args, server.url)
@@ -372,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $TQ_NAMESPACE, else tq)")
     up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
+    up.add_argument("--replicas", type=_replicas, default=1,
+                    help="storage nodes holding each value (storage.replicas; at most --units)")
     up.add_argument("--spill", default=None, metavar="URL",
                     help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
     up.add_argument("--data-dir", default=None, help="keep Redis data here (default: a temp dir)")
