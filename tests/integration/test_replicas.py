@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from tq_redis.backends.dram.pool import check_reply, run
 from tq_redis.backends.dram.protocol import OP_STATS
 from tq_redis.errors import StorageFull, StorageUnavailable, UnknownField, UnknownPartition
 from tq_redis.meta.keys import config_key
+from tq_redis.monitor.exporter import NamespaceCollector
+from tq_redis.monitor.status import replica_repair, replica_repair_text
 
 ROWS = 64
 WIDTH = 256  # int64 per row: 2 KiB values, all kept in the store
@@ -125,3 +128,107 @@ def test_a_copy_that_cannot_be_stored_fails_the_put_naming_the_node_and_leaves_n
     assert not _visible(client)
     assert [_keys_on(store, n) for n in ("big0", "big1", "tiny")] == [0, 0, 0]
     client.close()
+
+
+# -- repair while producers and lease consumers stream ------------------------------------------
+
+PRODUCERS, CONSUMERS, BATCHES, BATCH = 2, 2, 12, 8
+TOTAL = PRODUCERS * BATCHES * BATCH
+
+
+def _produce(url: str, ns: str, who: int) -> None:
+    """Put BATCHES batches of rows tagged ``who * 100000 + i``; a put refused while a node dies is retried."""
+    client = _client(url, ns, dead_after_s=3.0)
+    for b in range(BATCHES):
+        first = who * 100000 + b * BATCH
+        rows = TensorDict({"x": torch.arange(first, first + BATCH).repeat_interleave(WIDTH).reshape(BATCH, WIDTH)},
+                          batch_size=[BATCH])  # fmt: skip
+        for _attempt in range(60):
+            try:
+                client.put(rows, partition_id="p")
+                break
+            except StorageUnavailable:
+                time.sleep(0.2)  # a holder just died and does not look dead yet: the next ring leaves it out
+        else:
+            raise AssertionError("a put kept failing after a node died")
+    client.redis.incr(f"{ns}:test:produced")
+    client.close()
+
+
+def _consume(url: str, ns: str) -> None:
+    """Claim with a lease, read, ack, and record each sample's tag once acked, until all are acked."""
+    client = _client(url, ns, dead_after_s=3.0)
+    done = f"{ns}:test:acked"
+    while client.redis.llen(done) < TOTAL:
+        meta = client.get_meta(["x"], 4, "p", task_name="train", lease_s=60, timeout=1.0)
+        if not meta.size:
+            continue
+        got = client.get_data(meta)
+        tags = got["x"][:, 0].tolist()
+        assert all((got["x"] == got["x"][:, :1]).all(dim=1).tolist()), "a row came back corrupted"
+        client.ack(meta)
+        client.redis.rpush(done, *tags)
+    client.close()
+
+
+def _copies(store, node_ids: list[str]) -> list[int]:
+    return [_keys_on(store, n) for n in node_ids]
+
+
+def test_streaming_through_a_node_kill_and_a_join_loses_nothing_and_repairs_to_two_copies(
+    real_server, namespace, nodes
+):
+    import multiprocessing as mp
+
+    started = {f"n{i}": nodes(f"n{i}") for i in range(3)}
+    main = _client(real_server.url, namespace, dead_after_s=3.0)
+    main.put(_rows(10**6, n=BATCH), partition_id="warm")  # rings and library in place before the workers
+    main.clear_partition("warm")
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_produce, args=(real_server.url, namespace, w)) for w in range(PRODUCERS)]
+    workers += [ctx.Process(target=_consume, args=(real_server.url, namespace)) for _ in range(CONSUMERS)]
+    for w in workers:
+        w.start()
+    store = _store(main)
+    deadline = time.monotonic() + 120
+    while main.redis.llen(f"{namespace}:test:acked") < TOTAL // 4:  # streaming is under way
+        assert time.monotonic() < deadline and all(w.exitcode in (None, 0) for w in workers), "no progress"
+        time.sleep(0.05)
+    victim = max(started, key=lambda n: _keys_on(store, n))
+    os.kill(started[victim].proc.pid, signal.SIGKILL)
+    started[victim].proc.wait()
+    nodes("n3")  # a node joins while the others stream
+    for w in workers:
+        w.join(timeout=300)
+        assert w.exitcode == 0, f"worker {w.name} failed (exit code {w.exitcode})"
+
+    acked = [int(x) for x in main.redis.lrange(f"{namespace}:test:acked", 0, -1)]
+    expected = {w * 100000 + i for w in range(PRODUCERS) for i in range(BATCHES * BATCH)}
+    assert len(acked) == len(set(acked)), f"{len(acked) - len(set(acked))} sample(s) acked twice"
+    assert set(acked) == expected, f"lost: {sorted(expected - set(acked))[:10]}"
+
+    live = [n for n in ("n0", "n1", "n2", "n3") if n != victim]
+    t0 = time.monotonic()
+    while sum(_copies(store, live)) != 2 * TOTAL:  # every value back to two copies on live nodes
+        assert time.monotonic() - t0 < 120, f"replicas not back to 2: live nodes hold {_copies(store, live)}"
+        time.sleep(0.1)
+    repaired = time.monotonic() - t0
+    status = main.redis.hgetall(f"{namespace}:storage:repair")
+    assert int(status.get(b"repaired", 0)) > 0, status
+    shown = replica_repair(main.redis, namespace)  # what `tq-redis status` and the dashboard show
+    assert shown["repaired"] == int(status[b"repaired"]) and shown["under_replicated"] == 0, shown
+    assert "re-made in all" in replica_repair_text(shown)
+    gauges = {m.name: m.samples[0].value for m in NamespaceCollector(real_server.url, namespace).collect()
+              if m.name.startswith("tq_redis_replica") or m.name == "tq_redis_under_replicated_values"}
+    assert gauges["tq_redis_replica_repaired_values"] == shown["repaired"], gauges
+    meta = main.get_meta(["x"], TOTAL, "p", mode="force_fetch")
+    assert meta.size == TOTAL
+    got = main.get_data(meta)["x"][:, 0].tolist()
+    assert set(got) == expected
+    print(f"lost 0, duplicated 0, copies back to 2 within {repaired:.1f} s of the last ack, "
+          f"{int(status[b'repaired'])} values repaired")  # fmt: skip
+
+    main.clear_partition("p")
+    assert _copies(store, live) == [0, 0, 0]
+    assert all(store.stats()[n]["used"] == 0 for n in live)
+    main.close()

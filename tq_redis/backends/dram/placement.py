@@ -29,12 +29,9 @@ __all__ = ["Member", "Ring", "group_by_holders", "group_by_node", "key_hashes", 
 
 
 class _Member(Protocol):
-    """What placement needs of a node: its stable id and its host ("" when not known)."""
+    """What placement needs of a node: its stable id (and, where known, a ``host`` attribute)."""
 
     node_id: str
-
-    @property
-    def host(self) -> str: ...
 
 
 M = TypeVar("M", bound=_Member)
@@ -101,9 +98,8 @@ class Ring(Generic[M]):
         self.id = ring_id([lk.node_id for lk in self.links], replicas)
         # each node's host as a small integer (an unknown host counts as a host of its own)
         hosts: dict[str, int] = {}
-        self.host_of = np.array(
-            [hosts.setdefault(lk.host or f"?{lk.node_id}", len(hosts)) for lk in self.links], dtype=np.intp
-        )
+        names = [getattr(lk, "host", "") or f"?{lk.node_id}" for lk in self.links]
+        self.host_of = np.array([hosts.setdefault(h, len(hosts)) for h in names], dtype=np.intp)
 
     def scores(self, keys: Sequence[str]) -> np.ndarray:
         """Each key's score on each node, shape ``(len(keys), len(links))``."""

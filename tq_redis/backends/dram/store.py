@@ -88,6 +88,7 @@ from tq_redis.backends.dram.protocol import (
     layout,
     recv_into,
 )
+from tq_redis.backends.dram.repair import RepairLoop, repair_once
 from tq_redis.backends.dram.replicas import Generation, holder_ids
 from tq_redis.backends.dram.replies import (
     check_in_slabs,
@@ -153,6 +154,9 @@ class DramStore(NodeDiscovery):
         replicas: how many distinct nodes (on distinct hosts where the registry knows that many)
             hold each value (``storage.replicas`` in ``init``'s config). A put returns once every
             copy is stored; a read takes the nearest live copy (same-host shared memory first).
+        repair_every_s: with ``replicas`` > 1, how often this store tries to repair (re-make the
+            copies of dead nodes, one repairer at a time under a lease in Redis:
+            :mod:`.dram_repair`); 0: never (another process repairs).
     """
 
     name = "dram"
@@ -177,6 +181,7 @@ class DramStore(NodeDiscovery):
         tls_check_hostname: bool = True,
         max_frame: int | str = "64GiB",
         replicas: int = 1,
+        repair_every_s: float = 2.0,
     ) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ConfigError(
@@ -209,6 +214,14 @@ class DramStore(NodeDiscovery):
         )  # fmt: skip
         self._generations: dict[str, list[Generation]] = {}
         self._generations_read = -float("inf")
+        if isinstance(repair_every_s, bool) or not isinstance(repair_every_s, int | float) or repair_every_s < 0:
+            raise ConfigError(
+                f"the dram store option repair_every_s must be a number >= 0 (0: off), got {repair_every_s!r}"
+            )
+        self.repair_every_s = float(repair_every_s)
+        self._repairs: RepairLoop | None = None
+        if replicas > 1 and self.repair_every_s > 0:
+            self._repairs = RepairLoop(self, self.repair_every_s)
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> DramStore:
@@ -216,7 +229,7 @@ class DramStore(NodeDiscovery):
         allowed = {
             "token", "timeout_s", "shm", "zero_copy_get", "inline_threshold", "refresh_s",
             "dead_after_s", "registry_wait_s", "forget_after_s", "tls", "tls_ca", "tls_check_hostname", "max_frame",
-            "replicas",
+            "replicas", "repair_every_s",
         }  # fmt: skip
         unknown = set(options) - allowed
         if unknown:
@@ -259,7 +272,7 @@ class DramStore(NodeDiscovery):
         conns: list[Conn] = []
         try:
             conns = hold(links)
-            self._put_on(links, conns, groups, keys, vals)
+            self._put_on(links, conns, groups, keys, vals, None if ring.replicas == 1 else ring.id)
         except StorageError as exc:
             if ring.replicas == 1:
                 raise
@@ -268,13 +281,15 @@ class DramStore(NodeDiscovery):
             release(links[: len(conns)], conns)
         return ring.id
 
-    def _put_on(self, links, conns, groups, keys: list[str], vals: PutValues) -> None:
+    def _put_on(self, links, conns, groups, keys: list[str], vals: PutValues, place: str | None = None) -> None:
         two_phase = len(groups) > 1
         reqs, plans = [], []
         for (_n, idx), link, conn in zip(groups, links, conns):
             gsizes = vals.sizes[idx]
             gkeys = list(map(keys.__getitem__, idx.tolist()))
             meta = {"keys": gkeys, "sizes": gsizes.astype("<i8").tobytes()}
+            if place is not None:  # a replicated ring's keys are listed by a repair (OP_KEYS)
+                meta["place"] = place
             nbytes = int(gsizes.sum())
             shm = conn.shm and nbytes >= self.inline_threshold
             if shm:
@@ -555,10 +570,13 @@ class DramStore(NodeDiscovery):
                 return 2
             return 0 if link.nearby else 1
 
-        codes = np.vectorize(rank, otypes=[np.intp])(cands) if cands.size else np.zeros(cands.shape, np.intp)
-        order = np.argsort(codes, axis=1, kind="stable")
-        cands = np.take_along_axis(cands, order, axis=1)
-        codes = np.take_along_axis(codes, order, axis=1)
+        names, inverse = np.unique(np.where(cands == None, "", cands).astype(str), return_inverse=True)  # noqa: E711
+        code_of = np.array([3 if not n else rank(n) for n in names.tolist()], dtype=np.intp)
+        codes = code_of[inverse.reshape(cands.shape)]
+        if (codes != codes[:, :1]).any():  # some holders are nearer than others: nearest first
+            order = np.argsort(codes, axis=1, kind="stable")
+            cands = np.take_along_axis(cands, order, axis=1)
+            codes = np.take_along_axis(codes, order, axis=1)
         failures: dict[str, str] = {}
         todo = np.arange(len(keys))
         for col in range(cands.shape[1]):
@@ -775,6 +793,15 @@ class DramStore(NodeDiscovery):
                 f"in Redis at {redact(self.redis_url)} failed too ({exc}); the next clear retries them"
             ) from exc
 
+    def repair(self) -> dict[str, Any]:
+        """Run one repair pass now (:func:`~tq_redis.backends.dram.repair.repair_once`)."""
+        return repair_once(self)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        if self._repairs is not None:  # threads do not survive fork(): the child gets its own
+            self._repairs = RepairLoop(self, self.repair_every_s)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per live node: used / capacity bytes, key and slab counts, pins and open transactions."""
         ring = self._current_ring(force=True)
@@ -803,6 +830,8 @@ class DramStore(NodeDiscovery):
         """Release connections and mappings (views from ``get`` are unpinned); the nodes keep the data."""
         if self._closed:
             return
+        if self._repairs is not None:
+            self._repairs.stop.set()
         try:
             self.flush()
         finally:
