@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             node = next(x for x in nodes.nodes if x.node_id == victim)
             os.kill(node.proc.pid, signal.SIGKILL)
             node.proc.wait()
-            st.forget_after_s = st.dead_after_s = 0.5  # declared dead at once, for the measure
+            st.forget_after_s = st.dead_after_s = 3.0  # three missed 1 s heartbeats: dead
             while st.link_of(victim) is not None and st.link_of(victim).heartbeat_age <= st.dead_after_s:
                 time.sleep(0.05)  # until the registry says the victim is dead (its heartbeat stopped)
             t = time.perf_counter()

@@ -380,7 +380,7 @@ class DramStore(NodeDiscovery):
     def _get(self, ring: Ring, keys: list[str]) -> ValueTable:
         out = Gathered(len(keys))
         if ring.replicas > 1:
-            missing, failures = self._read_any(self._holders(ring, keys), keys, out)
+            missing, failures = self._read_copies(ring, keys, out)
             if len(missing):
                 raise self._not_found(keys, missing, failures)
             return out.table()
@@ -419,7 +419,7 @@ class DramStore(NodeDiscovery):
         def attempt(ring: Ring) -> tuple[ValueTable, str, np.ndarray]:
             out = Gathered(len(keys))
             if ring.replicas > 1:
-                missing, _failures = self._read_any(self._holders(ring, keys), keys, out)
+                missing, _failures = self._read_copies(ring, keys, out)
                 return out.table(), ring.id, missing
             missing = self._get_from(_groups(ring, ring.owners(keys), np.arange(len(keys))), keys, out)
             return out.table(), ring.id, missing
@@ -551,6 +551,20 @@ class DramStore(NodeDiscovery):
         if ring.replicas == 1:
             return np.array([lk.node_id for lk in ring.links], dtype=object)[ring.owners(keys)][:, None]
         return holder_ids(ring, keys, self.generations(ring.id, fresh))
+
+    def _read_copies(self, ring: Ring, keys: list[str], out: Gathered) -> tuple[np.ndarray, dict[str, str]]:
+        """Read keys put under the live replicated ``ring``: when every node is as near as the
+        others, from each key's first holder in one exchange (what an unreplicated read costs);
+        the keys that fails for, and every key otherwise, from their nearest holder that has them."""
+        todo = np.arange(len(keys))
+        if len({lk.nearby for lk in ring.links}) == 1:
+            try:
+                todo = self._get_from(_groups(ring, ring.owners(keys), todo), keys, out)
+            except StorageUnavailable:
+                pass  # a first holder failed: every key goes through the holder-by-holder read
+            if not len(todo):
+                return todo, {}
+        return self._read_any(self._holders(ring, keys), keys, out)
 
     def _read_any(self, cands: np.ndarray, keys: list[str], out: Gathered) -> tuple[np.ndarray, dict[str, str]]:
         """Read each key from the first of its candidate nodes (``cands``: node ids per key, None
