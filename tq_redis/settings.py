@@ -14,6 +14,7 @@ variable                        what it sets                                    
 ``TQ_REDIS_LOAD_LIBRARY``       load the Lua library when missing: ``auto`` or ``never``  ``auto``
 ``TQ_STORAGE_TOKEN``            the token storage nodes ask clients for                   none
 ``TQ_STORAGE_DURABLE``          ``storage.durable``: the fsspec URL of the durable tier   none
+``TQ_STORAGE_REPLICAS``         ``storage.replicas``: DRAM nodes holding each value       ``1``
 ``TQ_ACL_PASSWORD``             the password ``tq-redis acl`` gives a namespace's user    generated
 ``TQ_HEARTBEAT_S``              seconds between a client's liveness heartbeats            ``10``
 ``TQ_BUFFER_CACHE``             bytes of warm output buffers kept (``0``/``off``: none)   ``1GiB``
@@ -46,7 +47,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 VARIABLES = (
     "TQ_REDIS_URL", "TQ_NAMESPACE", "TQ_REDIS_CLUSTER", "TQ_REDIS_DURABLE", "TQ_REDIS_DURABLE_TIMEOUT_MS",
     "TQ_REDIS_ON_EVICTION", "TQ_REDIS_LOAD_LIBRARY", "TQ_STORAGE_TOKEN", "TQ_STORAGE_DURABLE",
-    "TQ_ACL_PASSWORD", "TQ_HEARTBEAT_S",
+    "TQ_STORAGE_REPLICAS", "TQ_ACL_PASSWORD", "TQ_HEARTBEAT_S",
     "TQ_BUFFER_CACHE", "TQ_COPY_THREADS", "TQ_NATIVE_COPY", "TQ_NATIVE_SCAN", "TQ_LOGGING_LEVEL",
 )
 """The variables of the table above, in its order."""
@@ -123,6 +124,16 @@ class Settings:
     def storage_durable(self) -> str | None:
         """``TQ_STORAGE_DURABLE``: ``storage.durable`` when ``init``'s config does not give it, or None."""
         return _text("TQ_STORAGE_DURABLE")
+
+    @property
+    def storage_replicas(self) -> int | None:
+        """``TQ_STORAGE_REPLICAS``: ``storage.replicas`` when the config gives none, or None."""
+        text = _text("TQ_STORAGE_REPLICAS")
+        if text is None:
+            return None
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"TQ_STORAGE_REPLICAS={text!r}: expected an integer >= 1 (copies of each value), e.g. 2")
+        return int(text)
 
     @property
     def acl_password(self) -> str | None:

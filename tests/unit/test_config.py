@@ -46,7 +46,7 @@ def test_reference_shape_is_mapped():
     )
     assert cfg["sampler"] == "GRPOGroupNSampler"
     assert cfg["storage"] == {"backend": "dram", "units": 4, "unit_capacity": "4GiB", "spill": None, "options": {},
-                              "inline_max_bytes": 4096, "durable": None}
+                              "inline_max_bytes": 4096, "durable": None, "replicas": 1}
     assert cfg["metrics"] == {"enabled": True, "port": 9000}
 
 

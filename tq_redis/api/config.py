@@ -20,9 +20,10 @@ Our own shape (every key optional)::
                                          #   client has touched it for that long (null: never)
     storage:   {backend: dram, units: 2, unit_capacity: 4GiB, spill: null, options: {},
                 inline_max_bytes: 4KiB,  # spill: fsspec URL the embedded nodes overflow to
-                durable: null}           # fsspec URL (or {url, storage_options}) every store value is
+                durable: null,           # fsspec URL (or {url, storage_options}) every store value is
                                          #   also written to before a put returns (TQ_STORAGE_DURABLE;
                                          #   see tq_redis.storage.durable)
+                replicas: 1}             # dram: each value on this many distinct nodes (hosts)
                                          # inline_max_bytes: a put whose every value is at most this
                                          #   keeps them in Redis with the bits (one round trip); 0: never
     sampler:   SequentialSampler         # default sampler: a name, a class or an instance
@@ -65,7 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "namespace": "tq",
     "namespace_ttl": None,
     "storage": {"backend": "dram", "units": 2, "unit_capacity": "4GiB", "spill": None, "options": {},
-                "inline_max_bytes": "4KiB", "durable": None},
+                "inline_max_bytes": "4KiB", "durable": None, "replicas": 1},
     "sampler": "SequentialSampler",
     "staleness": {"max_lag": None, "batch_size": 1},
     "compat": {"nested_output": True, "strict_schema": False},
@@ -157,7 +158,7 @@ def _from_reference(conf: dict[str, Any], out: dict[str, Any]) -> None:
 def load(conf: Any = None) -> dict[str, Any]:
     """Merge defaults, the environment (``TQ_REDIS_URL``, ``TQ_NAMESPACE``, ``TQ_REDIS_CLUSTER``,
     ``TQ_REDIS_ON_EVICTION``, ``TQ_REDIS_LOAD_LIBRARY``, ``TQ_REDIS_DURABLE[_TIMEOUT_MS]``,
-    ``TQ_STORAGE_DURABLE``) and ``conf``."""
+    ``TQ_STORAGE_DURABLE``, ``TQ_STORAGE_REPLICAS``) and ``conf``."""
     given = to_plain(conf)
     known = _OUR_SECTIONS | _REFERENCE_SECTIONS
     unknown = sorted(str(k) for k in set(given) - known)
@@ -176,6 +177,8 @@ def load(conf: Any = None) -> dict[str, Any]:
         out["redis"]["cluster"] = settings.redis_cluster
     if settings.storage_durable:
         out["storage"]["durable"] = settings.storage_durable
+    if settings.storage_replicas is not None:
+        out["storage"]["replicas"] = settings.storage_replicas
     _from_reference(given, out)
     for section in _OUR_SECTIONS & set(given):
         value = given[section]
@@ -194,6 +197,7 @@ def load(conf: Any = None) -> dict[str, Any]:
         check_url(out["redis"]["url"])
     out["storage"]["inline_max_bytes"] = parse_size(out["storage"]["inline_max_bytes"], allow_zero=True)
     out["storage"]["durable"] = durable_spec(out["storage"].get("durable"))
+    _check_replicas(out["storage"])
     if not isinstance(out["namespace"], str) or not out["namespace"]:
         raise ConfigError(f"namespace must be a non-empty string, got {out['namespace']!r}")
     _check_staleness(out["staleness"])
@@ -203,6 +207,26 @@ def load(conf: Any = None) -> dict[str, Any]:
             f"namespace_ttl must be a positive number of seconds (or null: never dropped), got {ttl!r}"
         )
     return out
+
+
+def _check_replicas(section: dict[str, Any]) -> None:
+    """``storage.replicas``: an integer >= 1; above 1 only for the ``dram`` store, and not given
+    differently in ``storage.options`` too."""
+    n = section.get("replicas", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"storage.replicas must be an integer >= 1 (copies of each value), got {n!r}")
+    options = section.get("options") or {}
+    if "replicas" in options and options["replicas"] != n and n != 1:
+        raise ConfigError(
+            f"storage.replicas={n} and storage.options.replicas={options['replicas']!r} disagree; give one of them"
+        )
+    n = options.get("replicas", n) if isinstance(options, Mapping) else n
+    if n != 1 and section.get("backend") != "dram":
+        raise ConfigError(
+            f"storage.replicas={n} is for the dram store (its own storage nodes); the {section.get('backend')!r} "
+            f"store keeps its own copies: leave storage.replicas at 1"
+        )
+    section["replicas"] = n
 
 
 def _check_staleness(section: dict[str, Any]) -> None:

@@ -107,8 +107,11 @@ def _record_settings(client: TransferQueueClient, cfg: dict[str, Any], conf: Any
     """Check the server (eviction policy, library: :func:`tq_redis.server.policy.node_checks` on
     every primary), then record the namespace's store and sampler in ``<ns>:config``."""
     url = cfg["redis"]["url"]
+    options = dict(cfg["storage"].get("options") or {})
+    if cfg["storage"].get("replicas", 1) != 1:  # storage.replicas is the dram store's option
+        options["replicas"] = cfg["storage"]["replicas"]
     spec = json.dumps({
-        "backend": cfg["storage"]["backend"], "options": cfg["storage"].get("options") or {},
+        "backend": cfg["storage"]["backend"], "options": options,
         "inline_max_bytes": cfg["storage"]["inline_max_bytes"],
         **({"durable": cfg["storage"]["durable"]} if cfg["storage"].get("durable") else {}),
     })

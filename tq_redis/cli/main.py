@@ -76,6 +76,13 @@ def _clean_up_after_killed_jobs(args: argparse.Namespace, url: str) -> None:
             print(f"tq-redis up: dropped namespace {ns!r} (its namespace_ttl ran out)", flush=True)
 
 
+def _replicas(text: str) -> int:
+    """``--replicas``: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (copies of each value), got {text!r}")
+    return int(text)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
@@ -99,6 +106,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         except TQError as exc:
             print(f"tq-redis up: --durable: {exc}", file=sys.stderr)
             return 2
+    if args.replicas > max(args.units, 1):
+        print(f"tq-redis up: --replicas {args.replicas} needs at least that many --units (got {args.units})",
+              file=sys.stderr)
+        return 2
     server = _start_redis(args, acl.new_password())
     private = tempfile.mkdtemp(prefix="tq-up-")  # mode 0700: the attach file's directory
     nodes = None
@@ -113,6 +124,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if durable is not None:
             spec["durable"] = durable
         r = connections.sync_client(server.url)
+        if args.units and args.replicas > 1:
+            spec["options"]["replicas"] = args.replicas
         r.hset(f"{args.namespace}:config", "storage", json.dumps(spec))
         r.close()
         _say_what_is_reachable(args, server, nodes, _attach_file(private, server.url, args.namespace))
@@ -386,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $TQ_NAMESPACE, else tq)")
     up.add_argument("--units", type=int, default=2, help="storage nodes to start (0: keep data in Redis)")
     up.add_argument("--capacity", default="4GiB", help="memory budget per storage node")
+    up.add_argument("--replicas", type=_replicas, default=1,
+                    help="storage nodes holding each value (storage.replicas; at most --units)")
     up.add_argument("--spill", default=None, metavar="URL",
                     help="fsspec URL (directory, s3://...) the nodes write values beyond --capacity to")
     up.add_argument("--durable", default=settings.storage_durable, metavar="URL",

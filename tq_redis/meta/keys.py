@@ -25,6 +25,10 @@ key                                type    holds
 ``ns:storage:epoch``               STRING  a copy of ``config``'s ``epoch`` the storage nodes may read
 ``ns:storage:rings``               HASH    ring id -> JSON list of [node id, address]: every set of
                                            DRAM nodes a value was put under (see ``<p>:rings``)
+``ns:storage:repairs``             HASH    ring id -> JSON list of [dead node id, ring id]: where the
+                                           copies a dead node held under a replicated ring were re-made
+``ns:storage:repair``              HASH    the DRAM repair's state and progress (``tq-redis status``)
+``ns:storage:repair:lease``        STRING  token of the one process repairing replicas now (expires)
 ``ns:storage:pending:<node>``      LIST    deletes a DRAM node missed while unreachable (newline-
                                            joined keys per entry); the node drains it when back
 ``ns:storage:pendingnodes``        SET     node ids that have a ``pending:`` list
@@ -160,6 +164,22 @@ def storage_epoch_key(ns: str) -> str:
 def storage_rings_key(ns: str) -> str:
     """HASH of every DRAM node ring a value was put under: ring id -> JSON ``[[node id, address], ...]``."""
     return f"{names.namespace(ns)}:storage:rings"
+
+
+def storage_repairs_key(ns: str) -> str:
+    """HASH of the repairs of replicated DRAM rings: ring id -> JSON ``[[dead node id, ring id], ...]``
+    (in order: each copy a dead node held was re-made on a node of the second ring)."""
+    return f"{names.namespace(ns)}:storage:repairs"
+
+
+def storage_repair_key(ns: str) -> str:
+    """HASH of the DRAM repair's state and progress (``state``, ``dead``, ``values_total`` ...)."""
+    return f"{names.namespace(ns)}:storage:repair"
+
+
+def storage_repair_lease_key(ns: str) -> str:
+    """STRING: the token of the process repairing DRAM replicas now (expires: a lease)."""
+    return f"{names.namespace(ns)}:storage:repair:lease"
 
 
 def pending_deletes_key(ns: str, node_id: str) -> str:

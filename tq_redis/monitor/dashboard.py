@@ -93,6 +93,13 @@ function draw(snap) {
       size(n.used || 0), size(n.capacity || 0),
       size(n.spilled_bytes || 0),
       n.heartbeat_age_s === undefined ? "?" : n.heartbeat_age_s + " s ago"]), "node-table"));
+  const rep = snap.replica_repair;
+  if (rep) {
+    nodes.appendChild(el("p", "replica repair: " + rep.state + ", " + rep.repaired + " value(s) re-made in all" +
+      (rep.state === "copying" ? "; dead node " + rep.dead + ": " + rep.values_done + " of " + rep.values_total +
+        " re-made, " + rep.under_replicated + " under-replicated" : "") +
+      (rep.waiting ? "; waiting: " + rep.waiting : ""), "replica-repair"));
+  }
 }
 function drawErrors(errors) {
   const box = document.getElementById("errors"); box.replaceChildren();

@@ -164,6 +164,22 @@ class NamespaceCollector:
             if "heartbeat_age_s" in n:
                 age.add_metric([ns, n["id"]], n["heartbeat_age_s"])
         yield from (used, capacity, spilled, age)
+        rep = snap.get("replica_repair")
+        if rep is not None:
+            for name, help_text, value in (
+                ("tq_redis_under_replicated_values", "Values of the current DRAM repair not re-made yet",
+                 rep["under_replicated"]),
+                ("tq_redis_replica_repair_values_done", "Values the current DRAM repair re-made", rep["values_done"]),
+                ("tq_redis_replica_repair_values_total", "Values the current DRAM repair re-makes",
+                 rep["values_total"]),
+                ("tq_redis_replica_repaired_values", "Values DRAM repairs re-made since the namespace began",
+                 rep["repaired"]),
+                ("tq_redis_replica_repair_waiting", "1 while a DRAM repair waits for enough live nodes",
+                 1 if rep.get("waiting") else 0),
+            ):  # fmt: skip
+                gauge = GaugeMetricFamily(name, help_text, labels=["namespace"])
+                gauge.add_metric([ns], float(value))
+                yield gauge
         server = snap["server"]
         if server.get("refused"):  # INFO not allowed: no server gauges rather than made-up ones
             return

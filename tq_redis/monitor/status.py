@@ -39,7 +39,13 @@ from typing import Any
 
 import redis
 
-from tq_redis.meta.keys import PartitionKeys, kept_partitions_key, partitions_key, storage_nodes_key
+from tq_redis.meta.keys import (
+    PartitionKeys,
+    kept_partitions_key,
+    partitions_key,
+    storage_nodes_key,
+    storage_repair_key,
+)
 from tq_redis.redact import public_registration
 from tq_redis.units import format_size
 
@@ -325,6 +331,40 @@ def where_bytes_live(snap: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replica_repair(r: redis.Redis, ns: str) -> dict[str, Any] | None:
+    """The DRAM replica repair's state (``storage.replicas`` > 1; None before any repair pass):
+    ``state`` (idle / copying / waiting), the ``dead`` node and ``ring`` of the last or current
+    repair, ``values_total`` / ``values_done`` / ``bytes_done`` of it, ``under_replicated`` (values
+    of it not re-made yet), ``repaired`` (values re-made since the namespace began), ``waiting``
+    (why a repair cannot run now)."""
+    raw = {_text(k): _text(v) for k, v in r.hgetall(storage_repair_key(ns)).items()}
+    if not raw:
+        return None
+    out: dict[str, Any] = {"state": raw.get("state", "idle")}
+    for name in ("dead", "ring", "waiting"):
+        if name in raw:
+            out[name] = raw[name]
+    for name in ("values_total", "values_done", "bytes_done", "repaired"):
+        try:
+            out[name] = int(raw.get(name, 0))
+        except ValueError:
+            out[name] = 0
+    out["under_replicated"] = out["values_total"] - out["values_done"] if out["state"] == "copying" else 0
+    return out
+
+
+def replica_repair_text(rep: dict[str, Any]) -> str:
+    """One line saying what the replica repair does (for ``status``)."""
+    line = f"replica repair: {rep['state']}, {rep['repaired']} value(s) re-made in all"
+    if rep["state"] == "copying":
+        line += (f"; re-making the copies of dead node {rep.get('dead')!r}: {rep['values_done']} of "
+                 f"{rep['values_total']} ({format_size(rep['bytes_done'])}), "
+                 f"{rep['under_replicated']} under-replicated")
+    if rep.get("waiting"):
+        line += f"; waiting to repair {rep.get('dead')!r}: {rep['waiting']}"
+    return line
+
+
 def snapshot(r: redis.Redis, ns: str) -> dict[str, Any]:
     """The whole namespace: server, partitions (oldest first), storage nodes, bytes and pending deletes."""
     now_ms = server_ms(r)
@@ -337,6 +377,7 @@ def snapshot(r: redis.Redis, ns: str) -> dict[str, Any]:
         "partitions": [partition_status(r, ns, p, now_ms) for p in partitions],
         "storage_nodes": storage_nodes(r, ns),
         "pending_deletes": pending_deletes(r, ns),
+        "replica_repair": replica_repair(r, ns),
         "counters": counters(r, ns, partitions),
     }
     for p in snap["partitions"]:
@@ -479,6 +520,8 @@ def render(snap: dict[str, Any], rate: dict[str, Any] | None = None) -> str:
             + (f", {format_size(spilled)} spilled" if spilled else "")
             + (f", heartbeat {age:.1f}s ago" if age is not None else "")
         )
+    if snap.get("replica_repair"):
+        lines.append(replica_repair_text(snap["replica_repair"]))
     for partition, count in snap.get("pending_deletes", {}).items():
         lines.append(
             f"partition {partition!r}: the bytes of {count} cleared sample(s) are not deleted yet "

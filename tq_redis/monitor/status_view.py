@@ -18,6 +18,7 @@ from tq_redis.monitor.status import (
     node_label,
     rate_limit_lines,
     render,
+    replica_repair_text,
     server_line,
     waiting_text,
 )
@@ -84,6 +85,8 @@ def rich_renderables(snap: dict[str, Any], rate: dict[str, Any] | None = None) -
                       format_size(n.get("capacity", 0)), format_size(n.get("spilled_bytes") or 0),
                       f"{age:.1f}s ago" if age is not None else "?")
     out.append(nodes)
+    if snap.get("replica_repair"):
+        out.append(Text(replica_repair_text(snap["replica_repair"])))
     for partition, count in snap.get("pending_deletes", {}).items():
         out.append(Text(f"partition {partition!r}: the bytes of {count} cleared sample(s) are not deleted yet "
                         f"(a store was unreachable); clear_partition({partition!r}) deletes them"))

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from tq_redis.backends.dram.placement import Member, Ring
+from tq_redis.backends.dram.placement import Member, Ring, replicas_of
 from tq_redis.backends.dram.pool import Link
 from tq_redis.errors import ConfigError, ConnectionFailed, StorageError, StorageUnavailable
 from tq_redis.meta.keys import storage_nodes_key, storage_rings_key
@@ -46,6 +46,11 @@ __all__ = ["NodeDiscovery"]
 
 #: how often the registry is re-read while every registered node looks dead (see registry_wait_s)
 _REGISTRY_POLL_S = 0.05
+
+
+def _members(ring: Ring) -> list[Member]:
+    """A ring's nodes as recorded members (id, address, host)."""
+    return [Member(lk.node_id, lk.address, lk.host) for lk in ring.links]
 
 
 def _release(links: dict[Any, Link], client: Any) -> None:
@@ -84,7 +89,9 @@ class NodeDiscovery:
         tls: bool | None,
         tls_ca: str | None,
         tls_check_hostname: bool,
+        replicas: int = 1,
     ) -> None:
+        self.replicas = replicas
         self.tls = tls
         self.tls_ca = tls_ca
         self.tls_check_hostname = bool(tls_check_hostname)
@@ -208,8 +215,8 @@ class NodeDiscovery:
                     f"{redact(self.redis_url)} (key {self._key}); start some with `tq-redis storage-unit "
                     f"--redis URL --namespace {self.namespace} ...` or `tq-redis up`"
                 )
-            self._ring = Ring(live)
-            self._seen.setdefault(self._ring.id, Ring([Member(lk.node_id, lk.address) for lk in self._ring.links]))
+            self._ring = Ring(live, self.replicas)
+            self._seen.setdefault(self._ring.id, Ring(_members(self._ring), self.replicas))
             self._seen_live = True
             self._fetched = time.monotonic()
             self._stale = False
@@ -281,7 +288,10 @@ class NodeDiscovery:
         value put under it can be found by any process whatever the live ring is by then."""
         if ring.id in self._recorded:
             return
-        members = json.dumps([[lk.node_id, lk.address] for lk in ring.links])
+        if ring.replicas == 1:
+            members = json.dumps([[lk.node_id, lk.address] for lk in ring.links])
+        else:  # the hosts decide a replicated ring's holders: every reader needs them
+            members = json.dumps([[lk.node_id, lk.address, lk.host] for lk in ring.links])
         try:
             self._redis.hsetnx(self._rings_key, ring.id, members)
         except redis.RedisError as exc:
@@ -289,7 +299,7 @@ class NodeDiscovery:
                 f"cannot record the DRAM storage nodes of a put in Redis at {redact(self.redis_url)} ({exc}); "
                 f"check that Redis is running"
             ) from exc
-        self._recorded[ring.id] = Ring([Member(lk.node_id, lk.address) for lk in ring.links])
+        self._recorded[ring.id] = Ring(_members(ring), ring.replicas)
 
     def recorded_ring(self, ring_id: str) -> Ring:
         """The ring a value was put under, or this process read under, from its id (read from
@@ -305,13 +315,16 @@ class NodeDiscovery:
                 f"check that Redis is running"
             ) from exc
         try:
-            members = [Member(str(node_id), str(address)) for node_id, address in json.loads(raw)]
+            listed = json.loads(raw)
+            if not all(isinstance(m, list) and 2 <= len(m) <= 3 for m in listed):
+                raise ValueError("a member is not [node id, address(, host)]")
+            members = [Member(*map(str, m)) for m in listed]
         except (TypeError, ValueError) as exc:
             raise StorageError(
                 f"the DRAM node ring {ring_id!r} that values were put under is not recorded in Redis "
                 f"({self._rings_key}: {'missing' if raw is None else 'unreadable'}); the values cannot be located"
             ) from exc
-        ring = self._recorded[ring_id] = Ring(members)
+        ring = self._recorded[ring_id] = Ring(members, replicas_of(ring_id))
         return ring
 
     def link_of(self, node_id: str) -> Link | None:

@@ -2,7 +2,8 @@
 
 :class:`RequestHandlers` holds a connection's request state (its open transactions, the slab fds
 it was sent, whether it uses shared memory) and serves PUT (values inline on the socket), ALLOC /
-COMMIT / ABORT (the shared-memory put), GET, DEL, FDS and STATS on the
+COMMIT / ABORT (the shared-memory put), GET, DEL, FDS, STATS and KEYS (the keys put under a
+replicated ring, for a repair) on the
 :class:`~tq_redis.backends.dram.node.StorageNode`: it checks each request's fields (a bad one is
 refused with ``ST_BAD``; one whose fields break the handler raises one of :data:`MALFORMED`, and
 the session closes the connection), runs it and writes the reply. The connection itself (TLS,
@@ -27,6 +28,7 @@ from tq_redis.backends.dram.protocol import (
     OP_DEL,
     OP_FDS,
     OP_GET,
+    OP_KEYS,
     OP_PUT,
     OP_STATS,
     ST_BAD,
@@ -102,6 +104,11 @@ class RequestHandlers:
             return self._reply_with_slabs({}, _ints(meta.get("slabs") or [], "slabs"), force=True)
         if op == OP_STATS:
             return send_frame(self.sock, ST_OK, node.stats())
+        if op == OP_KEYS:
+            ring = meta.get("ring")
+            if not isinstance(ring, str):
+                raise Refused(ST_BAD, "malformed request: KEYS takes a ring id (a string)")
+            return send_frame(self.sock, ST_OK, {"keys": node.placed(ring)})
         raise Refused(ST_BAD, f"unknown request {op}")
 
     def _batch(self, meta: dict[str, Any]) -> tuple[list[str], np.ndarray]:
@@ -114,6 +121,11 @@ class RequestHandlers:
             raise Refused(ST_BAD, "malformed put: keys and sizes disagree")
         if len(set(keys)) != len(keys):
             raise Refused(ST_BAD, "put got the same key twice in one batch")
+        place = meta.get("place")
+        if place is not None:
+            if not isinstance(place, str):
+                raise Refused(ST_BAD, "malformed put: place must be a ring id (a string)")
+            self.node.place(keys, place)
         return keys, sizes
 
     def _put(self, meta: dict[str, Any], plen: int) -> None:

@@ -156,6 +156,9 @@ class StorageNode:
         # tracking these tuples and a node holding millions of keys has no long GC pauses.
         # A spilled value is (0, -1, file id, length).
         self.entries: dict[str, tuple[int, int, int, int]] = {}
+        # key -> the replicated ring it was put under (only keys of replicated puts): what a
+        # repair lists when a node that held copies of them died
+        self.places: dict[str, str] = {}
         self.extents: dict[int, Extent] = {}
         self._extent_ids = itertools.count(1)
         self.slabs: dict[int, _Slab] = {}
@@ -371,12 +374,26 @@ class StorageNode:
                     x.pins -= 1
                     self._release(x)
 
+    def place(self, keys: list[str], ring: str) -> None:
+        """Note that ``keys`` were put under the replicated ring ``ring`` (before their commit: a
+        note whose value is never committed is not listed)."""
+        with self.lock:
+            self.places.update(dict.fromkeys(keys, ring))
+
+    def placed(self, ring: str) -> list[str]:
+        """The keys held that were put (or copied by a repair) under replicated ring ``ring``."""
+        with self.lock:
+            return [k for k, r in self.places.items() if r == ring and k in self.entries]
+
     def delete(self, keys: list[str]) -> int:
         """Remove keys (absent ones are ignored); returns how many were present."""
         n = 0
         gone: list[tuple[int, int]] = []
         with self.lock:
             pop = self.entries.pop
+            if self.places:
+                for k in keys:
+                    self.places.pop(k, None)
             for k in keys:
                 ent = pop(k, None)
                 if ent is not None:

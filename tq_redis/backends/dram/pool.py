@@ -189,6 +189,20 @@ class Link:
     def label(self) -> str:
         return f"{self.node_id!r} at {self.address}"
 
+    @property
+    def host(self) -> str:
+        """The host the node registered ("" when it did not say)."""
+        host = self.info.get("host")
+        return host if isinstance(host, str) else ""
+
+    @property
+    def nearby(self) -> bool:
+        """Whether this client reaches the node through shared memory (same host, both allow it)."""
+        return bool(
+            self.store.shm and self.info.get("uds") and self.info.get("shm") and self.local_ok is not False
+            and self.host == _HOSTNAME
+        )  # fmt: skip
+
     # -- connections --------------------------------------------------------------------------
     def acquire(self) -> Conn:
         with self.lock:

@@ -34,7 +34,7 @@ from tq_redis.units import format_size
 
 __all__ = [
     "ALIGN", "HEADER", "PROTOCOL_VERSION", "OP_ABORT", "OP_ALLOC", "OP_COMMIT", "OP_DEL", "OP_FDS",
-    "OP_GET", "OP_HELLO", "OP_PUT", "OP_STATS", "ST_AUTH", "ST_BAD", "ST_FULL", "ST_INTERNAL", "ST_OK",
+    "OP_GET", "OP_HELLO", "OP_KEYS", "OP_PUT", "OP_STATS", "ST_AUTH", "ST_BAD", "ST_FULL", "ST_INTERNAL", "ST_OK",
     "aligned", "drain", "layout", "recv_header", "recv_into", "recv_into_buffers", "recv_meta",
     "send_frame", "set_blocking_timeout", "HELLO_MAX", "MAX_HEADER", "ProtocolError", "check_lengths",
     "is_tls", "IdleTimeout", "decode_meta",
@@ -45,7 +45,7 @@ PROTOCOL_VERSION = 2
 #: op (request) or status (reply), flags, reserved, header-map length, payload length
 HEADER = struct.Struct("<BBHIQ")
 
-OP_HELLO, OP_PUT, OP_ALLOC, OP_COMMIT, OP_ABORT, OP_GET, OP_DEL, OP_STATS, OP_FDS = range(1, 10)
+OP_HELLO, OP_PUT, OP_ALLOC, OP_COMMIT, OP_ABORT, OP_GET, OP_DEL, OP_STATS, OP_FDS, OP_KEYS = range(1, 11)
 ST_OK, ST_BAD, ST_AUTH, ST_FULL, ST_INTERNAL = range(5)
 
 #: values are laid out at this alignment inside a node's slabs (keeps tensor data aligned)

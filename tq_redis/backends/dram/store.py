@@ -53,6 +53,7 @@ this one: the store (put / get / delete, stats).
 
 from __future__ import annotations
 
+import json
 import time
 import weakref
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ import numpy as np
 import redis
 
 from tq_redis.backends.dram.discovery import NodeDiscovery
-from tq_redis.backends.dram.placement import Ring, group_by_node
+from tq_redis.backends.dram.placement import Ring, group_by_holders, group_by_node, replicas_of
 from tq_redis.backends.dram.pool import (
     Conn,
     Link,
@@ -87,6 +88,8 @@ from tq_redis.backends.dram.protocol import (
     layout,
     recv_into,
 )
+from tq_redis.backends.dram.repair import RepairLoop, repair_once
+from tq_redis.backends.dram.replicas import Generation, holder_ids
 from tq_redis.backends.dram.replies import (
     check_in_slabs,
     inline_sizes,
@@ -106,7 +109,7 @@ from tq_redis.errors import (
     StorageError,
     StorageUnavailable,
 )
-from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key
+from tq_redis.meta.keys import pending_deletes_key, pending_nodes_key, storage_repairs_key
 from tq_redis.redact import redact
 from tq_redis.server.registry import DEFAULT_FORGET_AFTER_S
 from tq_redis.storage.base import Buffer, Segments, StoreContext
@@ -148,6 +151,12 @@ class DramStore(NodeDiscovery):
         tls_check_hostname: check that a node's certificate names the host it is dialled at.
         max_frame: the largest reply payload accepted from one node in one request (a node
             announcing more is a protocol error, before anything is allocated); also caps puts.
+        replicas: how many distinct nodes (on distinct hosts where the registry knows that many)
+            hold each value (``storage.replicas`` in ``init``'s config). A put returns once every
+            copy is stored; a read takes the nearest live copy (same-host shared memory first).
+        repair_every_s: with ``replicas`` > 1, how often this store tries to repair (re-make the
+            copies of dead nodes, one repairer at a time under a lease in Redis:
+            :mod:`.dram_repair`); 0: never (another process repairs).
     """
 
     name = "dram"
@@ -171,7 +180,14 @@ class DramStore(NodeDiscovery):
         tls_ca: str | None = None,
         tls_check_hostname: bool = True,
         max_frame: int | str = "64GiB",
+        replicas: int = 1,
+        repair_every_s: float = 2.0,
     ) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(
+                f"storage.replicas (the dram store option replicas) must be an integer >= 1 (how many "
+                f"distinct DRAM nodes hold each value), got {replicas!r}"
+            )
         try:
             bad = not (timeout_s > 0 and refresh_s >= 0 and dead_after_s > 0 and registry_wait_s >= 0)
             if forget_after_s is None:
@@ -194,7 +210,18 @@ class DramStore(NodeDiscovery):
             redis_url, namespace, token=token, timeout_s=timeout_s, shm=shm, max_frame=max_frame,
             refresh_s=refresh_s, dead_after_s=dead_after_s, registry_wait_s=registry_wait_s,
             forget_after_s=forget_after_s, tls=tls, tls_ca=tls_ca, tls_check_hostname=tls_check_hostname,
+            replicas=replicas,
         )  # fmt: skip
+        self._generations: dict[str, list[Generation]] = {}
+        self._generations_read = -float("inf")
+        if isinstance(repair_every_s, bool) or not isinstance(repair_every_s, int | float) or repair_every_s < 0:
+            raise ConfigError(
+                f"the dram store option repair_every_s must be a number >= 0 (0: off), got {repair_every_s!r}"
+            )
+        self.repair_every_s = float(repair_every_s)
+        self._repairs: RepairLoop | None = None
+        if replicas > 1 and self.repair_every_s > 0:
+            self._repairs = RepairLoop(self, self.repair_every_s)
 
     @classmethod
     def from_config(cls, options: dict[str, Any], ctx: StoreContext) -> DramStore:
@@ -202,6 +229,7 @@ class DramStore(NodeDiscovery):
         allowed = {
             "token", "timeout_s", "shm", "zero_copy_get", "inline_threshold", "refresh_s",
             "dead_after_s", "registry_wait_s", "forget_after_s", "tls", "tls_ca", "tls_check_hostname", "max_frame",
+            "replicas", "repair_every_s",
         }  # fmt: skip
         unknown = set(options) - allowed
         if unknown:
@@ -229,23 +257,39 @@ class DramStore(NodeDiscovery):
         return self._with_retry(lambda ring: self._put(ring, keys, vals))
 
     def _put(self, ring: Ring, keys: list[str], vals: PutValues) -> str:
+        if ring.replicas > len(ring.links):
+            raise StorageUnavailable(
+                f"storage.replicas={ring.replicas} puts each value on {ring.replicas} distinct DRAM storage "
+                f"nodes, but only {len(ring.links)} are live in namespace {self.namespace!r} "
+                f"({', '.join(lk.label for lk in ring.links)}); start more nodes or lower storage.replicas"
+            )
         self.record_ring(ring)
-        groups = group_by_node(ring.owners(keys), len(ring.links))
+        if ring.replicas == 1:
+            groups = group_by_node(ring.owners(keys), len(ring.links))
+        else:
+            groups = group_by_holders(ring.holders(keys), len(ring.links))
         links = [ring.links[n] for n, _ in groups]
-        conns = hold(links)
+        conns: list[Conn] = []
         try:
-            self._put_on(links, conns, groups, keys, vals)
+            conns = hold(links)
+            self._put_on(links, conns, groups, keys, vals, None if ring.replicas == 1 else ring.id)
+        except StorageError as exc:
+            if ring.replicas == 1:
+                raise
+            raise _not_all_copies(exc, ring.replicas, links, conns) from None
         finally:
-            release(links, conns)
+            release(links[: len(conns)], conns)
         return ring.id
 
-    def _put_on(self, links, conns, groups, keys: list[str], vals: PutValues) -> None:
+    def _put_on(self, links, conns, groups, keys: list[str], vals: PutValues, place: str | None = None) -> None:
         two_phase = len(groups) > 1
         reqs, plans = [], []
         for (_n, idx), link, conn in zip(groups, links, conns):
             gsizes = vals.sizes[idx]
             gkeys = list(map(keys.__getitem__, idx.tolist()))
             meta = {"keys": gkeys, "sizes": gsizes.astype("<i8").tobytes()}
+            if place is not None:  # a replicated ring's keys are listed by a repair (OP_KEYS)
+                meta["place"] = place
             nbytes = int(gsizes.sum())
             shm = conn.shm and nbytes >= self.inline_threshold
             if shm:
@@ -335,6 +379,11 @@ class DramStore(NodeDiscovery):
 
     def _get(self, ring: Ring, keys: list[str]) -> ValueTable:
         out = Gathered(len(keys))
+        if ring.replicas > 1:
+            missing, failures = self._read_copies(ring, keys, out)
+            if len(missing):
+                raise self._not_found(keys, missing, failures)
+            return out.table()
         owner = ring.owners(keys)
         missing = self._get_from(_groups(ring, owner, np.arange(len(keys))), keys, out)
         if len(missing) and len(ring.links) > 1:
@@ -369,6 +418,9 @@ class DramStore(NodeDiscovery):
 
         def attempt(ring: Ring) -> tuple[ValueTable, str, np.ndarray]:
             out = Gathered(len(keys))
+            if ring.replicas > 1:
+                missing, _failures = self._read_copies(ring, keys, out)
+                return out.table(), ring.id, missing
             missing = self._get_from(_groups(ring, ring.owners(keys), np.arange(len(keys))), keys, out)
             return out.table(), ring.id, missing
 
@@ -379,6 +431,10 @@ class DramStore(NodeDiscovery):
         their value was put on: key ``i`` was put under ring ``rings[index[i]]``."""
         if all(r == read_ring for r in rings):
             return np.empty(0, np.intp)
+        if replicas_of(read_ring) > 1 or any(replicas_of(r) > 1 for r in rings):
+            # replicated: a value put under another ring is read again from its own holders
+            same = np.array([r == read_ring for r in rings], dtype=bool)
+            return np.flatnonzero(~same[index])
         asked = self._owner_ids(self.recorded_ring(read_ring), keys, np.arange(len(keys)))
         out: list[np.ndarray] = []
         for r in np.unique(index).tolist():
@@ -405,6 +461,9 @@ class DramStore(NodeDiscovery):
         """
         keys = list(keys)
         out = Gathered(len(keys))
+        used = np.unique(index).tolist()
+        if any(replicas_of(rings[r]) > 1 for r in used):
+            return self._get_replicated(keys, rings, index, out)
         groups: dict[str, list[np.ndarray]] = {}
         members: dict[str, str] = {}
         for r in np.unique(index).tolist():
@@ -443,6 +502,146 @@ class DramStore(NodeDiscovery):
             )
         table = out.table()
         return table if self.zero_copy_get else private_copy(table)
+
+    def _get_replicated(self, keys: list[str], rings: Sequence[str], index: np.ndarray, out: Gathered) -> ValueTable:
+        """:meth:`get_placed` of values some of which were put under replicated rings: each from
+        the nearest of its holders that has it."""
+        width = max(replicas_of(rings[r]) for r in np.unique(index).tolist())
+        cands = np.full((len(keys), width), None, dtype=object)
+        for r in np.unique(index).tolist():
+            pos = np.flatnonzero(index == r)
+            ids = self._holders(self.recorded_ring(rings[r]), [keys[p] for p in pos.tolist()])
+            cands[pos, : ids.shape[1]] = ids
+        missing, failures = self._read_any(cands, keys, out)
+        if len(missing):
+            raise self._not_found(keys, missing, failures)
+        table = out.table()
+        return table if self.zero_copy_get else private_copy(table)
+
+    # -- replicated rings ---------------------------------------------------------------------
+    def generations(self, ring_id: str, fresh: bool = False) -> list[Generation]:
+        """The repairs recorded for ring ``ring_id`` (:mod:`.dram_replicas`), read from Redis at
+        most ``refresh_s`` ago (``fresh``: now)."""
+        if fresh or time.monotonic() - self._generations_read > self.refresh_s:
+            try:
+                raw = self._redis.hgetall(storage_repairs_key(self.namespace))
+            except redis.RedisError as exc:
+                if not fresh:
+                    return self._generations.get(ring_id, [])  # the last known ones serve; reads fall back
+                raise ConnectionFailed(
+                    f"cannot read the DRAM replica repairs from Redis at {redact(self.redis_url)} ({exc}); "
+                    f"check that Redis is running"
+                ) from exc
+            table: dict[str, list[Generation]] = {}
+            for rid, entry in raw.items():
+                rid = rid.decode() if isinstance(rid, bytes) else str(rid)
+                try:
+                    table[rid] = [(str(dead), self.recorded_ring(str(new))) for dead, new in json.loads(entry)]
+                except (TypeError, ValueError) as exc:
+                    raise StorageError(
+                        f"the repairs of DRAM ring {rid!r} in {storage_repairs_key(self.namespace)} are unreadable "
+                        f"({exc}); the copies they re-made cannot be located"
+                    ) from exc
+            self._generations = table
+            self._generations_read = time.monotonic()
+        return self._generations.get(ring_id, [])
+
+    def _holders(self, ring: Ring, keys: Sequence[str], fresh: bool = False) -> np.ndarray:
+        """The node ids holding each key put under ``ring`` (repairs included), best first."""
+        if ring.replicas == 1:
+            return np.array([lk.node_id for lk in ring.links], dtype=object)[ring.owners(keys)][:, None]
+        return holder_ids(ring, keys, self.generations(ring.id, fresh))
+
+    def _read_copies(self, ring: Ring, keys: list[str], out: Gathered) -> tuple[np.ndarray, dict[str, str]]:
+        """Read keys put under the live replicated ``ring``: when every node is as near as the
+        others, from each key's first holder in one exchange (what an unreplicated read costs);
+        the keys that fails for, and every key otherwise, from their nearest holder that has them."""
+        todo = np.arange(len(keys))
+        if len({lk.nearby for lk in ring.links}) == 1:
+            try:
+                todo = self._get_from(_groups(ring, ring.owners(keys), todo), keys, out)
+            except StorageUnavailable:
+                pass  # a first holder failed: every key goes through the holder-by-holder read
+            if not len(todo):
+                return todo, {}
+        return self._read_any(self._holders(ring, keys), keys, out)
+
+    def _read_any(self, cands: np.ndarray, keys: list[str], out: Gathered) -> tuple[np.ndarray, dict[str, str]]:
+        """Read each key from the first of its candidate nodes (``cands``: node ids per key, None
+        for none) that has it, nearest first: same-host shared memory, then live over TCP, then
+        registered but silent. Returns the positions no candidate gave and why nodes failed."""
+        try:
+            self._current_ring()
+        except StorageUnavailable:
+            pass  # no node is live: the registered ones are still tried, the error says why they failed
+        by_id = self._by_id
+
+        def rank(node_id: Any) -> int:
+            link = by_id.get(node_id) if node_id is not None else None
+            if link is None or link.closed:
+                return 3
+            if link.heartbeat_age > self.dead_after_s:
+                return 2
+            return 0 if link.nearby else 1
+
+        names, inverse = np.unique(np.where(cands == None, "", cands).astype(str), return_inverse=True)  # noqa: E711
+        code_of = np.array([3 if not n else rank(n) for n in names.tolist()], dtype=np.intp)
+        codes = code_of[inverse.reshape(cands.shape)]
+        if (codes != codes[:, :1]).any():  # some holders are nearer than others: nearest first
+            order = np.argsort(codes, axis=1, kind="stable")
+            cands = np.take_along_axis(cands, order, axis=1)
+            codes = np.take_along_axis(codes, order, axis=1)
+        failures: dict[str, str] = {}
+        todo = np.arange(len(keys))
+        for col in range(cands.shape[1]):
+            if not len(todo):
+                break
+            groups: list[tuple[Link, np.ndarray]] = []
+            who = cands[todo, col]
+            for node_id in dict.fromkeys(who.tolist()):
+                if node_id is None:
+                    continue
+                pos = todo[who == node_id]
+                if codes[pos[0], col] == 3:
+                    failures.setdefault(node_id, "it is not registered any more (it left, and its memory went with it)")
+                    continue
+                groups.append((by_id[node_id], pos))
+            todo = np.setdiff1d(todo, self._get_isolated(groups, keys, out, failures), assume_unique=True)
+        return todo, failures
+
+    def _get_isolated(
+        self, groups: list[tuple[Link, np.ndarray]], keys: list[str], out: Gathered, failures: dict[str, str]
+    ) -> np.ndarray:
+        """Read ``groups`` into ``out`` with every node's failure its own: the positions that were read."""
+        if not groups:
+            return np.empty(0, np.intp)
+        asked = np.concatenate([pos for _, pos in groups])
+        try:
+            return np.setdiff1d(asked, self._get_from(groups, keys, out))
+        except StorageUnavailable:
+            pass  # one node failed the batch: ask each on its own, so the others' copies still count
+        got: list[np.ndarray] = []
+        for link, pos in groups:
+            try:
+                missing = self._get_from([(link, pos)], keys, out)
+            except StorageUnavailable as exc:
+                failures[link.node_id] = str(exc)
+                continue
+            if len(missing):
+                failures.setdefault(link.node_id, f"{link.label} does not hold {len(missing)} of them")
+            got.append(np.setdiff1d(pos, missing))
+        return np.concatenate(got) if got else np.empty(0, np.intp)
+
+    def _not_found(self, keys: list[str], missing: np.ndarray, failures: dict[str, str]) -> StorageError:
+        """The error for replicated values no holder gave: ``StorageUnavailable`` when a holder
+        did not answer (it may still have them), else ``DataMissing``; both name the nodes."""
+        why = "; ".join(f"{node!r}: {reason}" for node, reason in failures.items()) or "no holder is known"
+        unreachable = any("not registered" not in r and "does not hold" not in r for r in failures.values())
+        kind = StorageUnavailable if unreachable else DataMissing
+        return kind(
+            f"{len(missing)} of {len(keys)} replicated key(s) could be read from none of their DRAM storage "
+            f"nodes ({why}): {_some(keys, missing)}"
+        )
 
     def _get_from(self, groups: list[tuple[Link, np.ndarray]], keys: list[str], out: Gathered) -> np.ndarray:
         """Fetch ``keys[positions]`` from each ``(link, positions)`` node into ``out``; return the
@@ -540,18 +739,29 @@ class DramStore(NodeDiscovery):
         ring, and their node under each recorded ring."""
         per_node: dict[str, list[np.ndarray]] = {}
         placements: list[tuple[Ring, np.ndarray]] = []
+        replicated = self.replicas > 1 or any(replicas_of(r) > 1 for r in rings)
         try:
             ring = self._current_ring()
         except StorageUnavailable:
             if not rings:  # no node is live and no record says where the keys are: say so
                 raise
         else:
+            if replicated:
+                # copies move with repairs: every live node is asked, whatever the records say
+                everything = np.arange(len(keys))
+                for lk in ring.links:
+                    per_node.setdefault(lk.node_id, []).append(everything)
             depth = min(2, len(ring.links))
             rank = ring.ranked(keys, depth) if depth > 1 else np.zeros((len(keys), 1), np.intp)
             placements += [(ring, rank[:, col]) for col in range(rank.shape[1])]
         for ring_id in dict.fromkeys(rings):
             recorded = self.recorded_ring(ring_id)
-            placements.append((recorded, recorded.owners(keys)))
+            if recorded.replicas == 1:
+                placements.append((recorded, recorded.owners(keys)))
+                continue
+            held = self._holders(recorded, keys, fresh=True)  # the nodes that are not live get them later
+            for node_id in np.unique(held).tolist():
+                per_node.setdefault(node_id, []).append(np.flatnonzero((held == node_id).any(axis=1)))
         for placed, owner in placements:
             for n, idx in group_by_node(owner, len(placed.links)):
                 per_node.setdefault(placed.links[n].node_id, []).append(idx)
@@ -597,6 +807,15 @@ class DramStore(NodeDiscovery):
                 f"in Redis at {redact(self.redis_url)} failed too ({exc}); the next clear retries them"
             ) from exc
 
+    def repair(self) -> dict[str, Any]:
+        """Run one repair pass now (:func:`~tq_redis.backends.dram.repair.repair_once`)."""
+        return repair_once(self)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        if self._repairs is not None:  # threads do not survive fork(): the child gets its own
+            self._repairs = RepairLoop(self, self.repair_every_s)
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per live node: used / capacity bytes, key and slab counts, pins and open transactions."""
         ring = self._current_ring(force=True)
@@ -625,6 +844,8 @@ class DramStore(NodeDiscovery):
         """Release connections and mappings (views from ``get`` are unpinned); the nodes keep the data."""
         if self._closed:
             return
+        if self._repairs is not None:
+            self._repairs.stop.set()
         try:
             self.flush()
         finally:
@@ -647,6 +868,18 @@ class DramStore(NodeDiscovery):
 
 #: keys per entry of a node's pending-deletes list
 PENDING_ENTRY_KEYS = 10_000
+
+
+def _not_all_copies(exc: StorageError, replicas: int, links: list[Link], conns: list[Conn]) -> StorageError:
+    """The error of a replicated put that could not store every copy, naming the nodes that could not."""
+    failed = [lk.label for lk, c in zip(links, conns) if c.broken]
+    who = ", ".join(failed) if failed else "one of " + ", ".join(lk.label for lk in links)
+    err = type(exc)(
+        f"a put with storage.replicas={replicas} returns only once all {replicas} copies of every value are "
+        f"stored; DRAM storage node(s) {who} could not take theirs ({exc}); nothing of the batch was made "
+        f"visible: retry the put"
+    )
+    return err
 
 
 def _groups(ring: Ring, owner: np.ndarray, positions: np.ndarray) -> list[tuple[Link, np.ndarray]]:
