@@ -294,6 +294,28 @@ def test_a_rewrite_that_loses_to_a_clear_leaves_no_bytes(real_server, namespace,
     other.close()
 
 
+def test_a_kv_put_that_loses_to_a_clear_leaves_no_bytes_and_no_keys(real_server, namespace, nodes):
+    """kv_batch_put writes its bytes right after kv_resolve (no second check in between): a clear
+    landing between the bytes and the bits is refused by the bits' script, and neither the bytes
+    nor the keys it created are left behind."""
+    nodes("n1")
+    nodes("n2")
+    client, other = _client(real_server.url, namespace), _client(real_server.url, namespace)
+    client.kv_batch_put(["old"], "p", fields=_rows(0, 1))  # the partition exists before the race
+    manager = client.run(ops.storage(client.context))
+    _clearing_after_put(manager, lambda: other.clear_partition("p"))
+    with pytest.raises(UnknownPartition):
+        client.kv_batch_put([f"k{i}" for i in range(ROWS)], "p", fields=_rows(0))
+    store = _store(client)
+    assert _keys_on(store, "n1") + _keys_on(store, "n2") == 0
+    assert not client.kv_list("p").get("p")  # no key the refused put created is left
+    meta = client.kv_batch_put(["k0"], "p", fields=_rows(7, 1))  # the keys are usable again
+    assert torch.equal(client.kv_batch_get(["k0"], "p")["x"], _rows(7, 1)["x"])
+    assert meta.keys == ["k0"]
+    client.close()
+    other.close()
+
+
 def _rewriter(url: str, ns: str, conn) -> None:
     """Rewrite field ``z`` of the batch it is sent, over and over, until a clear refuses it."""
     from tq_redis import TransferQueueClient

@@ -258,9 +258,16 @@ def _rewrite(ctx: Context, td: TensorDict, metadata: BatchMeta) -> Op:
     return (yield from write_fields(ctx, schemas, values, metadata))
 
 
-def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list], metadata: BatchMeta) -> Op:
+def write_fields(
+    ctx: Context, schemas: dict[str, str], values: dict[str, list], metadata: BatchMeta, *, checked: bool = False
+) -> Op:
     """Write fields :func:`encode_batch` encoded to the samples of ``metadata`` (bytes first, then
-    the bits and, from ``metadata.custom_meta``, the tags); returns the metadata with them."""
+    the bits and, from ``metadata.custom_meta``, the tags); returns the metadata with them.
+
+    ``checked``: the caller has just checked, in this operation, that the partition exists, that
+    the samples are alive and that ``schemas`` agree with the registered ones (``kv_resolve`` does
+    all three), so the round trip of checks before the bytes are written is skipped. A clear that
+    runs in between is still caught: the bits' script refuses, and the bytes are discarded."""
     store = yield from storage(ctx)
     groups = group_by_partition(metadata)
     inline = inline_payload(values, store.inline_max_bytes)
@@ -273,30 +280,8 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
         if freed:  # the rewrite replaced a group's shared value for good: delete its bytes
             yield from empty_trash(store, pk)
         return with_fields(metadata, schemas)
-    # Check every partition before writing any bytes: a conflict must leave nothing half-written.
-    # One round trip, but for the samples past each partition's first piece (a big batch).
-    checks: list[Any] = []
-    more: list[tuple[PartitionKeys, list[Sequence[int]]]] = []
-    for pid, positions in groups.items():
-        pk = ctx.keys(pid)
-        first, *rest = script_budget.pieces([metadata.global_indexes[i] for i in positions])
-        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, first)]
-        more.append((pk, rest))
-    replies = yield from transitions.pipeline(*checks)
-    for k, (pid, (pk, rest)) in enumerate(zip(groups, more)):
-        exists, registered, visible = replies[3 * k : 3 * k + 3]
-        if not exists:
-            raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
-        for name, reg in zip(schemas, registered):
-            if ctx.strict_schema and reg is not None and text(reg) != schemas[name]:
-                transitions.raise_schema_conflict(name, reg, schemas[name])
-        for piece in rest:
-            if visible.not_alive:
-                break
-            visible = yield from transitions.check_visible(pk, piece).call()
-        if visible.not_alive:
-            gone = visible.not_alive[:10]
-            raise SampleNotFound(f"samples {gone} of partition {pid!r} were cleared or never inserted")
+    if not checked:
+        yield from _check_targets(ctx, groups, schemas, metadata)
     # The metadata's custom_meta is stored as tags too, as the reference does: in the same round
     # trip as the bits, tags first, since a consumer may claim the samples once their bits flip.
     tags = _tag_rows(metadata) if any(metadata.custom_meta) else {}
@@ -334,6 +319,36 @@ def write_fields(ctx: Context, schemas: dict[str, str], values: dict[str, list],
                     exc.add_note(note)
             raise
     return with_fields(metadata, schemas)
+
+
+def _check_targets(
+    ctx: Context, groups: dict[str, list[int]], schemas: dict[str, str], metadata: BatchMeta
+) -> Op:
+    """Before a write's bytes go out: every partition exists, every sample is alive, every schema
+    agrees (strict mode). A conflict must leave nothing half-written."""
+    # One round trip, but for the samples past each partition's first piece (a big batch).
+    checks: list[Any] = []
+    more: list[tuple[PartitionKeys, list[Sequence[int]]]] = []
+    for pid, positions in groups.items():
+        pk = ctx.keys(pid)
+        first, *rest = script_budget.pieces([metadata.global_indexes[i] for i in positions])
+        checks += [Cmd(("EXISTS", pk.meta)), Cmd(("HMGET", pk.fields, *schemas)), transitions.check_visible(pk, first)]
+        more.append((pk, rest))
+    replies = yield from transitions.pipeline(*checks)
+    for k, (pid, (pk, rest)) in enumerate(zip(groups, more)):
+        exists, registered, visible = replies[3 * k : 3 * k + 3]
+        if not exists:
+            raise UnknownPartition(f"partition {pid!r} does not exist (cleared, or never created)")
+        for name, reg in zip(schemas, registered):
+            if ctx.strict_schema and reg is not None and text(reg) != schemas[name]:
+                transitions.raise_schema_conflict(name, reg, schemas[name])
+        for piece in rest:
+            if visible.not_alive:
+                break
+            visible = yield from transitions.check_visible(pk, piece).call()
+        if visible.not_alive:
+            gone = visible.not_alive[:10]
+            raise SampleNotFound(f"samples {gone} of partition {pid!r} were cleared or never inserted")
 
 
 def _discard_cleared(

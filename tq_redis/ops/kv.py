@@ -306,7 +306,8 @@ def batch_put(
             # New tags go with the fields' bits (tags first: whoever claims a key once its fields
             # are produced sees its tags), and kv_watch hears of them once the fields are there.
             meta.update_custom_meta(tags)
-            meta = yield from write_fields(ctx, schemas, values, meta)
+            # kv_resolve has just checked the partition, the ids and the schemas: no second look
+            meta = yield from write_fields(ctx, schemas, values, meta, checked=True)
     except Exception:
         if res.created:  # leave no half-created keys behind
             yield from _forget(ctx, pk, res.fresh)
