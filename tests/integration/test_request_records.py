@@ -5,7 +5,8 @@ reply with every kind of value Redis converts (integers, a float, strings with a
 arrays, false, true, a status reply, an array cut at its first nil). The second call with the same
 record key returns exactly the first call's reply and does not run the script; a script that
 raises is not recorded (a retry runs it again); a call without a record key runs every time; a
-last key outside the partition's prefix is refused; a claim is recorded only when it handed samples out. On fakeredis, which has no cmsgpack, the
+last key outside the partition's prefix is refused; a claim is recorded only when it handed samples
+out. On fakeredis, which has no cmsgpack, the
 record takes the wrapper's own format.
 """
 
