@@ -5,7 +5,8 @@ reply with every kind of value Redis converts (integers, a float, strings with a
 arrays, false, true, a status reply, an array cut at its first nil). The second call with the same
 record key returns exactly the first call's reply and does not run the script; a script that
 raises is not recorded (a retry runs it again); a call without a record key runs every time; a
-last key outside the partition's prefix is refused. On fakeredis, which has no cmsgpack, the
+last key outside the partition's prefix is refused; a claim is recorded only when it handed samples
+out. On fakeredis, which has no cmsgpack, the
 record takes the wrapper's own format.
 """
 
@@ -15,6 +16,8 @@ import uuid
 
 import pytest
 import redis
+import torch
+from tensordict import TensorDict
 
 from tq_redis.meta.keys import PartitionKeys
 from tq_redis.server import library
@@ -79,3 +82,23 @@ def test_a_record_key_outside_the_partition_is_refused(probe):
     with pytest.raises(redis.ResponseError, match="the last key must be the request record"):
         r.execute_command("FCALL", name, 2, pk.meta, f"{pk.prefix}alive", "ok")
     assert not r.exists(pk.prefix + "probe")
+
+
+def test_a_claim_is_recorded_only_when_it_hands_samples_out(rclient):
+    """An empty claim may run again harmlessly, so it costs no record write; a claim that handed
+    samples out is recorded (its retry must return the same batch: tests/integration/test_lost_replies.py)."""
+    from tests.records import is_record
+
+    def records() -> set[bytes]:
+        return {k for k in rclient.redis.scan_iter(match=f"{rclient.namespace}:*") if is_record(k)}
+
+    assert rclient.get_meta(["x"], 1, "p", task_name="t").size == 0
+    assert records() == set()  # the empty claim left nothing
+    rclient.put(TensorDict({"x": torch.arange(2).reshape(2, 1)}, batch_size=[2]), partition_id="p")
+    after_put = records()
+    assert after_put  # the put's calls
+    assert rclient.get_meta(["x"], 2, "p", task_name="t").size == 2
+    claimed = records() - after_put
+    assert len(claimed) == 1
+    assert rclient.get_meta(["x"], 1, "p", task_name="t").size == 0  # nothing left: not recorded
+    assert records() - after_put == claimed

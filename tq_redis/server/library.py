@@ -186,9 +186,15 @@ def declared_flags(source: str, name: str = "script") -> list[str]:
     return flags
 
 
+#: scripts whose reply is recorded only when the Lua rule named here holds (``lua/includes/requests.lua``):
+#: a claim that handed nothing out may run again, so it costs no record write
+RECORD_WHEN = {"claim": "request_records.handed_out"}
+
+
 def _registration(name: str, flags: Sequence[str]) -> str:
     # a script that writes runs through `recorded`, which answers a retried request from its record
-    callback = name if "no-writes" in flags else f"function(KEYS, ARGV) return recorded({name}, KEYS, ARGV) end"
+    keep = f", {RECORD_WHEN[name]}" if name in RECORD_WHEN else ""
+    callback = name if "no-writes" in flags else f"function(KEYS, ARGV) return recorded({name}, KEYS, ARGV{keep}) end"
     if not flags:
         return f"redis.register_function('tq_{name}', {callback})"
     listed = ", ".join(f"'{f}'" for f in flags)

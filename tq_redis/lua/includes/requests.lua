@@ -12,12 +12,16 @@
   are not recorded: a retry runs again and fails again. The record lives request_records.ms (two
   minutes): longer than any retry of one call (redis-py's reconnects give up after ~6 s; a driver
   retry follows at once), short enough that records cost memory for two minutes of calls only.
-  A call without a record key (a read, or a caller that does not retry) runs as before.
+  A call without a record key (a read, or a caller that does not retry) runs as before. A claim that
+  handed nothing out is not recorded (request_records.handed_out): running it again is harmless.
 
   Offers:
     request_records              the records' lifetime (.ms, two minutes) and format (.pack turns a
-                                 reply into its record, .unpack a record back into the reply)
-    recorded(fn, KEYS, ARGV)     the reply of the script fn run without the record key, or the recorded one
+                                 reply into its record, .unpack a record back into the reply);
+                                 .handed_out, the rule that a claim is recorded only with ids
+    recorded(fn, KEYS, ARGV, keep)  the reply of the script fn run without the record key, or the recorded
+                                 one; with a 4th argument, a rule of request_records (.handed_out,
+                                 claim's), a reply is recorded only where the rule holds
   Touches:
     <p>:rq:*
 ]]
@@ -84,7 +88,15 @@ function request_records.unpack(record)
   return (request_records.read(record, 2))
 end
 
-local function recorded(fn, KEYS, ARGV)
+-- claim's keep rule: a claim that handed nothing out is not recorded. Its rerun is harmless (it
+-- hands back the same lapsed leases, none the second time, and registers the same waiter again)
+-- and may find samples that arrived meanwhile; the empty claims of a waiting consumer are the most
+-- frequent calls there are, and a record of each cost them one key write.
+function request_records.handed_out(reply)
+  return type(reply[2]) ~= 'table' or #reply[2] > 0
+end
+
+local function recorded(fn, KEYS, ARGV, keep)
   local n = #KEYS
   if n < 2 then return fn(KEYS, ARGV) end
   local record = KEYS[n]
@@ -96,7 +108,7 @@ local function recorded(fn, KEYS, ARGV)
   local seen = redis.call('GET', record)
   if seen then return request_records.unpack(seen) end
   local reply = fn(KEYS, ARGV)
-  if type(reply) ~= 'table' or reply.err == nil then
+  if type(reply) ~= 'table' or (reply.err == nil and (keep == nil or keep(reply))) then
     redis.call('SET', record, request_records.pack(reply), 'PX', request_records.ms)
   end
   return reply
