@@ -40,7 +40,7 @@ import itertools
 import os
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -121,8 +121,7 @@ def _recorded(call: FCall, new_id: Any) -> FCall:
     # scripts.records / scripts.record_key, written out: this runs once per call of every operation
     if call.name in scripts.UNRECORDED or not call.keys:
         return call
-    # the same script, one key more (built directly: dataclasses.replace costs more than the call's own plan)
-    return FCall(call.name, (*call.keys, f"{call.keys[0][:-4]}rq:{new_id()}"), call.args)
+    return replace(call, keys=(*call.keys, f"{call.keys[0][:-4]}rq:{new_id()}"))  # the same script, one key more
 
 
 def with_record(effect: Any, new_id: Any) -> Any:

@@ -70,10 +70,11 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
     keep = Cmd(("SADD", kept_partitions_key(ctx.namespace), partition_id))
     # The sequence read before the drop bounds the ids of the partition as it was (ids are never
     # reused): the durable tier (storage.durable) deletes what those left, whatever the bits say.
-    seq = Cmd(("GET", pk.seq))
+    # Read only where there is a tier: without one the clear stays the same pipeline.
+    seq = (Cmd(("GET", pk.seq)),) if store.durable_spec is not None else ()
     try:
-        below, _, dropped, _ = yield from transitions.pipeline(
-            seq, keep, transitions.drop_partition(pk, now_ms=int(time.time() * 1000)),
+        *read, _, dropped, _ = yield from transitions.pipeline(
+            *seq, keep, transitions.drop_partition(pk, now_ms=int(time.time() * 1000)),
             Cmd(("ZREM", partitions_key(ctx.namespace), partition_id)),
         )
     except RedisOutOfMemory:
@@ -89,8 +90,8 @@ def clear_partition(ctx: Context, partition_id: str) -> Op:
         ids = dropped.alive_ids() if dropped.in_store else []  # inline values went with the partition
         if ids:
             yield from delete_bytes(store, pk, ids, dropped.fields, dropped.rings)
-    if below is not None and store.durable_spec is not None:
-        yield Offload(store.drop, (pk, int(text(below))))
+    if read and read[0] is not None:
+        yield Offload(store.drop, (pk, int(text(read[0]))))
 
 
 def delete_bytes(
