@@ -174,6 +174,20 @@ def test_dropping_an_unknown_namespace_exits_1_and_drops_nothing(own_server):
     r.close()
 
 
+def test_a_refused_drop_answers_without_importing_torch(own_server):
+    """A typo'd namespace or a refused password is answered before the drop code (and torch, seconds of
+    imports) is loaded."""
+    client = make_client(own_server.url, "job_b")
+    client.put(TensorDict({"x": torch.arange(2)}, batch_size=[2]), partition_id="p")
+    client.close()
+    probe = ("import sys; from tq_redis.cli.main import main; rc = main(sys.argv[1:]); "
+             "print('torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", probe, "namespace", "drop", "job_bb", "--redis", own_server.url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "1"], (out.stdout, out.stderr)
+    assert "nothing dropped" in out.stderr, out.stderr
+
+
 # ------------------------------------------------------------------ a closed pipe, help texts
 
 

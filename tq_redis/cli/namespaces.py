@@ -88,8 +88,6 @@ def _unknown(url: str, ns: str) -> str | None:
 
 
 def _cmd_drop(args: argparse.Namespace) -> int:
-    from tq_redis.monitor import namespaces
-
     url = _url(args, "namespace drop")
     if not url:
         return 2
@@ -98,6 +96,10 @@ def _cmd_drop(args: argparse.Namespace) -> int:
         if unknown is not None:
             print(f"tq-redis namespace drop: {unknown}; nothing dropped", file=sys.stderr)
             return 1
+        # imported only now: dropping reaches the checkpoint and channel code, and so torch (seconds
+        # of imports a typo or a refused password should not wait for)
+        from tq_redis.monitor import namespaces
+
         info = namespaces.drop(url, args.namespace, force=args.force, say=lambda m: print(m, file=sys.stderr))
     except TQError as exc:
         print(f"tq-redis namespace drop: {exc}", file=sys.stderr)
